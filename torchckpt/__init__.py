@@ -1,0 +1,28 @@
+"""torchckpt: activation and adjoint checkpointing for PyTorch.
+
+Saved tensors go to recomputation or to a GPU cache backed by pinned host memory,
+moved on dedicated CUDA streams and prefetched before backward needs them.
+"""
+from torchckpt._errors import CheckpointError
+from torchckpt.api import checkpoint, default_store, offload, run
+from torchckpt.policies import Keep, Offload, Policy, Recompute
+from torchckpt.store import GpuCache, HostPool, PrefetchPlan, Stats, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CheckpointError",
+    "GpuCache",
+    "HostPool",
+    "Keep",
+    "Offload",
+    "Policy",
+    "PrefetchPlan",
+    "Recompute",
+    "Stats",
+    "Store",
+    "checkpoint",
+    "default_store",
+    "offload",
+    "run",
+]

@@ -1,0 +1,71 @@
+"""Checkpoint policies: what happens to the tensors a block saves for backward.
+
+Policies are values, not strings (``checkpoint(block, policy=Offload(store))``).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+from torchckpt.store import Store
+
+_DETERMINISM = ("default", "none")
+
+
+def _check_store(owner: str, store: object) -> None:
+    if store is not None and not isinstance(store, Store):
+        raise TypeError(
+            f"torchckpt: {owner}(store=...) expects a torchckpt.Store or None, got {type(store).__name__}; "
+            "pass store=torchckpt.Store(gpu_bytes=...)."
+        )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Recompute:
+    """Save only the block's inputs; recompute its activations during backward.
+
+    Non-reentrant semantics of ``torch.utils.checkpoint`` (which runs the recomputation):
+    CPU and CUDA RNG state restored (dropout draws the same mask), autocast state restored,
+    keyword arguments, nested checkpoints, inputs that do not require grad.
+
+    Args:
+        store: where the inputs saved at the block boundary go; ``None`` keeps them on the device.
+        preserve_rng_state: restore the RNG state before recomputing.
+        determinism_check: ``"default"`` compares shapes, dtypes and devices of recomputed
+            tensors with the originals; ``"none"`` skips it.
+        debug: on a mismatch, print the operators of both runs.
+    """
+
+    store: Store | None = None
+    preserve_rng_state: bool = True
+    determinism_check: str = "default"
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        _check_store("Recompute", self.store)
+        if self.determinism_check not in _DETERMINISM:
+            raise ValueError(
+                f"torchckpt: Recompute(determinism_check=...) must be one of {_DETERMINISM}, "
+                f"got {self.determinism_check!r}."
+            )
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Offload:
+    """Send every tensor the block saves to a ``Store`` (GPU cache, then pinned host memory).
+
+    Args:
+        store: the store; ``None`` uses ``torchckpt.default_store()`` for the inputs' device.
+    """
+
+    store: Store | None = None
+
+    def __post_init__(self) -> None:
+        _check_store("Offload", self.store)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Keep:
+    """Keep the block's saved tensors on the device, as plain autograd does."""
+
+
+Policy = Recompute | Offload | Keep

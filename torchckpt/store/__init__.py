@@ -1,0 +1,8 @@
+"""The tiered store: a GPU cache backed by a host pool, with trace-planned prefetch."""
+from torchckpt.store.gpu_cache import GpuCache
+from torchckpt.store.host_pool import HostBlock, HostPool, HostPoolStats
+from torchckpt.store.plan import PrefetchPlan, plan_from_trace
+from torchckpt.store.stats import Stats
+from torchckpt.store.store import Store
+
+__all__ = ["GpuCache", "HostBlock", "HostPool", "HostPoolStats", "PrefetchPlan", "Stats", "Store", "plan_from_trace"]

@@ -1,0 +1,137 @@
+"""Prefetch planning from a recorded trace: a dry run of the GPU cache.
+
+# NOTE [ Prefetch from a recorded trace ]
+# This is the Prefetch Setup Algorithm of GPUZIP (Maltempi et al., 2025) applied to the
+# order in which autograd packs, unpacks and releases saved tensors, instead of to a
+# checkpoint schedule.
+# 1. A step's trace is the sequence of events PACK(i, nbytes), UNPACK(i), RELEASE(i), where
+#    i numbers the step's entries in pack order. A step begins at the first pack made while
+#    no entry of the store is alive (the graph of the previous step has been freed).
+# 2. The dry run replays the trace through a ``GpuCache`` with the store's budget, with
+#    exactly the rules the runtime applies: a pack is inserted and LRU victims are evicted;
+#    an unpack of a resident entry is a hit; of an absent one, a load on demand (a miss);
+#    a release removes the entry.
+# 3. After each unpack k, the dry run walks the future unpacks in order. An entry already
+#    resident is *scheduled*: pinned, so that eviction cannot take it before its use. An
+#    absent one is prefetched if it fits in the free budget (inserted pinned); the walk
+#    stops at the first one that does not fit, so prefetches are issued in order of use,
+#    each at the earliest unpack after which its bytes are free.
+# 4. The result maps unpack index k -> entry ids. The runtime executes it verbatim: for each
+#    id, pin it if resident, else start its host-to-device copy if it fits. Because both
+#    use the same cache rules, the runtime's hits are the dry run's hits.
+# 5. From the second step on, the runtime compares each pack's size and each unpack's entry
+#    id with the planned trace; on the first difference it stops prefetching for the rest
+#    of the step (loads on demand, still correct) and plans again from the new trace.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torchckpt.store.gpu_cache import GpuCache
+
+PACK, UNPACK, RELEASE = 0, 1, 2
+Event = tuple[int, int, int]  # (kind, entry id, nbytes or 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchPlan:
+    """What the dry run decided and predicts for a trace (see NOTE [ Prefetch from a recorded trace ]).
+
+    Attributes:
+        trace: the events planned for.
+        actions: unpack index -> entry ids to schedule (pin if resident, else prefetch).
+        cache_hits: unpacks served by an entry resident since its pack.
+        prefetch_hits: unpacks served by a prefetch.
+        misses: unpacks that must load on demand.
+        peak_bytes: most bytes resident at once.
+    """
+
+    trace: tuple[Event, ...]
+    actions: dict[int, tuple[int, ...]]
+    cache_hits: int
+    prefetch_hits: int
+    misses: int
+    peak_bytes: int
+
+    @property
+    def pack_sizes(self) -> tuple[int, ...]:
+        return tuple(n for kind, _, n in self.trace if kind == PACK)
+
+    @property
+    def unpack_ids(self) -> tuple[int, ...]:
+        return tuple(i for kind, i, _ in self.trace if kind == UNPACK)
+
+
+def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 256) -> PrefetchPlan:
+    """Dry-run the GPU cache over ``trace`` and derive prefetch actions.
+
+    Args:
+        trace: PACK/UNPACK/RELEASE events of one step.
+        budget_bytes: the GPU cache budget the runtime uses.
+        lookahead: most future unpacks examined after each unpack.
+
+    Returns:
+        The plan, with the hits and misses it predicts.
+
+    Example::
+
+        >>> t = [(PACK, 0, 10), (PACK, 1, 10), (PACK, 2, 10), (UNPACK, 2, 0), (RELEASE, 2, 0),
+        ...      (UNPACK, 1, 0), (RELEASE, 1, 0), (UNPACK, 0, 0), (RELEASE, 0, 0)]
+        >>> p = plan_from_trace(t, budget_bytes=20)
+        >>> p.actions, p.misses
+        ({0: (1,), 1: (0,)}, 0)
+    """
+    sizes: dict[int, int] = {}
+    unpacks = [i for kind, i, _ in trace if kind == UNPACK]
+    cache = GpuCache(budget_bytes)
+    prefetched: set[int] = set()
+    released: set[int] = set()
+    actions: dict[int, tuple[int, ...]] = {}
+    hits = pf_hits = misses = 0
+    k = -1
+    nxt = 0
+    for kind, i, nbytes in trace:
+        if kind == PACK:
+            sizes[i] = nbytes
+            cache.insert(i, nbytes)
+            for v in cache.victims():
+                cache.remove(v)
+        elif kind == RELEASE:
+            cache.remove(i)
+            released.add(i)
+            prefetched.discard(i)
+        else:
+            k += 1
+            if i in cache:
+                if i in prefetched:
+                    pf_hits += 1
+                    prefetched.discard(i)
+                else:
+                    hits += 1
+                cache.touch(i)
+            else:
+                misses += 1
+                cache.insert(i, sizes.get(i, 0))
+                for v in cache.victims():
+                    cache.remove(v)
+            # Rule 3: schedule the next unpacks in order while their bytes fit.
+            nxt = max(nxt, k + 1)
+            chosen: list[int] = []
+            while nxt < len(unpacks) and nxt <= k + lookahead:
+                j = unpacks[nxt]
+                if j in released or j not in sizes:
+                    break
+                if j in cache:
+                    cache.pin(j)
+                    chosen.append(j)
+                elif cache.fits(sizes[j]):
+                    cache.insert(j, sizes[j], pinned=True)
+                    prefetched.add(j)
+                    chosen.append(j)
+                else:
+                    break
+                nxt += 1
+            if chosen:
+                actions[k] = tuple(chosen)
+    return PrefetchPlan(tuple(trace), actions, hits, pf_hits, misses, cache.peak_bytes)

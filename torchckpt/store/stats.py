@@ -1,0 +1,83 @@
+"""Transfer statistics of a ``Store``."""
+from __future__ import annotations
+
+import dataclasses
+
+from torchckpt.store.host_pool import HostPoolStats
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+    """What a store did since it was created (or since ``Store.reset_stats``).
+
+    Times are seconds. On CUDA, ``late_wait_s`` and ``miss_wait_s`` come from device events:
+    how long after the compute stream reached an unpack its tensor's host-to-device copy
+    finished. ``eviction_wait_s`` is host time spent waiting for a device-to-host copy so
+    that its GPU copy could be evicted (forward-side back-pressure). On CPU (the simulated
+    store) copies are synchronous and the times are host times of those copies.
+
+    Attributes:
+        steps: completed steps (a step ends when all its entries are released).
+        packed: tensors autograd saved through this store.
+        kept: saved tensors kept by reference (parameters, buffers, small, other device).
+        kept_bytes: their bytes.
+        deduplicated: saves served by an existing entry (another view of one storage).
+        offloaded: entries copied device-to-host.
+        offloaded_bytes: bytes copied device-to-host.
+        loaded_bytes: bytes copied host-to-device (prefetches and loads on demand).
+        cache_hits: unpacks served by a tensor resident since it was saved.
+        prefetch_hits: unpacks served by a prefetch.
+        late_prefetches: prefetches whose copy ended after the unpack needed it.
+        late_wait_s: total lateness of those prefetches.
+        misses: unpacks that loaded on demand.
+        miss_wait_s: time the compute stream waited for those loads.
+        evictions: entries evicted from the GPU cache.
+        eviction_waits: evictions that had to wait for their device-to-host copy.
+        eviction_wait_s: host time spent in those waits.
+        plans: prefetch plans made.
+        plan_divergences: steps whose trace left the plan (prefetch stopped for that step).
+        gpu_peak_bytes: most bytes resident in the GPU cache at once.
+        host: the host pool's occupancy.
+    """
+
+    steps: int = 0
+    packed: int = 0
+    kept: int = 0
+    kept_bytes: int = 0
+    deduplicated: int = 0
+    offloaded: int = 0
+    offloaded_bytes: int = 0
+    loaded_bytes: int = 0
+    cache_hits: int = 0
+    prefetch_hits: int = 0
+    late_prefetches: int = 0
+    late_wait_s: float = 0.0
+    misses: int = 0
+    miss_wait_s: float = 0.0
+    evictions: int = 0
+    eviction_waits: int = 0
+    eviction_wait_s: float = 0.0
+    plans: int = 0
+    plan_divergences: int = 0
+    gpu_peak_bytes: int = 0
+    host: HostPoolStats | None = None
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        """Transfer time not hidden behind compute: late prefetches, loads on demand, eviction waits."""
+        return self.late_wait_s + self.miss_wait_s + self.eviction_wait_s
+
+    @property
+    def unpacks(self) -> int:
+        return self.cache_hits + self.prefetch_hits + self.misses
+
+    def summary(self) -> str:
+        """One line for logs and progress output."""
+        gib = 2**30
+        return (
+            f"offloaded {self.offloaded_bytes / gib:.2f} GiB in {self.offloaded} tensors, "
+            f"loaded {self.loaded_bytes / gib:.2f} GiB; unpacks: {self.cache_hits} cache hits, "
+            f"{self.prefetch_hits} prefetch hits ({self.late_prefetches} late, {self.late_wait_s * 1e3:.1f} ms), "
+            f"{self.misses} misses ({self.miss_wait_s * 1e3:.1f} ms); exposed transfer "
+            f"{self.exposed_transfer_s * 1e3:.1f} ms"
+        )

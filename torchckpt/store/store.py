@@ -1,0 +1,490 @@
+"""The store: where the tensors autograd saves go, and how they come back.
+
+# NOTE [ Store ]
+# 1. ``pack`` (a saved-tensors pack hook) keeps by reference what moving would not free or
+#    cannot move: parameters and other leaves that require grad, the buffers named by the
+#    caller, tensors on another device, non-strided or subclass tensors, and tensors whose
+#    bytes are under ``min_bytes``. Everything else becomes an *entry*.
+# 2. An entry holds a byte span of a storage. If the saved tensor covers at least half of
+#    its storage, the span is the whole storage and the entry is shared by every view of
+#    that storage saved while its version counter is unchanged: several views are moved
+#    once, and a view saved after an in-place change gets an entry of its own. Otherwise
+#    the span is just the bytes the view reaches. Unpack rebuilds the exact view (dtype,
+#    size, stride, offset): gradients are bit-identical to plain autograd.
+# 3. Write-through: every entry's device-to-host copy starts at pack, on the offload
+#    stream, after an event of the compute stream; the saved tensor itself stays in the GPU
+#    cache (zero-copy) while the budget allows. Evicting an entry waits for its copy's
+#    event first (see NOTE [ GPU cache ] Rule 4), which also bounds memory in the forward.
+# 4. Unpack of a resident entry returns a view of the GPU copy (a cache hit, or a prefetch
+#    hit when a prefetch brought it back: the compute stream waits on that copy's event).
+#    Unpack of an evicted entry loads it on demand on the prefetch stream and the compute
+#    stream waits on its event. Never a device-wide synchronize.
+# 5. A host-to-device buffer is allocated on the compute stream, and the prefetch stream
+#    waits for the compute stream before writing it, so the caching allocator's reuse is
+#    always stream-ordered. Dropping a loaded buffer makes its allocation stream wait on
+#    its copy first.
+# 6. An entry dies when the last handle to it does (autograd frees saved variables after
+#    use): its GPU copy leaves the cache and its host block returns to the pool, parked
+#    behind the last copy that touched it.
+# 7. Prefetch follows NOTE [ Prefetch from a recorded trace ] (store/plan.py).
+# 8. ``device="cpu"`` simulates the two tiers with CPU tensors and synchronous copies: the
+#    placement, eviction and prefetch logic is the same code, so CPU tests exercise it.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from torchckpt._errors import internal_error
+from torchckpt.profiling import nvtx_range
+from torchckpt.store.gpu_cache import GpuCache
+from torchckpt.store.host_pool import HostBlock, HostPool
+from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
+from torchckpt.store.stats import Stats
+
+_STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes")]
+
+
+class _Entry:
+    __slots__ = (
+        "id", "nbytes", "gpu", "base_off", "host", "d2h", "h2d", "h2d_stream",
+        "prefetched", "refs", "key",
+    )
+
+    def __init__(self, eid: int, nbytes: int, gpu: torch.Tensor, base_off: int, key: Any) -> None:
+        self.id = eid
+        self.nbytes = nbytes
+        self.gpu: torch.Tensor | None = gpu  # uint8 tensor whose storage holds the span
+        self.base_off = base_off  # byte offset of the span inside gpu's storage
+        self.host: HostBlock | None = None
+        self.d2h: Any = None
+        self.h2d: Any = None
+        self.h2d_stream: Any = None
+        self.prefetched = False
+        self.refs = 0
+        self.key = key
+
+
+class _Handle:
+    """What a saved-tensor slot holds instead of the tensor: an entry and a view into it."""
+
+    __slots__ = ("store", "entry", "dtype", "size", "stride", "rel", "__weakref__")
+
+    def __init__(self, store: Store, entry: _Entry, t: torch.Tensor, rel: int) -> None:
+        self.store = store
+        self.entry = entry
+        self.dtype = t.dtype
+        self.size = t.shape
+        self.stride = t.stride()
+        self.rel = rel  # byte offset of the view's first element inside the span
+        entry.refs += 1
+
+    def __del__(self) -> None:
+        try:
+            self.store._drop(self.entry)
+        except Exception:  # interpreter shutdown; nothing to give back then
+            pass
+
+
+class _CudaMover:
+    """Copies on dedicated streams, each recording the event its consumers wait on."""
+
+    def __init__(self, device: torch.device, timing: bool) -> None:
+        self.device = device
+        self.timing = timing
+        self.offload = torch.cuda.Stream(device)
+        self.prefetch = torch.cuda.Stream(device)
+        self.delay: Callable[[str, torch.cuda.Stream], None] | None = None  # test hook
+
+    def current(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
+        s = self.offload
+        s.wait_stream(self.current())
+        if after is not None:  # the host block's previous copy
+            s.wait_event(after)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.d2h"):
+            if self.delay is not None:
+                self.delay("d2h", s)
+            dst.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        return ev
+
+    def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
+        cur = self.current()
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur: Rule 5
+        s = self.prefetch
+        s.wait_stream(cur)
+        if after is not None:
+            s.wait_event(after)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.h2d"):
+            if self.delay is not None:
+                self.delay("h2d", s)
+            buf.copy_(src, non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=self.timing)
+            ev.record(s)
+        return buf, ev, cur
+
+    def use(self, done: Any) -> Any:
+        """Make the compute stream wait for ``done``; return a timing event for Stats."""
+        cur = self.current()
+        need = None
+        if self.timing:
+            need = torch.cuda.Event(enable_timing=True)
+            need.record(cur)
+        cur.wait_event(done)
+        return need
+
+    @staticmethod
+    def wait_host(ev: Any) -> float:
+        if ev is None or ev.query():
+            return 0.0
+        t0 = time.perf_counter()
+        ev.synchronize()
+        return time.perf_counter() - t0
+
+
+class _CpuMover:
+    """Synchronous copies between CPU tensors: the simulated two-tier store."""
+
+    timing = False
+    delay = None
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
+        dst.copy_(src)
+        return None
+
+    def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
+        return src.clone(), None, None
+
+    def use(self, done: Any) -> Any:
+        return None
+
+    @staticmethod
+    def wait_host(ev: Any) -> float:
+        return 0.0
+
+
+class Store:
+    """A GPU cache backed by a host pool, fed by autograd's saved-tensor hooks.
+
+    Args:
+        device: the device whose tensors are offloaded (``"cuda"``, ``"cuda:1"``, or ``"cpu"``
+            to simulate both tiers with CPU tensors). ``None``: the current CUDA device if
+            CUDA is available, else ``"cpu"``.
+        gpu_bytes: GPU cache budget in bytes: how much offloaded data may stay resident on
+            the device (just-saved tensors and prefetched ones). ``0`` sends every tensor
+            straight to host and waits for each copy before going on.
+        host: the host pool; ``None`` makes a ``HostPool`` with default settings.
+        min_bytes: tensors with fewer bytes are kept where they are.
+        prefetch: plan prefetches from the first step's trace (``False``: load on demand).
+        timing: time late prefetches and loads with CUDA events (for ``stats()``).
+
+    Example::
+
+        >>> store = Store(device="cpu", gpu_bytes=1 << 20, min_bytes=0)
+        >>> x = torch.randn(64, 64, requires_grad=True)
+        >>> with store.hooks():
+        ...     y = (x.exp() * 2).sum()
+        >>> y.backward()
+        >>> store.stats().offloaded
+        1
+    """
+
+    def __init__(
+        self,
+        device: str | torch.device | None = None,
+        gpu_bytes: int | None = None,
+        host: HostPool | None = None,
+        min_bytes: int = 1 << 20,
+        prefetch: bool = True,
+        timing: bool = True,
+    ) -> None:
+        if device is None:
+            device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+        device = torch.device(device)
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(
+                    f"torchckpt: Store(device={str(device)!r}) needs CUDA, but torch.cuda.is_available() is False; "
+                    "pass device='cpu' to simulate the store on the CPU."
+                )
+            if device.index is None:
+                device = torch.device("cuda", torch.cuda.current_device())
+            self._mover: Any = _CudaMover(device, timing)
+        elif device.type == "cpu":
+            self._mover = _CpuMover()
+        else:
+            raise ValueError(f"torchckpt: Store supports 'cuda' and 'cpu' devices, got {str(device)!r}.")
+        if gpu_bytes is None:
+            gpu_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
+        if min_bytes < 0:
+            raise ValueError(f"torchckpt: Store min_bytes must be >= 0, got {min_bytes}.")
+        self.device = device
+        self.cache = GpuCache(gpu_bytes)
+        self.host = host if host is not None else HostPool(pin=device.type == "cuda")
+        self.min_bytes = int(min_bytes)
+        self.prefetch = bool(prefetch)
+        self._lock = threading.RLock()
+        self._live = 0
+        self._next_id = 0
+        self._k = -1
+        self._entries: dict[int, _Entry] = {}
+        self._by_storage: dict[tuple[int, int], tuple[_Entry, StorageWeakRef]] = {}
+        self._trace: list[tuple[int, int, int]] = []
+        self._plan: PrefetchPlan | None = None
+        self._on_plan = False
+        self._timings: list[tuple[str, Any, Any]] = []
+        self._c: dict[str, Any] = dict.fromkeys(_STAT_FIELDS, 0)
+        self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
+
+    # -- public --------------------------------------------------------------------------
+    def hooks(self, keep: Iterable[torch.Tensor] = ()) -> torch.autograd.graph.saved_tensors_hooks:
+        """A context manager routing every tensor autograd saves through this store.
+
+        Args:
+            keep: tensors (e.g. a module's buffers) whose storages stay by reference.
+        """
+        keep_ptrs = frozenset(t.untyped_storage().data_ptr() for t in keep)
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, keep_ptrs), self.unpack)
+
+    def stats(self) -> Stats:
+        """Counters so far; waits for the timing events of finished work (not on the hot path)."""
+        with self._lock:
+            self._resolve_timings(block=True)
+            return Stats(**self._c, gpu_peak_bytes=self.cache.peak_bytes, host=self.host.stats())
+
+    def reset_stats(self) -> None:
+        """Zero the counters (the plan and the pools are kept)."""
+        with self._lock:
+            self._resolve_timings(block=True)
+            self._c = dict.fromkeys(_STAT_FIELDS, 0)
+            self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
+            self.cache.peak_bytes = self.cache.used_bytes
+
+    @property
+    def plan(self) -> PrefetchPlan | None:
+        """The prefetch plan in force (``None`` before the first step has finished)."""
+        return self._plan
+
+    # -- hooks ---------------------------------------------------------------------------
+    def pack(self, t: torch.Tensor, keep_ptrs: frozenset[int] = frozenset()) -> Any:
+        """Saved-tensor pack hook: a handle, or ``t`` itself when it is kept (Rule 1)."""
+        c = self._c
+        c["packed"] += 1
+        nbytes = t.numel() * t.element_size()
+        if (
+            nbytes < max(self.min_bytes, 1)
+            or t.device != self.device
+            or (t.requires_grad and t.is_leaf)
+            or type(t) not in (torch.Tensor, torch.nn.Parameter)
+            or t.layout != torch.strided
+            or isinstance(t, torch.nn.Parameter)
+        ):
+            c["kept"] += 1
+            c["kept_bytes"] += nbytes
+            return t
+        storage = t.untyped_storage()
+        sptr = storage.data_ptr()
+        if sptr in keep_ptrs:
+            c["kept"] += 1
+            c["kept_bytes"] += nbytes
+            return t
+        es = t.element_size()
+        extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+        lo = t.storage_offset() * es
+        span = extent * es
+        whole = 2 * span >= storage.nbytes()
+        with self._lock, nvtx_range("torchckpt.pack"):
+            if self._live == 0 and self._trace:
+                self._finish_step()
+            if whole:
+                key = (sptr, t._version)
+                found = self._by_storage.get(key)
+                if found is not None and found[0].refs > 0 and not found[1].expired():
+                    c["deduplicated"] += 1
+                    return _Handle(self, found[0], t, lo)
+                lo, span = 0, storage.nbytes()
+            else:
+                key = None
+            src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, lo, (span,), (1,))
+            e = _Entry(self._next_id, span, src, lo, key)
+            self._next_id += 1
+            self._entries[e.id] = e
+            if key is not None:
+                self._by_storage[key] = (e, StorageWeakRef(storage))
+            self._live += 1
+            h = _Handle(self, e, t, t.storage_offset() * es - lo)
+            self._record(PACK, e.id, span)
+            e.host = self.host.alloc(span)
+            e.d2h = self._mover.to_host(e.host.tensor, src, None)
+            c["offloaded"] += 1
+            c["offloaded_bytes"] += span
+            self.cache.insert(e.id, span)
+            self._evict_over_budget()
+            return h
+
+    def unpack(self, h: Any) -> torch.Tensor:
+        """Saved-tensor unpack hook: the saved tensor, from the GPU cache or brought back."""
+        if isinstance(h, torch.Tensor):
+            return h
+        e: _Entry = h.entry
+        c = self._c
+        with self._lock, nvtx_range("torchckpt.unpack"):
+            self._k += 1
+            k = self._k
+            self._record(UNPACK, e.id, 0)
+            if e.gpu is not None:
+                if e.id in self.cache:
+                    self.cache.touch(e.id)
+                if e.prefetched:
+                    e.prefetched = False
+                    c["prefetch_hits"] += 1
+                    need = self._mover.use(e.h2d)
+                    if need is not None:
+                        self._timings.append(("late", need, e.h2d))
+                elif e.h2d is not None:
+                    self._mover.use(e.h2d)
+                    c["cache_hits"] += 1
+                else:
+                    c["cache_hits"] += 1
+                gpu = e.gpu
+            else:
+                c["misses"] += 1
+                t0 = time.perf_counter()
+                gpu = self._load(e)
+                need = self._mover.use(e.h2d)
+                if need is not None:
+                    self._timings.append(("miss", need, e.h2d))
+                elif isinstance(self._mover, _CpuMover):
+                    c["miss_wait_s"] += time.perf_counter() - t0
+                self.cache.insert(e.id, e.nbytes)
+                self._evict_over_budget()
+            if self._on_plan:
+                self._run_actions(k)
+            es = h.dtype.itemsize
+            return torch.empty(0, dtype=h.dtype, device=self.device).set_(
+                gpu.untyped_storage(), (e.base_off + h.rel) // es, h.size, h.stride
+            )
+
+    # -- internals -----------------------------------------------------------------------
+    def _record(self, kind: int, eid: int, nbytes: int) -> None:
+        """Append to the trace; check the step against the plan (NOTE [ Prefetch ... ] Rule 5)."""
+        n = len(self._trace)
+        self._trace.append((kind, eid, nbytes))
+        if self._on_plan:
+            planned = self._plan.trace if self._plan is not None else ()
+            if n >= len(planned) or planned[n] != (kind, eid, nbytes):
+                self._on_plan = False
+                self._c["plan_divergences"] += 1
+
+    def _load(self, e: _Entry) -> torch.Tensor:
+        if e.host is None:
+            raise internal_error(f"entry {e.id} has neither a GPU nor a host copy")
+        buf, ev, stream = self._mover.to_device(e.host.tensor, e.nbytes, e.d2h)
+        e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
+        self._c["loaded_bytes"] += e.nbytes
+        return buf
+
+    def _run_actions(self, k: int) -> None:
+        plan = self._plan
+        if plan is None:
+            return
+        for j in plan.actions.get(k, ()):
+            e = self._entries.get(j)
+            if e is None:
+                continue
+            if e.gpu is not None:
+                self.cache.pin(j)
+            elif self.cache.fits(e.nbytes):
+                self._load(e)
+                e.prefetched = True
+                self.cache.insert(j, e.nbytes, pinned=True)
+            else:  # the runtime left the dry run's cache state: stop following the plan
+                self._on_plan = False
+                self._c["plan_divergences"] += 1
+                return
+
+    def _evict_over_budget(self) -> None:
+        c = self._c
+        for v in self.cache.victims():
+            e = self._entries[v]  # type: ignore[index]
+            self.cache.remove(v)
+            waited = self._mover.wait_host(e.d2h)
+            if waited:
+                c["eviction_waits"] += 1
+                c["eviction_wait_s"] += waited
+            self._drop_gpu(e)
+            c["evictions"] += 1
+
+    def _drop_gpu(self, e: _Entry) -> None:
+        if e.h2d is not None and e.h2d_stream is not None:
+            e.h2d_stream.wait_event(e.h2d)  # Rule 5
+        e.gpu = None
+        e.h2d = None
+        e.h2d_stream = None
+        e.prefetched = False
+
+    def _drop(self, e: _Entry) -> None:
+        with self._lock:
+            e.refs -= 1
+            if e.refs > 0:
+                return
+            self._record(RELEASE, e.id, 0)
+            self.cache.remove(e.id)
+            last = e.h2d if e.h2d is not None else e.d2h
+            if e.gpu is not None:
+                self._drop_gpu(e)
+            if e.host is not None:
+                self.host.free(e.host, last)
+                e.host = None
+            self._entries.pop(e.id, None)
+            if e.key is not None and self._by_storage.get(e.key, (None,))[0] is e:
+                del self._by_storage[e.key]
+            self._live -= 1
+            if self._live < 0:
+                raise internal_error("more entries released than created")
+
+    def _finish_step(self) -> None:
+        trace = tuple(self._trace)
+        self._trace = []
+        self._c["steps"] += 1
+        self._next_id = 0
+        self._k = -1
+        self._resolve_timings(block=False)
+        if not self.prefetch or not any(kind == UNPACK for kind, _, _ in trace):
+            self._plan, self._on_plan = None, False
+            return
+        if self._plan is None or self._plan.trace != trace:
+            self._plan = plan_from_trace(trace, self.cache.budget_bytes)
+            self._c["plans"] += 1
+        self._on_plan = True
+
+    def _resolve_timings(self, block: bool) -> None:
+        keep = []
+        c = self._c
+        for kind, need, done in self._timings:
+            if block:
+                done.synchronize()
+            elif not (done.query() and need.query()):
+                keep.append((kind, need, done))
+                continue
+            late = need.elapsed_time(done) / 1e3
+            if late > 0:
+                if kind == "late":
+                    c["late_prefetches"] += 1
+                    c["late_wait_s"] += late
+                else:
+                    c["miss_wait_s"] += late
+        self._timings = keep
+
+    def _set_delay(self, fn: Callable[[str, Any], None] | None) -> None:
+        """Test hook: ``fn(kind, stream)`` runs on the copy stream right before each copy."""
+        self._mover.delay = fn
