@@ -5,7 +5,9 @@
 #    validated in ``__post_init__`` and raises ``ValueError``/``TypeError`` naming the
 #    argument to change. The actions are built when asked for (``actions()`` or ``iter``),
 #    fresh each time, so a schedule can be shared and reused.
-# 2. ``capacity`` says how many snapshot slots the schedule may hold at once per tier;
+# 2. ``plan()`` does the planning and returns the actions packed (NOTE [ Packed plans ]);
+#    iterating a schedule decodes its plan action by action; ``actions()`` builds a list.
+# 3. ``capacity`` says how many snapshot slots the schedule may hold at once per tier;
 #    ``simulate`` checks the actions against it.
 """
 from __future__ import annotations
@@ -14,6 +16,7 @@ import abc
 from collections.abc import Iterator, Mapping
 
 from torchckpt.schedules.actions import Action, Tier
+from torchckpt.schedules.plan import Plan
 
 __all__ = ["Schedule"]
 
@@ -39,11 +42,15 @@ class Schedule(abc.ABC):
         """Most snapshots held at once, per tier."""
 
     @abc.abstractmethod
+    def plan(self) -> Plan:
+        """Plan the schedule: its actions packed one int each (NOTE [ Packed plans ])."""
+
     def actions(self) -> list[Action]:
         """All actions of the schedule, in order, ending with ``End()``."""
+        return list(self.plan())
 
     def __iter__(self) -> Iterator[Action]:
-        return iter(self.actions())
+        return iter(self.plan())
 
 
 def check_int(name: str, value: object, minimum: int, hint: str) -> int:

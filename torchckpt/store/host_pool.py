@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError, internal_error
+from torchckpt._ext import touch_pages
 
 ALIGN = 512
 _DEFAULT_CHUNK = 256 << 20
@@ -281,6 +282,7 @@ class HostPool:
                 f"({e}). Give the GPU cache a larger budget (Store(gpu_bytes=...)), offload fewer blocks, or use "
                 "Recompute() for some of them."
             ) from e
+        touch_pages(t)  # copies into untouched pageable pages are ~10x slower (csrc/ops.cpp)
         self._fallbacks += 1
         self._pageable_in_use += nbytes
         return HostBlock(t, -1, 0, nbytes, False)

@@ -1,0 +1,141 @@
+"""Small helpers shared by the benchmark scripts: clocks, bandwidth, formatting, JSON, plots."""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+GiB = 2**30
+
+
+def parse_bytes(s: str) -> int:
+    """``"512M"``, ``"1.5G"``, ``"64K"`` or plain bytes -> bytes."""
+    s = s.strip().upper().removesuffix("IB").removesuffix("B")
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(s[-1:], 1)
+    return int(float(s[:-1] if mult > 1 else s) * mult)
+
+
+def fmt_bytes(n: int) -> str:
+    for unit, m in (("G", 1 << 30), ("M", 1 << 20), ("K", 1 << 10)):
+        if n >= m and n % (m // 4 or 1) == 0:
+            return f"{n / m:g}{unit}"
+    return str(n)
+
+
+def out_dir(arg: str | None) -> str:
+    """``--out``, else ``$OUT``, else ``benchmarks/results`` (created)."""
+    d = arg or os.environ.get("OUT") or os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+class Clock:
+    """Device-side marks: CUDA events on CUDA, host time on CPU (where ops are synchronous)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        return ev
+
+    def ms(self, a: Any, b: Any) -> float:
+        """Milliseconds between two marks (call after ``sync``)."""
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+
+def median(xs: Sequence[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def pinned_bandwidth(nbytes: int = GiB, reps: int = 5) -> tuple[float, float]:
+    """(D2H, H2D) bytes/s: non_blocking copies between a device buffer and a pinned host
+    buffer of ``nbytes``, timed with CUDA events; median over ``reps`` after one warm-up."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    out = []
+    for dst, src in ((host, dev), (dev, host)):
+        dst.copy_(src, non_blocking=True)
+        ts = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            dst.copy_(src, non_blocking=True)
+            b.record()
+            b.synchronize()
+            ts.append(a.elapsed_time(b) / 1e3)
+        out.append(nbytes / median(ts))
+    del dev, host
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return out[0], out[1]
+
+
+def fmt(x: float | None, spec: str = ".1f") -> str:
+    """A table cell: ``-`` for None, ``n/a`` for NaN."""
+    if x is None:
+        return "-"
+    if isinstance(x, float) and x != x:
+        return "n/a"
+    return format(x, spec)
+
+
+def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    w = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    line = lambda r: "  ".join(str(c).rjust(w[i]) if i else str(c).ljust(w[i]) for i, c in enumerate(r))  # noqa: E731
+    print(line(header))
+    print("  ".join("-" * n for n in w))
+    for r in rows:
+        print(line(r))
+
+
+def _clean(o: Any) -> Any:
+    if isinstance(o, float) and o != o:
+        return None  # strict JSON has no NaN
+    if isinstance(o, dict):
+        return {str(k): _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write_json(path: str, obj: Any) -> None:
+    with open(path, "w") as f:
+        json.dump(_clean(obj), f, indent=1, default=str, allow_nan=False)
+    print(f"wrote {path}", flush=True)
+
+
+def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float]], title: str) -> None:
+    """One bar chart per panel (NaN bars drawn empty); skipped with a message without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not importable: skipping {path}", flush=True)
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
+    for ax, (name, vals) in zip(axes[0], panels.items()):
+        v = [0.0 if x != x else x for x in vals]
+        bars = ax.bar(range(len(labels)), v, color="tab:blue")
+        ax.bar_label(bars, labels=[fmt(x, ".3g") for x in vals], fontsize=8)
+        ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
+        ax.set_title(name)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)

@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
+#   benchmarks/run_gpu.sh [all|tests|train] [extra train_step.py args, e.g. --sweep]
+# Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
+set -euo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+PART=${1:-all}
+shift || true
+case "$PART" in all|tests|train) ;; *) echo "usage: $0 [all|tests|train] [train_step.py args]" >&2; exit 2;; esac
+OUT=${OUT:-benchmarks/results}
+mkdir -p "$OUT"
+
+echo "== GPU"
+nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,pcie.link.gen.current,pcie.link.width.current \
+  --format=csv || nvidia-smi || echo "nvidia-smi not available"
+python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
+
+echo "== install"
+if pip install --no-build-isolation --no-deps -e . -q; then
+  echo "installed torchckpt (editable)"
+else
+  echo "pip install failed: using PYTHONPATH=."
+  export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+TEST_RC=skipped
+if [[ $PART == all || $PART == tests ]]; then
+  echo "== tests (cuda marker)"
+  set +e
+  python3 -m pytest tests -m cuda -q -rs 2>&1 | tee "$OUT/gpu_tests.log"
+  TEST_RC=${PIPESTATUS[0]}
+  set -e
+fi
+
+TRAIN_RC=skipped
+if [[ $PART == all || $PART == train ]]; then
+  echo "== train_step benchmark"
+  set +e
+  python3 benchmarks/train_step.py --out "$OUT" "$@" 2>&1 | tee "$OUT/train_step.log"
+  TRAIN_RC=${PIPESTATUS[0]}
+  set -e
+fi
+
+echo "== summary: gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"
+[[ $TRAIN_RC == skipped || $TRAIN_RC == 0 ]]

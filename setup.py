@@ -1,0 +1,63 @@
+"""Build and install torchckpt.
+
+``pip install -e .`` installs the pure-Python package anywhere (no GPU, no toolkit needed).
+``pip install --no-build-isolation -e .`` in an environment that has torch also builds the
+native extension ``torchckpt._C`` from csrc/ (C++ always; .cu files only when a CUDA toolkit
+is found). ``TORCHCKPT_USE_CPP=0`` skips it. The build never asks torch.cuda.is_available().
+"""
+from __future__ import annotations
+
+import glob
+import os
+
+from setuptools import find_packages, setup
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+
+
+def _extensions():
+    if os.environ.get("TORCHCKPT_USE_CPP", "1") == "0":
+        print("torchckpt: TORCHCKPT_USE_CPP=0, building the pure-Python package only")
+        return [], {}
+    try:
+        from torch.utils import cpp_extension
+    except ImportError:
+        print("torchckpt: torch is not importable at build time (build isolation?); pure-Python package only. "
+              "Use `pip install --no-build-isolation -e .` to build the native extension.")
+        return [], {}
+    sources = sorted(glob.glob(os.path.join("csrc", "*.cpp")))
+    cu = sorted(glob.glob(os.path.join("csrc", "*.cu")))
+    if not sources and not cu:
+        return [], {}
+    args = {"cxx": ["-O3", "-std=c++17"]}
+    if cu and cpp_extension.CUDA_HOME is not None:
+        args["nvcc"] = ["-O3", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80"]
+        ext = cpp_extension.CUDAExtension("torchckpt._C", sources + cu, extra_compile_args=args)
+    else:
+        if cu:
+            print("torchckpt: no CUDA toolkit found; building the C++ part of the extension only")
+        ext = cpp_extension.CppExtension("torchckpt._C", sources, extra_compile_args={"cxx": args["cxx"]})
+    return [ext], {"build_ext": cpp_extension.BuildExtension.with_options(use_ninja=False)}
+
+
+ext_modules, cmdclass = _extensions()
+
+setup(
+    name="torchckpt",
+    version="0.1.0",
+    description="Activation and adjoint checkpointing for PyTorch: recompute, or offload to a GPU cache "
+    "backed by pinned host memory with exact prefetch.",
+    long_description=open(os.path.join(ROOT, "README.md")).read() if os.path.exists(os.path.join(ROOT, "README.md")) else "",
+    long_description_content_type="text/markdown",
+    packages=find_packages(include=["torchckpt", "torchckpt.*"]),
+    python_requires=">=3.11",
+    install_requires=["torch>=2.11"],
+    extras_require={
+        "test": ["pytest>=8", "hypothesis>=6", "numpy", "checkpoint-schedules==1.0.4"],
+        "plot": ["matplotlib"],
+    },
+    entry_points={"console_scripts": ["torchckpt=torchckpt.__main__:main"]},
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    license="BSD-3-Clause",
+)

@@ -1,0 +1,124 @@
+"""Tiny models and helpers shared by the test files (imported as a plain module: tests/ is on sys.path)."""
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import torchckpt
+
+
+def small_pool() -> torchckpt.HostPool:
+    """A host pool with 1 MiB chunks: keeps CPU tests' memory small."""
+    return torchckpt.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=False)
+
+
+def cpu_store(gpu_bytes: int, min_bytes: int = 0, **kw: Any) -> torchckpt.Store:
+    return torchckpt.Store(device="cpu", gpu_bytes=gpu_bytes, min_bytes=min_bytes, host=small_pool(), **kw)
+
+
+class MLP(nn.Module):
+    def __init__(self, d_in: int = 16, d: int = 32, d_out: int = 8, depth: int = 3) -> None:
+        super().__init__()
+        dims = [d_in] + [d] * (depth - 1) + [d_out]
+        self.layers = nn.ModuleList(nn.Linear(a, b) for a, b in zip(dims[:-1], dims[1:]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, lin in enumerate(self.layers):
+            x = lin(x)
+            if i < len(self.layers) - 1:
+                x = F.gelu(x) if i % 2 == 0 else torch.tanh(x)
+        return x
+
+
+class CNN(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.c1 = nn.Conv2d(3, 8, 3, padding=1)
+        self.b1 = nn.BatchNorm2d(8)
+        self.c2 = nn.Conv2d(8, 8, 3, padding=1)
+        self.b2 = nn.BatchNorm2d(8)
+        self.fc = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(self.b1(self.c1(x)))
+        x = F.relu(self.b2(self.c2(x)))
+        return self.fc(x.mean((2, 3)))
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: LayerNorm, causal SDPA, MLP with dropout."""
+
+    def __init__(self, d: int = 32, heads: int = 4, p: float = 0.1) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(d)
+        self.qkv = nn.Linear(d, 3 * d)
+        self.proj = nn.Linear(d, d)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        h = self.heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, h, d // h).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.drop(self.proj(a.transpose(1, 2).reshape(b, t, d)))
+        return x + self.fc2(self.drop(F.gelu(self.fc1(self.ln2(x)))))
+
+
+def make(kind: str) -> tuple[nn.Module, torch.Tensor]:
+    """A fresh model (seeded) and an input for it."""
+    g = torch.Generator().manual_seed(1234)
+    if kind == "mlp":
+        torch.manual_seed(1)
+        return MLP(), torch.randn(4, 16, generator=g)
+    if kind == "cnn":
+        torch.manual_seed(2)
+        return CNN(), torch.randn(2, 3, 8, 8, generator=g)
+    if kind == "block":
+        torch.manual_seed(3)
+        return Block(), torch.randn(2, 8, 32, generator=g)
+    raise KeyError(kind)
+
+
+def grads(model: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {n: (None if p.grad is None else p.grad.clone()) for n, p in model.named_parameters()}
+
+
+def assert_same_grads(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | None]) -> None:
+    assert a.keys() == b.keys()
+    for n in a:
+        ga, gb = a[n], b[n]
+        if ga is None or gb is None:
+            assert ga is None and gb is None, n
+            continue
+        assert torch.equal(ga, gb), f"{n}: max abs diff {(ga - gb).abs().max().item()}"
+
+
+def assert_same_state(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for n in sa:
+        assert torch.equal(sa[n], sb[n]), n
+
+
+def step(model: Callable[[torch.Tensor], Any], params: nn.Module, x: torch.Tensor, seed: int = 7) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """One forward/backward from a fixed seed; the input is a non-leaf so stores see it."""
+    params.zero_grad(set_to_none=True)
+    xl = x.clone().requires_grad_(True)
+    torch.manual_seed(seed)
+    out = model(xl * 1.0)
+    loss = (out.float() ** 2).mean()
+    loss.backward()
+    return out.detach(), xl.grad.clone(), grads(params)
+
+
+def clone(model: nn.Module) -> nn.Module:
+    return copy.deepcopy(model)

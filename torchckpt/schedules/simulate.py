@@ -1,0 +1,251 @@
+"""Run a schedule with no data: check it and count what it costs.
+
+# NOTE [ Simulating a schedule ]
+# ``simulate`` is the second executor of a schedule (the runtime is the first): it follows
+# NOTE [ Schedule actions ] exactly, holding step numbers instead of states.
+# 1. It raises ``CheckpointError`` (messages start with ``torchckpt:``) on the first action
+#    an executor could not carry out: an advance or save from another state than the
+#    current one, a restore or free of a snapshot never saved or already freed, a second
+#    save of a held snapshot, an adjoint step out of order (they must be n-1 .. 0, each
+#    once) or from another state, an ``EndForward`` anywhere but at state n-1 before the
+#    first adjoint, a slot limit exceeded, snapshots still held at ``End``, or no ``End``.
+# 2. ``n_steps`` comes from the schedule (its ``n_steps``), or from the argument, or else
+#    from the first adjoint step (which must be ``n_steps - 1``).
+# 3. Slot limits come from the schedule's ``capacity``, or from ``capacity=``.
+# 4. Bytes: a ``Save`` writes ``snapshot_bytes`` into its tier, a ``Restore`` reads them
+#    out of it, a ``Prefetch`` moves them from ``src`` to ``dst`` (none when they are the
+#    same). Prefetches do not change which snapshots are held (actions.py Rule 6).
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+
+from torchckpt._errors import CheckpointError, internal_error
+from torchckpt.schedules.actions import (
+    Action,
+    Adjoint,
+    Advance,
+    End,
+    EndForward,
+    Free,
+    Prefetch,
+    Restore,
+    Save,
+    Tier,
+)
+from torchckpt.schedules.schedule import check_int
+
+__all__ = ["SimResult", "simulate"]
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """What a schedule costs, per ``simulate``. Per-tier figures are read-only mappings.
+
+    Attributes:
+        n_steps: steps reversed.
+        forward_steps: forward step evaluations by ``Advance`` (adjoint steps excluded).
+        adjoint_steps: adjoint steps taken (== n_steps).
+        actions: number of actions.
+        peak_snapshots: most snapshots held at once, per tier.
+        saves: ``Save`` count per tier.
+        restores: ``Restore`` count per tier.
+        bytes_saved: bytes written into each tier by saves.
+        bytes_restored: bytes read out of each tier by restores.
+        prefetches: ``Prefetch`` actions that move data (src != dst).
+        bytes_prefetched: bytes those prefetches move.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> r = simulate(Revolve(10, 3), snapshot_bytes=8)
+        >>> r.forward_steps, r.peak_snapshots[Tier.GPU]
+        (15, 3)
+    """
+
+    n_steps: int
+    forward_steps: int
+    adjoint_steps: int
+    actions: int
+    peak_snapshots: Mapping[Tier, int] = field(hash=False)
+    saves: Mapping[Tier, int] = field(hash=False)
+    restores: Mapping[Tier, int] = field(hash=False)
+    bytes_saved: Mapping[Tier, int] = field(hash=False)
+    bytes_restored: Mapping[Tier, int] = field(hash=False)
+    prefetches: int = 0
+    bytes_prefetched: int = 0
+
+    @property
+    def recompute_ratio(self) -> float:
+        """Forward advances per step: 1.0 means each step advanced once on average."""
+        return self.forward_steps / self.n_steps
+
+    @property
+    def peak_total(self) -> int:
+        """Most snapshots held at once, summed over tiers' peaks (an upper bound)."""
+        return sum(self.peak_snapshots.values())
+
+
+def _fail(i: int, act: Action, what: str) -> CheckpointError:
+    return CheckpointError(f"torchckpt: invalid schedule at action {i} ({act!r}): {what}.")
+
+
+def simulate(
+    schedule: Iterable[Action],
+    snapshot_bytes: int = 1,
+    *,
+    n_steps: int | None = None,
+    capacity: Mapping[Tier, int] | None = None,
+) -> SimResult:
+    """Check a schedule action by action and count its costs (NOTE [ Simulating a schedule ]).
+
+    Args:
+        schedule: a ``Schedule`` or any iterable of actions.
+        snapshot_bytes: size of one snapshot, for the byte counts.
+        n_steps: steps to be reversed, when ``schedule`` does not say (Rule 2).
+        capacity: slot limit per tier, when ``schedule`` does not say (Rule 3).
+
+    Returns:
+        A ``SimResult``.
+
+    Raises:
+        CheckpointError: the schedule cannot be executed (Rule 1).
+
+    Example::
+
+        >>> from torchckpt.schedules import Uniform
+        >>> simulate(Uniform(8, 2)).forward_steps
+        19
+    """
+    check_int("snapshot_bytes", snapshot_bytes, 0, "pass the size in bytes of one snapshot")
+    if n_steps is None:
+        n_steps = getattr(schedule, "n_steps", None)
+    if capacity is None:
+        capacity = getattr(schedule, "capacity", None)
+    limits: dict[Tier, int] = dict(capacity) if capacity is not None else {}
+
+    held: dict[Tier, set[int]] = {t: set() for t in Tier}
+    count: dict[Tier, int] = {t: 0 for t in Tier}
+    peak = dict(count)
+    saves = dict(count)
+    restores = dict(count)
+    moved = 0
+    forward = 0
+    cur: int | None = 0
+    next_adjoint = None if n_steps is None else n_steps - 1
+    adjoints = 0
+    ended_forward = False
+    ended = False
+    i = -1
+    for i, act in enumerate(schedule):
+        kind = type(act)
+        if ended:
+            raise _fail(i, act, "expected nothing after End(), found another action")
+        if kind is Advance:
+            if cur != act.n0:
+                raise _fail(i, act, f"expected to advance from the current state {cur}, "
+                                    f"found a start at state {act.n0}")
+            if act.n1 <= act.n0:
+                raise _fail(i, act, "expected n1 > n0")
+            if n_steps is not None and act.n1 > n_steps - 1:
+                raise _fail(i, act, f"expected to stay at or below state n_steps-1 = "
+                                    f"{n_steps - 1} (the last step is taken by Adjoint)")
+            forward += act.n1 - act.n0
+            cur = act.n1
+        elif kind is Save:
+            if cur != act.n:
+                raise _fail(i, act, f"expected to save the current state {cur}, found state {act.n}")
+            slots = held[act.tier]
+            if act.n in slots:
+                raise _fail(i, act, f"snapshot {act.n} is already held in {act.tier!r}; "
+                                    "free it before saving it again")
+            slots.add(act.n)
+            c = count[act.tier] = count[act.tier] + 1
+            limit = limits.get(act.tier)
+            if limit is not None and c > limit:
+                raise _fail(i, act, f"expected at most {limit} snapshots in {act.tier!r}, "
+                                    f"found {c}")
+            if c > peak[act.tier]:
+                peak[act.tier] = c
+            saves[act.tier] += 1
+        elif kind is Restore:
+            if act.n not in held[act.tier]:
+                raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
+                                    "(never saved, or already freed)")
+            restores[act.tier] += 1
+            cur = act.n
+        elif kind is Free:
+            slots = held[act.tier]
+            if act.n not in slots:
+                raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
+                                    "(never saved, or already freed)")
+            slots.remove(act.n)
+            count[act.tier] -= 1
+        elif kind is Adjoint:
+            if next_adjoint is None:
+                if act.n < 0:
+                    raise _fail(i, act, "expected a step >= 0")
+                n_steps = act.n + 1
+                next_adjoint = act.n
+            if act.n != next_adjoint:
+                raise _fail(i, act, f"expected Adjoint({next_adjoint}) next (adjoint steps "
+                                    "run once each, from n_steps-1 down to 0)")
+            if cur != act.n:
+                raise _fail(i, act, f"expected the current state to be state {act.n}, "
+                                    f"found {cur}")
+            if not ended_forward:
+                raise _fail(i, act, "expected EndForward() before the first adjoint step")
+            adjoints += 1
+            next_adjoint -= 1
+            cur = None
+        elif kind is Prefetch:
+            if act.n not in held[act.src]:
+                raise _fail(i, act, f"snapshot {act.n} is not held in {act.src!r}")
+            if act.src is not act.dst:
+                moved += 1
+        elif kind is EndForward:
+            if ended_forward:
+                raise _fail(i, act, "expected a single EndForward()")
+            if n_steps is not None and cur != n_steps - 1:
+                raise _fail(i, act, f"expected the forward sweep to end at state "
+                                    f"{n_steps - 1}, found {cur}")
+            ended_forward = True
+        elif kind is End:
+            if next_adjoint != -1:
+                raise _fail(i, act, f"expected all adjoint steps before End(), "
+                                    f"Adjoint({next_adjoint}) is missing")
+            left = sorted((t.name, n) for t, ns in held.items() for n in ns)
+            if left:
+                raise _fail(i, act, f"expected every snapshot freed before End(), "
+                                    f"found {len(left)} held, e.g. {left[:3]}")
+            ended = True
+        else:
+            raise TypeError(
+                f"torchckpt: simulate() expected schedule actions, found "
+                f"{type(act).__name__} {act!r} at position {i}; pass a Schedule or actions "
+                "from torchckpt.schedules."
+            )
+    if not ended:
+        raise CheckpointError(
+            f"torchckpt: invalid schedule: expected it to finish with End(), found "
+            f"{i + 1} actions without one; a schedule must be complete to be simulated."
+        )
+    if n_steps is None:  # End() checked that every adjoint step ran, which sets it.
+        raise internal_error("simulate() finished without knowing n_steps")
+    b = snapshot_bytes
+    ro = MappingProxyType
+    return SimResult(
+        n_steps=n_steps,
+        forward_steps=forward,
+        adjoint_steps=adjoints,
+        actions=i + 1,
+        peak_snapshots=ro(peak),
+        saves=ro(saves),
+        restores=ro(restores),
+        bytes_saved=ro({t: v * b for t, v in saves.items()}),
+        bytes_restored=ro({t: v * b for t, v in restores.items()}),
+        prefetches=moved,
+        bytes_prefetched=moved * b,
+    )
