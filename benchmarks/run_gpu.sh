@@ -13,7 +13,7 @@ mkdir -p "$OUT"
 
 echo "== GPU"
 nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,pcie.link.gen.current,pcie.link.width.current \
-  --format=csv || nvidia-smi || echo "nvidia-smi not available"
+  --format=csv 2>/dev/null || nvidia-smi 2>/dev/null || echo "nvidia-smi not available"
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
 
 echo "== install"

@@ -9,7 +9,7 @@ per-step transfer statistics, and the PCIe link bound of ``offload`` measured in
 
 Without CUDA it runs at a tiny shape on the CPU (a smoke test: times are not meaningful).
 
-    python benchmarks/train_step.py [--shape D,H,S,B,L] [--reps 10] [--gpu-bytes 512M] [--sweep]
+    python benchmarks/train_step.py [--shape D,H,S,B,L] [--reps 10] [--gpu-bytes 256M] [--mixed-gpu-bytes 1G] [--sweep]
 """
 from __future__ import annotations
 
@@ -69,12 +69,14 @@ class Bench:
 
     def new_store(self, gpu_bytes: int) -> torchckpt.Store:
         if self.cuda:
-            return torchckpt.Store("cuda", gpu_bytes=gpu_bytes, host=self.pool)
+            # min_bytes=0: every saved tensor moves, as under save_on_cpu (the default keeps < 1 MiB)
+            return torchckpt.Store("cuda", gpu_bytes=gpu_bytes, host=self.pool, min_bytes=0)
         return torchckpt.Store("cpu", gpu_bytes=gpu_bytes, host=self.pool, min_bytes=0)
 
     def step(self, mode: str) -> tuple:
         call = (lambda blk, h: torch_checkpoint(blk, h, use_reentrant=False)) if mode == "checkpoint" else None
         ctx = (torch.autograd.graph.save_on_cpu(pin_memory=self.cuda) if mode == "save_on_cpu"
+               else torchckpt.offload(self.loss_store) if mode == "offload"  # the loss too, as save_on_cpu does
                else contextlib.nullcontext())
         a = self.clock.mark()
         with ctx:
@@ -90,8 +92,16 @@ class Bench:
         args, clock, store = self.args, self.clock, None
         if mode in ("offload", "mixed"):
             store = self.new_store(gpu_bytes)
+            self.loss_store = store
+            L = len(self.blocks)
+            # mixed: K offloaded blocks, the others recompute (their inputs go to the store). "last": the
+            # last K blocks, whose tensors mostly stay in the GPU cache until backward needs them first;
+            # "spread": spaced over the stack, so each one's copies overlap the blocks around it.
+            where = getattr(self, "where", self.args.offload_where)
+            spread = (set(range(L - k, L)) if where == "last" else
+                      {i * L // k + L // (2 * k) for i in range(k)}) if k else set()
             for i, blk in enumerate(self.blocks):
-                pol = torchckpt.Offload(store) if mode == "offload" or i < k else torchckpt.Recompute(store=store)
+                pol = torchckpt.Offload(store) if mode == "offload" or i in spread else torchckpt.Recompute(store=store)
                 torchckpt.checkpoint(blk, policy=pol)
         warmup = max(args.warmup, 3) if store else args.warmup  # step 1 records the plan, 2+ replay it
         print(f"[{label}] {warmup} warm-up + {args.reps} timed steps", flush=True)
@@ -147,14 +157,19 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (at least 3 for torchckpt modes)")
     p.add_argument("--out", help="output folder (default $OUT, else benchmarks/results)")
-    p.add_argument("--gpu-bytes", type=parse_bytes, help="Store GPU cache budget, e.g. 512M (default 512M; 128K on CPU)")
-    p.add_argument("--offload-blocks", type=int, default=3, help="K: blocks offloaded in `mixed` (the rest recompute)")
+    p.add_argument("--gpu-bytes", type=parse_bytes, help="`offload` GPU cache budget (default 256M; 128K on CPU)")
+    p.add_argument("--mixed-gpu-bytes", type=parse_bytes, help="`mixed` GPU cache budget (default 1G; 128K on CPU)")
+    p.add_argument("--offload-blocks", type=int, default=2, help="K: blocks offloaded in `mixed` (the rest recompute)")
+    p.add_argument("--offload-where", choices=("last", "spread"), default="last",
+                   help="which K blocks `mixed` offloads (default: the last K)")
     p.add_argument("--sweep", action="store_true", help="also sweep K and gpu_bytes for `mixed`")
     p.add_argument("--modes", default=",".join(MODES), help="comma-separated subset of " + ",".join(MODES))
     args = p.parse_args()
     cuda = torch.cuda.is_available()
     args.shape = [int(v) for v in (args.shape or ("2048,16,2048,8,16" if cuda else "64,4,32,2,4")).split(",")]
-    args.gpu_bytes = args.gpu_bytes if args.gpu_bytes is not None else (512 << 20 if cuda else 128 << 10)
+    args.gpu_bytes = args.gpu_bytes if args.gpu_bytes is not None else (256 << 20 if cuda else 128 << 10)
+    if args.mixed_gpu_bytes is None:
+        args.mixed_gpu_bytes = 1 << 30 if cuda else 128 << 10
     modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if len(args.shape) != 5 or any(m not in MODES for m in modes) or not 0 <= args.offload_blocks <= args.shape[4]:
         p.error("--shape takes D,H,S,B,L; --modes a subset of " + ",".join(MODES) + "; 0 <= --offload-blocks <= L")
@@ -189,7 +204,8 @@ def main() -> None:
 
     results: dict[str, dict] = {}
     for m in modes:
-        r = safe(m if m != "mixed" else f"mixed K={args.offload_blocks}", m, args.offload_blocks, args.gpu_bytes)
+        gb = args.mixed_gpu_bytes if m == "mixed" else args.gpu_bytes
+        r = safe(m if m != "mixed" else f"mixed K={args.offload_blocks}", m, args.offload_blocks, gb)
         if r is not None:
             results[m] = r
     none, ckpt, soc = results.get("none"), results.get("checkpoint"), results.get("save_on_cpu")
@@ -197,15 +213,23 @@ def main() -> None:
     best: dict[str, dict | None] = {}
     if args.sweep:  # mixed over K x gpu_bytes, offload over gpu_bytes; best = fastest under the reference's peak
         L, g = args.shape[4], args.gpu_bytes
-        for mode, ks, ref in (("mixed", sorted({k for k in (1, 2, 3, 4, 6, 8) if k < L} | {args.offload_blocks}), ckpt),
-                              ("offload", [L], soc)):
+        M = 1 << 20
+        for mode, ks, gbs, ref in (("mixed", sorted({k for k in (1, 2, 3) if k < L} | {args.offload_blocks}),
+                                    (768 * M, 1024 * M, 1536 * M), ckpt),
+                                   ("offload", [L], (192 * M, 256 * M, 384 * M), soc)):
             rows = []
-            for k in ks:
-                for gb in (g // 2, g, 2 * g, 4 * g):
-                    if mode in results and gb == g and (mode == "offload" or k == args.offload_blocks):
-                        rows.append(results[mode])
-                    elif (r := safe(f"{mode}{f' K={k}' if mode == 'mixed' else ''} {fmt_bytes(gb)}", mode, k, gb)):
-                        rows.append(r)
+            for where in (("last", "spread") if mode == "mixed" else ("-",)):
+                bench.where = where
+                for k in ks:
+                    g = args.mixed_gpu_bytes if mode == "mixed" else args.gpu_bytes
+                    for gb in sorted(set(gbs) | {g}):
+                        if (mode in results and gb == g and where in ("-", args.offload_where)
+                                and (mode == "offload" or k == args.offload_blocks)):
+                            rows.append(results[mode])
+                        elif (r := safe(f"{mode}{f' K={k} {where}' if mode == 'mixed' else ''} {fmt_bytes(gb)}",
+                                        mode, k, gb)):
+                            rows.append(r)
+            del bench.where
             ok = [r for r in rows if not cuda or (ref and r["peak_GiB"] <= ref["peak_GiB"])]
             best[mode] = min(ok, key=lambda r: r["step_ms"]) if ok else None
             sweep += rows

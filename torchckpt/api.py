@@ -75,13 +75,20 @@ def offload(store: Store | None = None, *, keep: Iterable[torch.Tensor] = ()) ->
     return store.hooks(keep)
 
 
+def _module_tensors(module: nn.Module | None) -> list[torch.Tensor]:
+    if module is None:
+        return []
+    return [*module.parameters(), *module.buffers()]
+
+
 def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | None = None, **kwargs: Any) -> T:
     """Call ``fn(*args, **kwargs)`` under ``policy``.
 
     Args:
         policy: ``Recompute()``, ``Offload(...)`` or ``Keep()``.
         fn: the block.
-        module: the module ``fn`` belongs to: its buffers stay by reference under ``Offload``.
+        module: the module ``fn`` belongs to: its parameters and buffers (and views of
+            them) stay by reference.
 
     Returns:
         Whatever ``fn`` returns (tensors, tuples, non-tensor values).
@@ -90,13 +97,12 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
         return fn(*args, **kwargs)
     if isinstance(policy, Offload):
         store = policy.store or default_store(_device_of(args))
-        keep = list(module.buffers()) if module is not None else ()
-        with store.hooks(keep):
+        with store.hooks(_module_tensors(module)):
             return fn(*args, **kwargs)
     if isinstance(policy, Recompute):
         ctx: Any = contextlib.nullcontext()
         if policy.store is not None:
-            ctx = policy.store.hooks(list(module.buffers()) if module is not None else ())
+            ctx = policy.store.hooks(_module_tensors(module))
         with ctx:  # the inputs saved at the boundary go to the store
             return _torch_checkpoint(  # type: ignore[return-value]
                 fn,

@@ -1,0 +1,54 @@
+"""Checkpoint schedules in pure Python (no torch): actions, planners, dry runs.
+
+A schedule is an iterable of small immutable actions (``Advance``, ``Save``, ``Restore``,
+``Adjoint``, ...) that two executors understand: ``simulate`` here and the runtime in
+``torchckpt.adjoint``. See NOTE [ Schedule actions ] in ``actions.py``.
+"""
+from torchckpt.schedules.actions import (
+    Action,
+    Adjoint,
+    Advance,
+    End,
+    EndForward,
+    Free,
+    Prefetch,
+    Restore,
+    Save,
+    Tier,
+)
+from torchckpt.schedules.multistage import Multistage
+from torchckpt.schedules.plan import Plan
+from torchckpt.schedules.prefetch import CacheStats, PrefetchedSchedule, plan_prefetch, simulate_cache
+from torchckpt.schedules.revolve import Revolve, optimal_forward_steps, repetition_number
+from torchckpt.schedules.schedule import Schedule
+from torchckpt.schedules.simulate import SimResult, simulate
+from torchckpt.schedules.uniform import Uniform
+from torchckpt.schedules.zcut import ZCut, zcut_cost
+
+__all__ = [
+    "Action",
+    "Adjoint",
+    "Advance",
+    "CacheStats",
+    "End",
+    "EndForward",
+    "Free",
+    "Multistage",
+    "Plan",
+    "Prefetch",
+    "PrefetchedSchedule",
+    "Restore",
+    "Revolve",
+    "Save",
+    "Schedule",
+    "SimResult",
+    "Tier",
+    "Uniform",
+    "ZCut",
+    "optimal_forward_steps",
+    "plan_prefetch",
+    "repetition_number",
+    "simulate",
+    "simulate_cache",
+    "zcut_cost",
+]

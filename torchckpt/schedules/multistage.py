@@ -16,9 +16,8 @@ used as little as possible.
 #    over host slots, of that slot's saves + restores. Counting each slot's saves and
 #    restores on the planned schedule and giving the gpu_slots slots with the largest
 #    counts to the GPU therefore minimises host transfers among all slot-to-tier
-#    assignments (ties go to the shallower slot). Typically that is the deep slots, which
-#    are saved and restored often and live briefly, plus x0, which is restored once per
-#    top-level split.
+#    assignments (ties go to the shallower slot). Typically those are the deepest slots,
+#    which are saved and restored most often and hold each snapshot briefly.
 # 4. Known gap: placing each snapshot (not each slot) by weighted interval scheduling, or
 #    choosing among equally fast Revolve splits by transfer cost (H-Revolve, Herrmann and
 #    Pallez 2020), can move fewer snapshots; this schedule does neither.
@@ -50,7 +49,7 @@ def slot_traffic(codes: list[int], n_slots: int) -> list[int]:
 
         >>> from torchckpt.schedules.revolve import binomial_codes
         >>> slot_traffic(binomial_codes(10, 3), 3)
-        [4, 4, 7]
+        [3, 5, 7]
     """
     traffic = [0] * n_slots
     for code in codes:

@@ -52,7 +52,7 @@ class Plan:
         >>> from torchckpt.schedules import Revolve
         >>> p = Revolve(3, 2).plan()
         >>> len(p), next(iter(p))
-        (11, Save(0, Tier.GPU))
+        (13, Save(0, Tier.GPU))
     """
 
     codes: list[int] = field(repr=False, hash=False)

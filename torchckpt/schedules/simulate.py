@@ -14,7 +14,8 @@
 # 3. Slot limits come from the schedule's ``capacity``, or from ``capacity=``.
 # 4. Bytes: a ``Save`` writes ``snapshot_bytes`` into its tier, a ``Restore`` reads them
 #    out of it, a ``Prefetch`` moves them from ``src`` to ``dst`` (none when they are the
-#    same). Prefetches do not change which snapshots are held (actions.py Rule 6).
+#    same: a pin of a cached copy, whose snapshot must be held in some tier). Prefetches
+#    do not change which snapshots are held (actions.py Rule 6).
 """
 from __future__ import annotations
 
@@ -117,7 +118,7 @@ def simulate(
 
         >>> from torchckpt.schedules import Uniform
         >>> simulate(Uniform(8, 2)).forward_steps
-        19
+        16
     """
     check_int("snapshot_bytes", snapshot_bytes, 0, "pass the size in bytes of one snapshot")
     if n_steps is None:
@@ -140,10 +141,9 @@ def simulate(
     ended = False
     i = -1
     for i, act in enumerate(schedule):
-        kind = type(act)
         if ended:
             raise _fail(i, act, "expected nothing after End(), found another action")
-        if kind is Advance:
+        if isinstance(act, Advance):
             if cur != act.n0:
                 raise _fail(i, act, f"expected to advance from the current state {cur}, "
                                     f"found a start at state {act.n0}")
@@ -154,7 +154,7 @@ def simulate(
                                     f"{n_steps - 1} (the last step is taken by Adjoint)")
             forward += act.n1 - act.n0
             cur = act.n1
-        elif kind is Save:
+        elif isinstance(act, Save):
             if cur != act.n:
                 raise _fail(i, act, f"expected to save the current state {cur}, found state {act.n}")
             slots = held[act.tier]
@@ -170,20 +170,20 @@ def simulate(
             if c > peak[act.tier]:
                 peak[act.tier] = c
             saves[act.tier] += 1
-        elif kind is Restore:
+        elif isinstance(act, Restore):
             if act.n not in held[act.tier]:
                 raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
                                     "(never saved, or already freed)")
             restores[act.tier] += 1
             cur = act.n
-        elif kind is Free:
+        elif isinstance(act, Free):
             slots = held[act.tier]
             if act.n not in slots:
                 raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
                                     "(never saved, or already freed)")
             slots.remove(act.n)
             count[act.tier] -= 1
-        elif kind is Adjoint:
+        elif isinstance(act, Adjoint):
             if next_adjoint is None:
                 if act.n < 0:
                     raise _fail(i, act, "expected a step >= 0")
@@ -200,19 +200,21 @@ def simulate(
             adjoints += 1
             next_adjoint -= 1
             cur = None
-        elif kind is Prefetch:
-            if act.n not in held[act.src]:
-                raise _fail(i, act, f"snapshot {act.n} is not held in {act.src!r}")
+        elif isinstance(act, Prefetch):
             if act.src is not act.dst:
+                if act.n not in held[act.src]:
+                    raise _fail(i, act, f"snapshot {act.n} is not held in {act.src!r}")
                 moved += 1
-        elif kind is EndForward:
+            elif not any(act.n in slots for slots in held.values()):
+                raise _fail(i, act, f"snapshot {act.n} is not held in any tier")
+        elif isinstance(act, EndForward):
             if ended_forward:
                 raise _fail(i, act, "expected a single EndForward()")
             if n_steps is not None and cur != n_steps - 1:
                 raise _fail(i, act, f"expected the forward sweep to end at state "
                                     f"{n_steps - 1}, found {cur}")
             ended_forward = True
-        elif kind is End:
+        elif isinstance(act, End):
             if next_adjoint != -1:
                 raise _fail(i, act, f"expected all adjoint steps before End(), "
                                     f"Adjoint({next_adjoint}) is missing")

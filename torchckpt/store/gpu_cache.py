@@ -85,6 +85,14 @@ class GpuCache:
             self.used_bytes -= nbytes
             self._pinned.discard(key)
 
+    def size(self, key: object) -> int:
+        """Bytes of resident ``key``."""
+        return self._rank[key]
+
+    def unpinned(self) -> list[object]:
+        """Resident keys that eviction may take, LRU first."""
+        return [k for k in self._rank if k not in self._pinned]
+
     def victims(self, extra: int = 0) -> Iterator[object]:
         """Unpinned keys, LRU first, whose removal brings usage to the budget (Rule 4).
 

@@ -11,20 +11,28 @@
 #    exactly the rules the runtime applies: a pack is inserted and LRU victims are evicted;
 #    an unpack of a resident entry is a hit; of an absent one, a load on demand (a miss);
 #    a release removes the entry.
-# 3. After each unpack k, the dry run walks the future unpacks in order. An entry already
-#    resident is *scheduled*: pinned, so that eviction cannot take it before its use. An
-#    absent one is prefetched if it fits in the free budget (inserted pinned); the walk
-#    stops at the first one that does not fit, so prefetches are issued in order of use,
-#    each at the earliest unpack after which its bytes are free.
-# 4. The result maps unpack index k -> entry ids. The runtime executes it verbatim: for each
-#    id, pin it if resident, else start its host-to-device copy if it fits. Because both
-#    use the same cache rules, the runtime's hits are the dry run's hits.
-# 5. From the second step on, the runtime compares each pack's size and each unpack's entry
-#    id with the planned trace; on the first difference it stops prefetching for the rest
-#    of the step (loads on demand, still correct) and plans again from the new trace.
+# 3. After each unpack and each release from the first unpack on (a release frees bytes, so
+#    a prefetch can start then rather than at the next unpack), the dry run walks the future
+#    unpacks in order. An entry already resident is *scheduled*: pinned, so that eviction
+#    cannot take it before its use. An absent one is prefetched if it fits in the free budget
+#    (inserted pinned); the walk stops at the first one that does not fit, so prefetches are
+#    issued in order of use, each at the earliest event after which its bytes are free.
+#    If it does not fit but unpinned resident entries could make room, those are evicted,
+#    furthest next use first: being unpinned, each is used after the candidate (the
+#    "aggressive" prefetching of Cao, Felten, Karlin and Li, SIGMETRICS 1995).
+# 4. The result maps trace position -> actions: an entry id i >= 0 (pin it if resident, else
+#    start its host-to-device copy) or ~i (evict entry i). The runtime executes them
+#    verbatim with the same cache rules, so the runtime's hits are the dry run's hits.
+# 5. Write-back from the second step on: only entries the dry run evicts at some point
+#    (``writes``) are copied to host at pack; the others never leave the GPU. An entry
+#    evicted without a host copy (the runtime left the plan) is copied at eviction.
+# 6. From the second step on, the runtime compares each event with the planned trace; on the
+#    first difference it stops following the plan for the rest of the step (write-through,
+#    loads on demand: still exact) and plans again from the new trace.
 """
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from collections.abc import Sequence
 
@@ -40,7 +48,8 @@ class PrefetchPlan:
 
     Attributes:
         trace: the events planned for.
-        actions: unpack index -> entry ids to schedule (pin if resident, else prefetch).
+        actions: trace position -> entry ids to schedule (pin if resident, else prefetch).
+        writes: entries evicted at some point, which need a host copy (Rule 5).
         cache_hits: unpacks served by an entry resident since its pack.
         prefetch_hits: unpacks served by a prefetch.
         misses: unpacks that must load on demand.
@@ -49,6 +58,7 @@ class PrefetchPlan:
 
     trace: tuple[Event, ...]
     actions: dict[int, tuple[int, ...]]
+    writes: frozenset[int]
     cache_hits: int
     prefetch_hits: int
     misses: int
@@ -69,7 +79,7 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
     Args:
         trace: PACK/UNPACK/RELEASE events of one step.
         budget_bytes: the GPU cache budget the runtime uses.
-        lookahead: most future unpacks examined after each unpack.
+        lookahead: most future unpacks examined after each event.
 
     Returns:
         The plan, with the hits and misses it predicts.
@@ -79,24 +89,38 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
         >>> t = [(PACK, 0, 10), (PACK, 1, 10), (PACK, 2, 10), (UNPACK, 2, 0), (RELEASE, 2, 0),
         ...      (UNPACK, 1, 0), (RELEASE, 1, 0), (UNPACK, 0, 0), (RELEASE, 0, 0)]
         >>> p = plan_from_trace(t, budget_bytes=20)
-        >>> p.actions, p.misses
-        ({0: (1,), 1: (0,)}, 0)
+        >>> p.actions, sorted(p.writes), p.misses
+        ({3: (1,), 4: (0,)}, [0], 0)
     """
     sizes: dict[int, int] = {}
     unpacks = [i for kind, i, _ in trace if kind == UNPACK]
+    uses: dict[int, list[int]] = {}
+    for n, i in enumerate(unpacks):
+        uses.setdefault(i, []).append(n)
+
+    def next_use(i: int, after: int) -> int:
+        u = uses.get(i, ())
+        n = bisect.bisect_right(u, after)  # type: ignore[arg-type]
+        return u[n] if n < len(u) else len(unpacks)
     cache = GpuCache(budget_bytes)
     prefetched: set[int] = set()
     released: set[int] = set()
+    writes: set[int] = set()
     actions: dict[int, tuple[int, ...]] = {}
     hits = pf_hits = misses = 0
-    k = -1
-    nxt = 0
-    for kind, i, nbytes in trace:
+    k = -1  # unpacks seen
+    nxt = 0  # next position in ``unpacks`` the walk has not scheduled
+
+    def evict() -> None:
+        for v in cache.victims():
+            cache.remove(v)
+            writes.add(v)  # type: ignore[arg-type]
+
+    for pos, (kind, i, nbytes) in enumerate(trace):
         if kind == PACK:
             sizes[i] = nbytes
             cache.insert(i, nbytes)
-            for v in cache.victims():
-                cache.remove(v)
+            evict()
         elif kind == RELEASE:
             cache.remove(i)
             released.add(i)
@@ -113,25 +137,37 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
             else:
                 misses += 1
                 cache.insert(i, sizes.get(i, 0))
-                for v in cache.victims():
-                    cache.remove(v)
-            # Rule 3: schedule the next unpacks in order while their bytes fit.
-            nxt = max(nxt, k + 1)
-            chosen: list[int] = []
-            while nxt < len(unpacks) and nxt <= k + lookahead:
-                j = unpacks[nxt]
-                if j in released or j not in sizes:
-                    break
-                if j in cache:
-                    cache.pin(j)
-                    chosen.append(j)
-                elif cache.fits(sizes[j]):
-                    cache.insert(j, sizes[j], pinned=True)
-                    prefetched.add(j)
-                    chosen.append(j)
-                else:
-                    break
-                nxt += 1
-            if chosen:
-                actions[k] = tuple(chosen)
-    return PrefetchPlan(tuple(trace), actions, hits, pf_hits, misses, cache.peak_bytes)
+                evict()
+        if kind == PACK or k < 0:
+            continue
+        # Rule 3: schedule the next unpacks in order while their bytes fit.
+        nxt = max(nxt, k + 1)
+        chosen: list[int] = []
+        while nxt < len(unpacks) and nxt <= k + lookahead:
+            j = unpacks[nxt]
+            if j in released or j not in sizes:
+                break
+            if j in cache:
+                cache.pin(j)
+            else:
+                short = cache.used_bytes + sizes[j] - cache.budget_bytes
+                if short > 0:  # Rule 3: make room from entries used after j, if they suffice
+                    # Entries with no later use are about to be released: wait for that instead.
+                    later = [(next_use(v, nxt), v) for v in cache.unpinned()]  # type: ignore[arg-type]
+                    spare = [v for u, v in sorted(later, key=lambda p: -p[0]) if u < len(unpacks)]
+                    if sum(cache.size(v) for v in spare) < short:
+                        break
+                    for v in spare:
+                        if short <= 0:
+                            break
+                        short -= cache.size(v)
+                        cache.remove(v)
+                        writes.add(v)  # type: ignore[arg-type]
+                        chosen.append(~v)  # type: ignore[operator]
+                cache.insert(j, sizes[j], pinned=True)
+                prefetched.add(j)
+            chosen.append(j)
+            nxt += 1
+        if chosen:
+            actions[pos] = tuple(chosen)
+    return PrefetchPlan(tuple(trace), actions, frozenset(writes), hits, pf_hits, misses, cache.peak_bytes)

@@ -2,19 +2,24 @@
 
 # NOTE [ Store ]
 # 1. ``pack`` (a saved-tensors pack hook) keeps by reference what moving would not free or
-#    cannot move: parameters and other leaves that require grad, the buffers named by the
-#    caller, tensors on another device, non-strided or subclass tensors, and tensors whose
-#    bytes are under ``min_bytes``. Everything else becomes an *entry*.
+#    cannot move: parameters and other leaves that require grad and views of them (a
+#    linear layer saves ``weight.t()``), the tensors named by the caller (a wrapped
+#    module's parameters and buffers), tensors on another device, non-strided or subclass
+#    tensors, and tensors whose bytes are under ``min_bytes``. The rest become *entries*.
 # 2. An entry holds a byte span of a storage. If the saved tensor covers at least half of
 #    its storage, the span is the whole storage and the entry is shared by every view of
 #    that storage saved while its version counter is unchanged: several views are moved
 #    once, and a view saved after an in-place change gets an entry of its own. Otherwise
 #    the span is just the bytes the view reaches. Unpack rebuilds the exact view (dtype,
 #    size, stride, offset): gradients are bit-identical to plain autograd.
-# 3. Write-through: every entry's device-to-host copy starts at pack, on the offload
-#    stream, after an event of the compute stream; the saved tensor itself stays in the GPU
-#    cache (zero-copy) while the budget allows. Evicting an entry waits for its copy's
-#    event first (see NOTE [ GPU cache ] Rule 4), which also bounds memory in the forward.
+# 3. An entry's device-to-host copy starts at pack, on the offload stream, after an event of
+#    the compute stream (every entry in a step without a plan; from then on only the ones
+#    the plan will evict, NOTE [ Prefetch from a recorded trace ] Rule 5). The saved tensor
+#    itself stays in the GPU cache (zero-copy) while the budget allows. Evicting an entry
+#    makes the compute stream wait on its copy's event, then drops the reference: the
+#    caching allocator hands the memory out again in compute-stream order, so no later
+#    kernel touches it before the copy has read it, and the host never blocks. This bounds
+#    GPU memory in the forward when the host link is slower than compute.
 # 4. Unpack of a resident entry returns a view of the GPU copy (a cache hit, or a prefetch
 #    hit when a prefetch brought it back: the compute stream waits on that copy's event).
 #    Unpack of an evicted entry loads it on demand on the prefetch stream and the compute
@@ -113,7 +118,7 @@ class _CudaMover:
             if self.delay is not None:
                 self.delay("d2h", s)
             dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event()
+            ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(s)
         return ev
 
@@ -142,13 +147,6 @@ class _CudaMover:
         cur.wait_event(done)
         return need
 
-    @staticmethod
-    def wait_host(ev: Any) -> float:
-        if ev is None or ev.query():
-            return 0.0
-        t0 = time.perf_counter()
-        ev.synchronize()
-        return time.perf_counter() - t0
 
 
 class _CpuMover:
@@ -167,9 +165,6 @@ class _CpuMover:
     def use(self, done: Any) -> Any:
         return None
 
-    @staticmethod
-    def wait_host(ev: Any) -> float:
-        return 0.0
 
 
 class Store:
@@ -235,7 +230,6 @@ class Store:
         self._lock = threading.RLock()
         self._live = 0
         self._next_id = 0
-        self._k = -1
         self._entries: dict[int, _Entry] = {}
         self._by_storage: dict[tuple[int, int], tuple[_Entry, StorageWeakRef]] = {}
         self._trace: list[tuple[int, int, int]] = []
@@ -284,6 +278,7 @@ class Store:
             nbytes < max(self.min_bytes, 1)
             or t.device != self.device
             or (t.requires_grad and t.is_leaf)
+            or (t._base is not None and t._base.requires_grad and t._base.is_leaf)
             or type(t) not in (torch.Tensor, torch.nn.Parameter)
             or t.layout != torch.strided
             or isinstance(t, torch.nn.Parameter)
@@ -323,10 +318,8 @@ class Store:
             self._live += 1
             h = _Handle(self, e, t, t.storage_offset() * es - lo)
             self._record(PACK, e.id, span)
-            e.host = self.host.alloc(span)
-            e.d2h = self._mover.to_host(e.host.tensor, src, None)
-            c["offloaded"] += 1
-            c["offloaded_bytes"] += span
+            if not self._on_plan or e.id in self._plan.writes:  # type: ignore[union-attr]
+                self._write(e)
             self.cache.insert(e.id, span)
             self._evict_over_budget()
             return h
@@ -338,9 +331,7 @@ class Store:
         e: _Entry = h.entry
         c = self._c
         with self._lock, nvtx_range("torchckpt.unpack"):
-            self._k += 1
-            k = self._k
-            self._record(UNPACK, e.id, 0)
+            pos = self._record(UNPACK, e.id, 0)
             if e.gpu is not None:
                 if e.id in self.cache:
                     self.cache.touch(e.id)
@@ -368,15 +359,15 @@ class Store:
                 self.cache.insert(e.id, e.nbytes)
                 self._evict_over_budget()
             if self._on_plan:
-                self._run_actions(k)
+                self._run_actions(pos)
             es = h.dtype.itemsize
             return torch.empty(0, dtype=h.dtype, device=self.device).set_(
                 gpu.untyped_storage(), (e.base_off + h.rel) // es, h.size, h.stride
             )
 
     # -- internals -----------------------------------------------------------------------
-    def _record(self, kind: int, eid: int, nbytes: int) -> None:
-        """Append to the trace; check the step against the plan (NOTE [ Prefetch ... ] Rule 5)."""
+    def _record(self, kind: int, eid: int, nbytes: int) -> int:
+        """Append to the trace; check the step against the plan (NOTE [ Prefetch ... ] Rule 6)."""
         n = len(self._trace)
         self._trace.append((kind, eid, nbytes))
         if self._on_plan:
@@ -384,6 +375,14 @@ class Store:
             if n >= len(planned) or planned[n] != (kind, eid, nbytes):
                 self._on_plan = False
                 self._c["plan_divergences"] += 1
+        return n
+
+    def _write(self, e: _Entry) -> None:
+        """Start the entry's device-to-host copy (its GPU copy must be present)."""
+        e.host = self.host.alloc(e.nbytes)
+        e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)
+        self._c["offloaded"] += 1
+        self._c["offloaded_bytes"] += e.nbytes
 
     def _load(self, e: _Entry) -> torch.Tensor:
         if e.host is None:
@@ -393,11 +392,17 @@ class Store:
         self._c["loaded_bytes"] += e.nbytes
         return buf
 
-    def _run_actions(self, k: int) -> None:
+    def _run_actions(self, pos: int) -> None:
         plan = self._plan
         if plan is None:
             return
-        for j in plan.actions.get(k, ()):
+        for j in plan.actions.get(pos, ()):
+            if j < 0:  # make room for the next prefetch (NOTE [ Prefetch from a recorded trace ] Rule 3)
+                v = self._entries.get(~j)
+                if v is not None and ~j in self.cache:
+                    self.cache.remove(~j)
+                    self._evict(v)
+                continue
             e = self._entries.get(j)
             if e is None:
                 continue
@@ -413,16 +418,23 @@ class Store:
                 return
 
     def _evict_over_budget(self) -> None:
-        c = self._c
         for v in self.cache.victims():
             e = self._entries[v]  # type: ignore[index]
             self.cache.remove(v)
-            waited = self._mover.wait_host(e.d2h)
-            if waited:
-                c["eviction_waits"] += 1
-                c["eviction_wait_s"] += waited
-            self._drop_gpu(e)
-            c["evictions"] += 1
+            self._evict(e)
+
+    def _evict(self, e: _Entry) -> None:
+        """Drop the GPU copy of ``e`` (already out of the cache's ranking), writing it first if needed."""
+        c = self._c
+        if e.host is None:  # not written yet (Rule 3; the plan did not foresee this eviction)
+            self._write(e)
+        if e.d2h is not None and not e.d2h.query():
+            c["eviction_waits"] += 1
+            need = self._mover.use(e.d2h)  # Rule 3: the compute stream waits, not the host
+            if need is not None:
+                self._timings.append(("evict", need, e.d2h))
+        self._drop_gpu(e)
+        c["evictions"] += 1
 
     def _drop_gpu(self, e: _Entry) -> None:
         if e.h2d is not None and e.h2d_stream is not None:
@@ -437,7 +449,7 @@ class Store:
             e.refs -= 1
             if e.refs > 0:
                 return
-            self._record(RELEASE, e.id, 0)
+            pos = self._record(RELEASE, e.id, 0)
             self.cache.remove(e.id)
             last = e.h2d if e.h2d is not None else e.d2h
             if e.gpu is not None:
@@ -451,13 +463,14 @@ class Store:
             self._live -= 1
             if self._live < 0:
                 raise internal_error("more entries released than created")
+            if self._on_plan:
+                self._run_actions(pos)
 
     def _finish_step(self) -> None:
         trace = tuple(self._trace)
         self._trace = []
         self._c["steps"] += 1
         self._next_id = 0
-        self._k = -1
         self._resolve_timings(block=False)
         if not self.prefetch or not any(kind == UNPACK for kind, _, _ in trace):
             self._plan, self._on_plan = None, False
@@ -481,6 +494,8 @@ class Store:
                 if kind == "late":
                     c["late_prefetches"] += 1
                     c["late_wait_s"] += late
+                elif kind == "evict":
+                    c["eviction_wait_s"] += late
                 else:
                     c["miss_wait_s"] += late
         self._timings = keep

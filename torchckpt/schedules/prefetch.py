@@ -1,0 +1,379 @@
+"""Prefetch planning for a GPU snapshot cache: a dry run of the schedule.
+
+Maltempi, T. et al. (2025), GPUZIP: a GPU cache of N snapshot slots in front of host
+memory; since a schedule is deterministic, a dry run with a dummy cache predicts every
+miss, and its Prefetch Setup Algorithm turns each into a prefetch issued early enough to
+overlap the copy with computation.
+
+# NOTE [ Snapshot cache ]
+# The cache model, shared by ``plan_prefetch``, ``simulate_cache`` and the runtime store.
+# 1. The cache has ``cache_slots`` slots of one snapshot each. It fronts the snapshots a
+#    schedule keeps off the GPU (tier HOST or DISK); snapshots saved to Tier.GPU are
+#    already on the device and bypass it. A snapshot is named by its step (a schedule
+#    holds a step in at most one off-GPU tier at a time).
+# 2. ``Save(n, HOST)`` puts n in the cache as most recently used, and the store flushes it
+#    to host memory behind the computation. Its slot is an empty one, else the least
+#    recently used *unpinned* one (evicted: the host copy stays valid).
+# 3. ``Prefetch(n, HOST, GPU)`` copies n from host into a slot chosen as in Rule 2 and
+#    *pins* it; ``Prefetch(n, GPU, GPU)`` pins n where it already is (no copy). A pin
+#    belongs to one future ``Restore`` of n and ends there; pinned slots are never
+#    evicted, so a prefetched snapshot is never evicted before its use.
+# 4. ``Restore(n, HOST)`` hits if n is in the cache (it becomes most recently used), else
+#    misses (a synchronous host-to-device copy). ``Free(n, HOST)`` drops n.
+#
+# NOTE [ Prefetch setup ]
+# ``plan_prefetch`` replays the schedule on the cache of NOTE [ Snapshot cache ] and
+# inserts one ``Prefetch`` per off-GPU ``Restore``: a copy where the restore would miss,
+# a pin where it would hit (without the pin, a later Save could evict it).
+# 1. Restores are handled in the order they occur. Handling one means emitting its
+#    Prefetch, which pins its snapshot until that restore.
+# 2. A restore is handled at the earliest point where: every earlier restore has been
+#    handled; its snapshot's Save has run; and a slot can be given up. Every unpinned slot
+#    qualifies, because everything needed before this restore is pinned (Rule 1): its
+#    content is not needed again before the restore.
+# 3. Ahead of its restore a handling may leave at most ``cache_slots - 1`` slots pinned, so
+#    a Save always finds a slot. Right before its restore it may take the last one; by
+#    then nothing else is pinned (Rule 1), so that always succeeds.
+# 4. Hence every restore hits, for any ``cache_slots >= 1``. With 1 slot every prefetch is
+#    issued just before its restore (no overlap); ``cache_slots >= 2`` is the useful
+#    minimum, and more slots let prefetches start earlier (see ``CacheStats.mean_lead``).
+# 5. The dry run of GPUZIP without prefetches is ``simulate_cache(schedule, slots)``:
+#    its misses are what the plan turns into copies.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from torchckpt._errors import CheckpointError, internal_error
+from torchckpt.schedules.actions import (
+    Action,
+    Adjoint,
+    Advance,
+    Free,
+    Prefetch,
+    Restore,
+    Save,
+    Tier,
+)
+from torchckpt.schedules.schedule import check_int
+
+__all__ = ["CacheStats", "PrefetchedSchedule", "plan_prefetch", "simulate_cache"]
+
+
+class _Cache:
+    """Slots, LRU ranking and pins of NOTE [ Snapshot cache ] (bookkeeping only)."""
+
+    __slots__ = ("slots", "rank", "pins", "pinned")
+
+    def __init__(self, slots: int) -> None:
+        self.slots = slots
+        self.rank: OrderedDict[int, None] = OrderedDict()  # LRU first
+        self.pins: dict[int, int] = {}
+        self.pinned = 0  # slots with a pin
+
+    def victim(self) -> int | None:
+        """The slot content to give up for a new entry: None if a slot is empty (Rule 2)."""
+        if len(self.rank) < self.slots:
+            return None
+        for n in self.rank:
+            if n not in self.pins:
+                return n
+        raise LookupError
+
+    def can_take(self) -> bool:
+        return len(self.rank) < self.slots or self.pinned < len(self.rank)
+
+    def insert(self, n: int) -> int | None:
+        """Put n in as most recently used, evicting per Rule 2 (caller checked can_take).
+
+        Returns the evicted step, if any.
+        """
+        if n in self.rank:
+            self.rank.move_to_end(n)
+            return None
+        old = self.victim()
+        if old is not None:
+            del self.rank[old]
+        self.rank[n] = None
+        return old
+
+    def pin(self, n: int) -> None:
+        count = self.pins.get(n, 0)
+        if count == 0:
+            self.pinned += 1
+        self.pins[n] = count + 1
+
+    def use(self, n: int) -> bool:
+        """A restore of n: hit or miss; ends one pin (Rule 4)."""
+        hit = n in self.rank
+        if hit:
+            self.rank.move_to_end(n)
+        count = self.pins.get(n, 0)
+        if count == 1:
+            del self.pins[n]
+            self.pinned -= 1
+        elif count > 1:
+            self.pins[n] = count - 1
+        return hit
+
+    def drop(self, n: int) -> bool:
+        """A free of n; returns whether n was pinned (a prefetch wasted)."""
+        self.rank.pop(n, None)
+        count = self.pins.pop(n, 0)
+        if count:
+            self.pinned -= 1
+        return count > 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefetchedSchedule:
+    """A schedule with prefetches inserted (NOTE [ Prefetch setup ]); iterate it for actions.
+
+    Attributes:
+        actions: the schedule's actions with ``Prefetch`` actions inserted.
+        cache_slots: the cache size planned for.
+        copies: prefetches that copy a snapshot host-to-device (would-be misses).
+        pins: prefetches that only pin a resident snapshot (would-be hits).
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> p = plan_prefetch(Revolve(20, 4, tier=Tier.HOST), cache_slots=2)
+        >>> simulate_cache(p, 2).misses
+        0
+    """
+
+    actions: tuple[Action, ...]
+    cache_slots: int
+    copies: int
+    pins: int
+
+    def __iter__(self) -> Iterator[Action]:
+        return iter(self.actions)
+
+    def __len__(self) -> int:
+        return len(self.actions)
+
+
+def _cached(act: Save | Restore | Free) -> bool:
+    return act.tier is not Tier.GPU
+
+
+def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSchedule:
+    """Insert prefetches so that every off-GPU restore hits the cache (NOTE [ Prefetch setup ]).
+
+    Args:
+        schedule: a schedule or its actions; snapshots on HOST/DISK go through the cache.
+        cache_slots: snapshot slots of the GPU cache (>= 1; >= 2 to overlap copies).
+
+    Returns:
+        A ``PrefetchedSchedule``.
+
+    Raises:
+        CheckpointError: a restore of a snapshot that was never saved.
+
+    Example::
+
+        >>> from torchckpt.schedules import Uniform
+        >>> plan = plan_prefetch(Uniform(30, 3, tier=Tier.HOST), cache_slots=2)
+        >>> plan.copies, plan.pins
+        (1, 28)
+    """
+    check_int("cache_slots", cache_slots, 1,
+              "pass how many snapshots the GPU cache holds (2 or more to overlap copies)")
+    acts = list(schedule)
+    # Off-GPU restores in order: (position, step, tier, position of the Save they read).
+    restores: list[tuple[int, int, Tier, int]] = []
+    last_save: dict[int, int] = {}
+    for i, act in enumerate(acts):
+        if isinstance(act, Save) and _cached(act):
+            last_save[act.n] = i
+        elif isinstance(act, Restore) and _cached(act):
+            if act.n not in last_save:
+                raise CheckpointError(
+                    f"torchckpt: plan_prefetch: action {i} ({act!r}) restores a snapshot "
+                    "that was never saved; expected a valid schedule (check it with "
+                    "simulate())."
+                )
+            restores.append((i, act.n, act.tier, last_save[act.n]))
+        elif isinstance(act, Free) and _cached(act):
+            last_save.pop(act.n, None)
+
+    cache = _Cache(cache_slots)
+    ahead = cache_slots - 1  # Rule 3
+    out: list[Action] = []
+    put = out.append
+    copies = pins = 0
+    h = 0
+    for i, act in enumerate(acts):
+        while h < len(restores):  # Rule 2
+            pos, n, tier, saved_at = restores[h]
+            if saved_at >= i:
+                break
+            limit = cache_slots if pos == i else ahead
+            if n in cache.rank:
+                if n not in cache.pins and cache.pinned + 1 > limit:
+                    break
+                put(Prefetch(n, Tier.GPU, Tier.GPU))
+                pins += 1
+            else:
+                if cache.pinned + 1 > limit or not cache.can_take():
+                    break
+                cache.insert(n)
+                put(Prefetch(n, tier, Tier.GPU))
+                copies += 1
+            cache.pin(n)
+            h += 1
+        put(act)
+        if isinstance(act, Save):
+            if _cached(act):
+                if not cache.can_take():
+                    raise internal_error("plan_prefetch left no slot for a Save")
+                cache.insert(act.n)
+        elif isinstance(act, Restore):
+            if _cached(act) and not cache.use(act.n):
+                raise internal_error(f"plan_prefetch planned a miss at action {i}")
+        elif isinstance(act, Free):
+            if _cached(act) and cache.drop(act.n):
+                raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
+    if h != len(restores):
+        raise internal_error("plan_prefetch left restores unhandled")
+    return PrefetchedSchedule(tuple(out), cache_slots, copies, pins)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """What a replay on the snapshot cache saw (NOTE [ Snapshot cache ]).
+
+    Attributes:
+        restores: off-GPU restores.
+        hits: restores served by the cache.
+        misses: restores that need a synchronous copy.
+        saves: off-GPU saves.
+        evictions: snapshots evicted to make room (host copy kept).
+        copies: prefetches that copied a snapshot in.
+        pins: prefetches that pinned a resident snapshot.
+        failed_prefetches: prefetches with no slot to use, or pins of an absent snapshot.
+        bypassed_saves: saves that found every slot pinned (stored to host only).
+        evicted_before_use: prefetched snapshots that left the cache before their restore.
+        peak_pinned: most slots pinned at once.
+        mean_lead: mean number of steps computed (forward steps advanced plus adjoint
+            steps) between a copying prefetch and its restore: the work that can hide the
+            copy. 0 for a copy issued right before its restore.
+        min_lead: the least such number (0 when there was no copy).
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> simulate_cache(Revolve(20, 4, tier=Tier.HOST), 2).hit_rate < 1
+        True
+    """
+
+    restores: int
+    hits: int
+    misses: int
+    saves: int
+    evictions: int
+    copies: int
+    pins: int
+    failed_prefetches: int
+    bypassed_saves: int
+    evicted_before_use: int
+    peak_pinned: int
+    mean_lead: float
+    min_lead: int
+
+    @property
+    def hit_rate(self) -> float:
+        """hits / restores (1.0 when there are no restores)."""
+        return self.hits / self.restores if self.restores else 1.0
+
+
+def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
+    """Replay actions on a snapshot cache of ``cache_slots`` slots and count what happens.
+
+    With a plain schedule this is GPUZIP's dry run (its misses); with a ``PrefetchedSchedule``
+    it checks the plan (NOTE [ Prefetch setup ]).
+
+    Args:
+        actions: a schedule, a ``PrefetchedSchedule``, or any actions.
+        cache_slots: snapshot slots of the GPU cache (>= 1).
+
+    Returns:
+        ``CacheStats``.
+
+    Example::
+
+        >>> from torchckpt.schedules import ZCut
+        >>> z = ZCut(50, tier=Tier.HOST)
+        >>> simulate_cache(plan_prefetch(z, 4), 4).hit_rate
+        1.0
+    """
+    check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
+    cache = _Cache(cache_slots)
+    restores = hits = saves = evictions = copies = pins = failed = bypassed = lost = peak = 0
+    work = 0  # steps computed so far
+    awaiting: dict[int, int] = {}  # step -> work done when its copy was issued, until used
+    leads: list[int] = []
+
+    def evicted(old: int | None) -> None:
+        nonlocal evictions, lost
+        if old is not None:
+            evictions += 1
+            if awaiting.pop(old, None) is not None:
+                lost += 1
+
+    for act in actions:
+        if isinstance(act, Advance):
+            work += act.n1 - act.n0
+        elif isinstance(act, Adjoint):
+            work += 1
+        elif isinstance(act, Save):
+            if _cached(act):
+                saves += 1
+                if cache.can_take():
+                    evicted(cache.insert(act.n))
+                else:
+                    bypassed += 1
+        elif isinstance(act, Restore):
+            if _cached(act):
+                restores += 1
+                hits += cache.use(act.n)
+                issued_at = awaiting.pop(act.n, None)
+                if issued_at is not None:
+                    leads.append(work - issued_at)
+        elif isinstance(act, Free):
+            if _cached(act):
+                cache.drop(act.n)
+                if awaiting.pop(act.n, None) is not None:
+                    lost += 1
+        elif isinstance(act, Prefetch):
+            n = act.n
+            if n in cache.rank:
+                cache.pin(n)
+                pins += 1
+            elif act.src is act.dst or not cache.can_take():
+                failed += 1
+            else:
+                evicted(cache.insert(n))
+                cache.pin(n)
+                copies += 1
+                awaiting[n] = work
+            peak = max(peak, cache.pinned)
+    return CacheStats(
+        restores=restores,
+        hits=hits,
+        misses=restores - hits,
+        saves=saves,
+        evictions=evictions,
+        copies=copies,
+        pins=pins,
+        failed_prefetches=failed,
+        bypassed_saves=bypassed,
+        evicted_before_use=lost,
+        peak_pinned=peak,
+        mean_lead=sum(leads) / len(leads) if leads else 0.0,
+        min_lead=min(leads) if leads else 0,
+    )
