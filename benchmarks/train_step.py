@@ -158,8 +158,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=3, help="warm-up steps (at least 3 for torchckpt modes)")
     p.add_argument("--out", help="output folder (default $OUT, else benchmarks/results)")
     p.add_argument("--gpu-bytes", type=parse_bytes, help="`offload` GPU cache budget (default 256M; 128K on CPU)")
-    p.add_argument("--mixed-gpu-bytes", type=parse_bytes, help="`mixed` GPU cache budget (default 1G; 128K on CPU)")
-    p.add_argument("--offload-blocks", type=int, default=2, help="K: blocks offloaded in `mixed` (the rest recompute)")
+    p.add_argument("--mixed-gpu-bytes", type=parse_bytes, help="`mixed` GPU cache budget (default 1.5G; 128K on CPU)")
+    p.add_argument("--offload-blocks", type=int, default=1, help="K: blocks offloaded in `mixed` (the rest recompute)")
     p.add_argument("--offload-where", choices=("last", "spread"), default="last",
                    help="which K blocks `mixed` offloads (default: the last K)")
     p.add_argument("--sweep", action="store_true", help="also sweep K and gpu_bytes for `mixed`")
@@ -169,7 +169,7 @@ def main() -> None:
     args.shape = [int(v) for v in (args.shape or ("2048,16,2048,8,16" if cuda else "64,4,32,2,4")).split(",")]
     args.gpu_bytes = args.gpu_bytes if args.gpu_bytes is not None else (256 << 20 if cuda else 128 << 10)
     if args.mixed_gpu_bytes is None:
-        args.mixed_gpu_bytes = 1 << 30 if cuda else 128 << 10
+        args.mixed_gpu_bytes = 1536 << 20 if cuda else 128 << 10
     modes = list(dict.fromkeys(m for m in args.modes.split(",") if m))
     if len(args.shape) != 5 or any(m not in MODES for m in modes) or not 0 <= args.offload_blocks <= args.shape[4]:
         p.error("--shape takes D,H,S,B,L; --modes a subset of " + ",".join(MODES) + "; 0 <= --offload-blocks <= L")
@@ -215,8 +215,8 @@ def main() -> None:
         L, g = args.shape[4], args.gpu_bytes
         M = 1 << 20
         for mode, ks, gbs, ref in (("mixed", sorted({k for k in (1, 2, 3) if k < L} | {args.offload_blocks}),
-                                    (768 * M, 1024 * M, 1536 * M), ckpt),
-                                   ("offload", [L], (192 * M, 256 * M, 384 * M), soc)):
+                                    (1024 * M, 1536 * M, 2048 * M), ckpt),
+                                   ("offload", [L], (192 * M, 256 * M, 320 * M), soc)):
             rows = []
             for where in (("last", "spread") if mode == "mixed" else ("-",)):
                 bench.where = where

@@ -85,7 +85,7 @@ def test_bare_class_decorator_is_recompute(kind: str) -> None:
     plain = clone(model)
     ref = step(plain, plain, x)
     fn, owner = wrap("class_bare", model, None)
-    assert type(owner).forward._torchckpt_policy == Recompute() or isinstance(type(owner).forward._torchckpt_policy, Recompute)
+    assert isinstance(type(owner).forward._torchckpt_policy, Recompute)
     out, gx, g = step(fn, owner, x)
     assert torch.equal(out, ref[0]) and torch.equal(gx, ref[1])
     assert_same_grads(g, ref[2])
@@ -211,6 +211,25 @@ def test_nesting(outer: str, inner: str) -> None:
         assert st.offloaded > 0 and st.host.in_use_bytes == 0
 
 
+def test_recompute_around_offload_does_not_store_the_recomputation() -> None:
+    # During backward, Recompute re-runs the inner Offload block; the tensors that re-run saves
+    # belong to a graph that is thrown away, yet they go through the store (packed, cached,
+    # written to host, evicting entries the backward still needs).
+    torch.manual_seed(5)
+    m = Outer()
+    x = torch.randn(2, 8, 32)
+    s = cpu_store(2048)
+    torchckpt.checkpoint(m.inner, policy=Offload(s))
+    torchckpt.checkpoint(m, policy=Recompute())
+    out = m(x * 1.0)
+    fwd = s.stats()
+    assert fwd.offloaded > 0
+    out.square().mean().backward()
+    bwd = s.stats()
+    moved = (bwd.packed - bwd.kept) - (fwd.packed - fwd.kept)
+    assert moved == 0, f"{moved} tensors saved by the recomputation became store entries"
+
+
 # -- frozen parameters, inputs without grad ------------------------------------------------
 @pytest.mark.parametrize("pname", list(POLICIES))
 def test_frozen_params_and_input_without_grad(pname: str) -> None:
@@ -306,15 +325,16 @@ def test_offload_context_manager(budget: int) -> None:
     assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
     assert_same_grads(got[2], ref[2])
     s = store.stats()
-    assert s.offloaded > 0 and s.kept >= sum(1 for p in m.parameters())  # weights kept by reference
+    assert s.offloaded > 0 and s.kept > 0  # LayerNorm weights kept by reference
     assert s.host.in_use_bytes == 0
 
 
-def test_offload_context_default_store_on_cpu() -> None:
-    store = torchckpt.default_store("cpu")
-    assert torchckpt.default_store("cpu") is store
+def test_offload_context_default_store() -> None:
+    store = torchckpt.default_store()
+    assert torchckpt.default_store(store.device) is store
+    assert store.device.type == ("cuda" if torch.cuda.is_available() else "cpu")
     before = store.stats().packed
-    x = torch.randn(32, 32, requires_grad=True)
+    x = torch.randn(32, 32, device=store.device, requires_grad=True)
     with torchckpt.offload():
         loss = (x.sin() * 2).sum()
     loss.backward()
@@ -328,18 +348,28 @@ def deep_mlp() -> tuple[nn.Module, torch.Tensor]:
     return MLP(d_in=64, d=64, d_out=64, depth=8), torch.randn(8, 64)
 
 
-def test_steps_follow_the_prefetch_plan() -> None:
+@pytest.mark.parametrize("form", ["offload_context", "wrapper"])
+def test_steps_follow_the_prefetch_plan(form: str) -> None:
+    # Budget: 4 activations; every saved activation is 1 (8x64 fp32). Weights are parameters
+    # and must stay by reference (NOTE [ Store ] Rule 1) -- including the transposed view of
+    # each weight that addmm saves; "wrapper" relies on the store doing that by itself.
     model, x = deep_mlp()
-    act = x.numel() * 4  # bytes of one activation
+    act = x.numel() * 4
     store = cpu_store(4 * act)
     plain = clone(model)
-    m = torchckpt.checkpoint(clone(model), policy=Offload(store))
+    m = clone(model)
+    if form == "wrapper":
+        fn = torchckpt.checkpoint(m, policy=Offload(store))
+    else:
+        def fn(t: torch.Tensor) -> torch.Tensor:
+            with torchckpt.offload(store, keep=list(m.parameters())):
+                return m(t)
     opt_p = torch.optim.SGD(plain.parameters(), lr=0.1)
     opt_m = torch.optim.SGD(m.parameters(), lr=0.1)
     prev = store.stats()
     for i in range(5):
         ref = step(plain, plain, x, seed=i)
-        got = step(m, m, x, seed=i)
+        got = step(fn, m, x, seed=i)
         assert torch.equal(got[1], ref[1])
         assert_same_grads(got[2], ref[2])
         opt_p.step()
@@ -403,6 +433,8 @@ def test_no_grad_forward(pname: str) -> None:
 
 def test_wrapped_module_deepcopy_runs_its_own_parameters() -> None:
     # A copy of a wrapped module (EMA, model averaging) must use the copy's parameters.
+    # Library bug: _wrap_instance stores a closure over the original module in
+    # module.__dict__["forward"]; deepcopy shares that closure, so the copy runs the original.
     model, x = make("mlp")
     m = torchckpt.checkpoint(clone(model), policy=Recompute())
     c = copy.deepcopy(m)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
+import types
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
@@ -143,17 +144,27 @@ def _wrap_class(cls: type[nn.Module], policy: Policy) -> type[nn.Module]:
     return cls
 
 
+def _instance_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # A bound method stored on the instance: copy.deepcopy rebinds it to the copy, which then
+    # runs with its own parameters and policy.
+    orig = self.__dict__["_torchckpt_orig"]
+    return run(self.__dict__["_torchckpt_policy"], orig.__get__(self), *args, module=self, **kwargs)
+
+
 def _wrap_instance(module: nn.Module, policy: Policy) -> nn.Module:
-    inner = module.__dict__.get("forward")
-    orig = getattr(inner, "_torchckpt_orig", None) or type(module).forward.__get__(module)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        return run(policy, orig, *args, module=module, **kwargs)
-
-    forward._torchckpt_orig = orig  # type: ignore[attr-defined]
-    forward._torchckpt_policy = policy  # type: ignore[attr-defined]
-    module.forward = forward  # type: ignore[method-assign]
+    cls_forward = type(module).forward
+    object.__setattr__(module, "_torchckpt_orig", getattr(cls_forward, "_torchckpt_orig", cls_forward))
+    object.__setattr__(module, "_torchckpt_policy", policy)
+    object.__setattr__(module, "forward", types.MethodType(_instance_forward, module))
     return module
+
+
+def _wrap_function(fn: Callable[..., T], policy: Policy) -> Callable[..., T]:
+    @functools.wraps(fn)
+    def wrapped(*args: Any, **kwargs: Any) -> T:
+        return run(policy, fn, *args, **kwargs)
+
+    return wrapped
 
 
 @overload
@@ -176,8 +187,9 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
           unchanged) and returns it.
         - ``checkpoint(fn, *args, policy=..., **kwargs)``: calls ``fn`` under the policy, like
           ``torch.utils.checkpoint.checkpoint(fn, *args)``.
-    The default policy is ``Recompute()``. To call a module with no arguments under a
-    policy, pass its ``forward``.
+        - ``@checkpoint`` / ``@checkpoint(policy)`` on a function, or ``checkpoint(fn)`` with no
+          arguments: returns ``fn`` wrapped to run under the policy.
+    The default policy is ``Recompute()``.
 
     Args:
         target: a policy (returns a decorator), a module class, a module, or a callable.
@@ -210,6 +222,8 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
         return _wrap_class(target, pol)
     if isinstance(target, nn.Module) and not args and not kwargs:
         return _wrap_instance(target, pol)
+    if callable(target) and not args and not kwargs:  # @checkpoint on a function: decorate it
+        return _wrap_function(target, pol)
     if not callable(target):
         raise TypeError(
             f"torchckpt: checkpoint() expects a policy, an nn.Module class or instance, or a callable, "

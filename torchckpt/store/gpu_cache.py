@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterator
 
 
 class GpuCache:
@@ -93,13 +92,20 @@ class GpuCache:
         """Resident keys that eviction may take, LRU first."""
         return [k for k in self._rank if k not in self._pinned]
 
-    def victims(self, extra: int = 0) -> Iterator[object]:
-        """Unpinned keys, LRU first, whose removal brings usage to the budget (Rule 4).
+    def victims(self, extra: int = 0) -> list[object]:
+        """Unpinned keys, LRU first, whose removal brings usage to the budget with ``extra`` more (Rule 4).
 
-        The caller must ``remove`` each key before asking for the next one.
+        Fewer (all unpinned keys) when even that does not suffice; the caller removes them.
         """
-        while self.used_bytes + extra > self.budget_bytes:
-            key = next((k for k in self._rank if k not in self._pinned), None)
-            if key is None:
-                return
-            yield key
+        over = self.used_bytes + extra - self.budget_bytes
+        out: list[object] = []
+        if over <= 0:
+            return out
+        for key, nbytes in self._rank.items():
+            if key in self._pinned:
+                continue
+            out.append(key)
+            over -= nbytes
+            if over <= 0:
+                break
+        return out

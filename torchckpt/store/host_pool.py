@@ -175,6 +175,9 @@ class HostPool:
         self._fallbacks = 0
         self._warned = False
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> HostPool:
+        return self  # pinned memory is a shared resource
+
     # -- allocation -------------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock:
         """A block of ``nbytes`` bytes (pinned if the pool pins and is under its cap)."""

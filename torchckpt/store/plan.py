@@ -8,8 +8,9 @@
 #    i numbers the step's entries in pack order. A step begins at the first pack made while
 #    no entry of the store is alive (the graph of the previous step has been freed).
 # 2. The dry run replays the trace through a ``GpuCache`` with the store's budget, with
-#    exactly the rules the runtime applies: a pack is inserted and LRU victims are evicted;
-#    an unpack of a resident entry is a hit; of an absent one, a load on demand (a miss);
+#    exactly the rules the runtime applies: a pack evicts LRU victims until it fits, then is
+#    inserted (one larger than the free budget is evicted at once); an unpack of a resident
+#    entry is a hit; of an absent one, a load on demand (a miss, admitted the same way);
 #    a release removes the entry.
 # 3. After each unpack and each release from the first unpack on (a release frees bytes, so
 #    a prefetch can start then rather than at the next unpack), the dry run walks the future
@@ -19,7 +20,9 @@
 #    issued in order of use, each at the earliest event after which its bytes are free.
 #    If it does not fit but unpinned resident entries could make room, those are evicted,
 #    furthest next use first: being unpinned, each is used after the candidate (the
-#    "aggressive" prefetching of Cao, Felten, Karlin and Li, SIGMETRICS 1995).
+#    "aggressive" prefetching of Cao, Felten, Karlin and Li, SIGMETRICS 1995). Entries with no
+#    later use, and entries unpacked since the last release (the node using them may still
+#    hold them), are never chosen: evicting them would free nothing.
 # 4. The result maps trace position -> actions: an entry id i >= 0 (pin it if resident, else
 #    start its host-to-device copy) or ~i (evict entry i). The runtime executes them
 #    verbatim with the same cache rules, so the runtime's hits are the dry run's hits.
@@ -111,20 +114,26 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
     k = -1  # unpacks seen
     nxt = 0  # next position in ``unpacks`` the walk has not scheduled
 
-    def evict() -> None:
-        for v in cache.victims():
+    in_use: set[int] = set()  # unpacked since the last release: the node using them still runs
+
+    def evict(extra: int) -> None:
+        for v in cache.victims(extra):
             cache.remove(v)
             writes.add(v)  # type: ignore[arg-type]
 
     for pos, (kind, i, nbytes) in enumerate(trace):
         if kind == PACK:
             sizes[i] = nbytes
-            cache.insert(i, nbytes)
-            evict()
+            evict(nbytes)
+            if cache.fits(nbytes):
+                cache.insert(i, nbytes)
+            else:  # larger than the free budget: evicted at once
+                writes.add(i)
         elif kind == RELEASE:
             cache.remove(i)
             released.add(i)
             prefetched.discard(i)
+            in_use.clear()
         else:
             k += 1
             if i in cache:
@@ -136,8 +145,10 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
                 cache.touch(i)
             else:
                 misses += 1
-                cache.insert(i, sizes.get(i, 0))
-                evict()
+                evict(sizes.get(i, 0))
+                if cache.fits(sizes.get(i, 0)):
+                    cache.insert(i, sizes.get(i, 0))
+            in_use.add(i)
         if kind == PACK or k < 0:
             continue
         # Rule 3: schedule the next unpacks in order while their bytes fit.
@@ -154,7 +165,7 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
                 if short > 0:  # Rule 3: make room from entries used after j, if they suffice
                     # Entries with no later use are about to be released: wait for that instead.
                     later = [(next_use(v, nxt), v) for v in cache.unpinned()]  # type: ignore[arg-type]
-                    spare = [v for u, v in sorted(later, key=lambda p: -p[0]) if u < len(unpacks)]
+                    spare = [v for u, v in sorted(later, key=lambda p: -p[0]) if u < len(unpacks) and v not in in_use]
                     if sum(cache.size(v) for v in spare) < short:
                         break
                     for v in spare:

@@ -5,13 +5,16 @@
 #    cannot move: parameters and other leaves that require grad and views of them (a
 #    linear layer saves ``weight.t()``), the tensors named by the caller (a wrapped
 #    module's parameters and buffers), tensors on another device, non-strided or subclass
-#    tensors, and tensors whose bytes are under ``min_bytes``. The rest become *entries*.
+#    tensors, tensors whose bytes are under ``min_bytes``, and tensors saved while a backward
+#    pass runs (a Recompute block re-running an Offload block inside it: that graph is
+#    used once, at once). The rest become *entries*.
 # 2. An entry holds a byte span of a storage. If the saved tensor covers at least half of
 #    its storage, the span is the whole storage and the entry is shared by every view of
 #    that storage saved while its version counter is unchanged: several views are moved
 #    once, and a view saved after an in-place change gets an entry of its own. Otherwise
-#    the span is just the bytes the view reaches. Unpack rebuilds the exact view (dtype,
-#    size, stride, offset): gradients are bit-identical to plain autograd.
+#    the span is just the bytes the view reaches. Unpack rebuilds the view with the same
+#    dtype, size, stride and offset within the span: gradients are bit-identical to plain
+#    autograd.
 # 3. An entry's device-to-host copy starts at pack, on the offload stream, after an event of
 #    the compute stream (every entry in a step without a plan; from then on only the ones
 #    the plan will evict, NOTE [ Prefetch from a recorded trace ] Rule 5). The saved tensor
@@ -240,6 +243,9 @@ class Store:
         self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
 
     # -- public --------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> Store:
+        return self  # a store is a shared resource (streams, pools): copies of a model share it
+
     def hooks(self, keep: Iterable[torch.Tensor] = ()) -> torch.autograd.graph.saved_tensors_hooks:
         """A context manager routing every tensor autograd saves through this store.
 
@@ -253,7 +259,10 @@ class Store:
         """Counters so far; waits for the timing events of finished work (not on the hot path)."""
         with self._lock:
             self._resolve_timings(block=True)
-            return Stats(**self._c, gpu_peak_bytes=self.cache.peak_bytes, host=self.host.stats())
+            c = dict(self._c)
+            if self._live == 0 and self._trace:  # the current step has ended, though no pack has closed it yet
+                c["steps"] += 1
+            return Stats(**c, gpu_peak_bytes=self.cache.peak_bytes, host=self.host.stats())
 
     def reset_stats(self) -> None:
         """Zero the counters (the plan and the pools are kept)."""
@@ -278,7 +287,8 @@ class Store:
             nbytes < max(self.min_bytes, 1)
             or t.device != self.device
             or (t.requires_grad and t.is_leaf)
-            or (t._base is not None and t._base.requires_grad and t._base.is_leaf)
+            or (t._base is not None and (isinstance(t._base, torch.nn.Parameter) or (t._base.requires_grad and t._base.is_leaf)))
+            or torch._C._current_graph_task_id() != -1  # saved during backward (a recomputation): Rule 1
             or type(t) not in (torch.Tensor, torch.nn.Parameter)
             or t.layout != torch.strided
             or isinstance(t, torch.nn.Parameter)
@@ -320,8 +330,7 @@ class Store:
             self._record(PACK, e.id, span)
             if not self._on_plan or e.id in self._plan.writes:  # type: ignore[union-attr]
                 self._write(e)
-            self.cache.insert(e.id, span)
-            self._evict_over_budget()
+            self._admit(e)
             return h
 
     def unpack(self, h: Any) -> torch.Tensor:
@@ -350,14 +359,17 @@ class Store:
             else:
                 c["misses"] += 1
                 t0 = time.perf_counter()
+                self._make_room(e.nbytes)  # before allocating the buffer: the budget is real memory
                 gpu = self._load(e)
                 need = self._mover.use(e.h2d)
                 if need is not None:
                     self._timings.append(("miss", need, e.h2d))
                 elif isinstance(self._mover, _CpuMover):
                     c["miss_wait_s"] += time.perf_counter() - t0
-                self.cache.insert(e.id, e.nbytes)
-                self._evict_over_budget()
+                if self.cache.fits(e.nbytes):
+                    self.cache.insert(e.id, e.nbytes)
+                else:  # larger than the free budget: the view returned holds it, the cache does not
+                    self._drop_gpu(e)
             if self._on_plan:
                 self._run_actions(pos)
             es = h.dtype.itemsize
@@ -417,10 +429,19 @@ class Store:
                 self._c["plan_divergences"] += 1
                 return
 
-    def _evict_over_budget(self) -> None:
-        for v in self.cache.victims():
+    def _make_room(self, nbytes: int) -> None:
+        """Evict LRU entries until ``nbytes`` more fit (or only pinned entries are left)."""
+        for v in self.cache.victims(nbytes):
             e = self._entries[v]  # type: ignore[index]
             self.cache.remove(v)
+            self._evict(e)
+
+    def _admit(self, e: _Entry) -> None:
+        """Rank a just-saved entry in the cache, evicting first; one that cannot fit is evicted at once."""
+        self._make_room(e.nbytes)
+        if self.cache.fits(e.nbytes):
+            self.cache.insert(e.id, e.nbytes)
+        else:
             self._evict(e)
 
     def _evict(self, e: _Entry) -> None:

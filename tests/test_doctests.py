@@ -1,0 +1,22 @@
+"""The ``Example::`` blocks in the package's docstrings run as written (CPU only)."""
+import doctest
+import importlib
+
+import pytest
+import torch
+
+MODULES = [
+    "torchckpt.api",
+    "torchckpt.store.gpu_cache",
+    "torchckpt.store.host_pool",
+    "torchckpt.store.plan",
+    "torchckpt.store.store",
+]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name: str) -> None:
+    mod = importlib.import_module(name)
+    res = doctest.testmod(mod, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)
+    assert res.attempted > 0, f"{name} has no examples"
+    assert res.failed == 0
