@@ -33,6 +33,11 @@ if [[ $PART == all || $PART == tests ]]; then
   set -e
 fi
 
+if [[ $PART == all ]]; then
+  echo "== demo (README's first command, on the GPU)"
+  python3 -m torchckpt demo --steps 3 2>&1 | tee "$OUT/demo.log" || echo "demo failed"
+fi
+
 TRAIN_RC=skipped
 if [[ $PART == all || $PART == train ]]; then
   echo "== train_step benchmark"
