@@ -135,5 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         else:
             extra = f"{'-':>14s} {'-':>8s} {'-':>7s} {'-':>11s}"
         print(f"{name:34s} {t * 1e3:9.1f} {t / t_ref:7.2f} {mem} {extra} {loss:11.6f}")
-    print("\nLosses agree across modes: saved tensors come back bit-identical, recomputation reruns the same ops.")
+    spread = max(r[4] for r in rows) - min(r[4] for r in rows)
+    if spread == 0:
+        print("\nFinal losses are identical across modes: saved tensors come back bit-identical and "
+              "recomputation reruns the same ops.")
+    else:
+        print(f"\nFinal losses differ by up to {spread:.2e} across modes: some CUDA kernels (e.g. the flash-attention "
+              "backward) are not deterministic from run to run; the GPU tests check bit-exact gradients "
+              "with deterministic kernels.")
     return 0
