@@ -6,10 +6,12 @@ import pytest
 import torch
 
 MODULES = [
+    "torchckpt.adjoint",
     "torchckpt.api",
     "torchckpt.store.gpu_cache",
     "torchckpt.store.host_pool",
     "torchckpt.store.plan",
+    "torchckpt.store.snapshots",
     "torchckpt.store.store",
 ]
 

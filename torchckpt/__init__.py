@@ -3,10 +3,12 @@
 Saved tensors go to recomputation or to a GPU cache backed by pinned host memory,
 moved on dedicated CUDA streams and prefetched before backward needs them.
 """
+from torchckpt import schedules
 from torchckpt._errors import CheckpointError
+from torchckpt.adjoint import auto_schedule, checkpointed_loop, run_schedule
 from torchckpt.api import checkpoint, default_store, offload, run
 from torchckpt.policies import Keep, Offload, Policy, Recompute
-from torchckpt.store import GpuCache, HostPool, PrefetchPlan, Stats, Store
+from torchckpt.store import GpuCache, HostPool, PrefetchPlan, SnapshotStats, SnapshotStore, Stats, Store
 
 __version__ = "0.1.0"
 
@@ -19,10 +21,16 @@ __all__ = [
     "Policy",
     "PrefetchPlan",
     "Recompute",
+    "SnapshotStats",
+    "SnapshotStore",
     "Stats",
     "Store",
+    "auto_schedule",
     "checkpoint",
+    "checkpointed_loop",
     "default_store",
     "offload",
     "run",
+    "run_schedule",
+    "schedules",
 ]

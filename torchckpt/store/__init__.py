@@ -2,7 +2,8 @@
 from torchckpt.store.gpu_cache import GpuCache
 from torchckpt.store.host_pool import HostBlock, HostPool, HostPoolStats
 from torchckpt.store.plan import PrefetchPlan, plan_from_trace
+from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 from torchckpt.store.stats import Stats
 from torchckpt.store.store import Store
 
-__all__ = ["GpuCache", "HostBlock", "HostPool", "HostPoolStats", "PrefetchPlan", "Stats", "Store", "plan_from_trace"]
+__all__ = ["GpuCache", "HostBlock", "HostPool", "HostPoolStats", "PrefetchPlan", "SnapshotStats", "SnapshotStore", "Stats", "Store", "plan_from_trace"]

@@ -1,0 +1,382 @@
+"""Adjoint loops under a checkpoint schedule: ``checkpointed_loop`` (autograd) and ``run_schedule`` (explicit).
+
+# NOTE [ Adjoint executor ]
+# One schedule (torchckpt.schedules) drives two executors here, with the semantics of
+# NOTE [ Schedule actions ]; snapshots go through a ``SnapshotStore`` (NOTE [ Snapshot store ])
+# and, unless ``prefetch=False``, the schedule is first passed through ``plan_prefetch`` so
+# that every off-GPU restore has its copy started ahead of time (GPUZIP's Prefetch Setup).
+# 1. ``run_schedule`` calls the user's callbacks for compute (forward, backward) and for
+#    moving the state in and out of snapshots (save returns the state's tensors, restore
+#    receives read-only views of a snapshot and copies them into the user's buffers).
+# 2. ``checkpointed_loop`` is an autograd Function. Its forward executes the schedule up to
+#    ``EndForward`` without recording, then evaluates the last step with recording and keeps
+#    that graph for ``Adjoint(n_steps - 1)`` (Rule 4 of NOTE [ Schedule actions ]). Its
+#    backward executes the rest: each ``Adjoint(n)`` re-evaluates step n with recording from
+#    the current state and back-propagates the incoming adjoint through it. Gradients with
+#    respect to the initial state and to the parameters (summed over steps in the order plain
+#    autograd sums them) are those of the unrolled loop, bit for bit for deterministic ops.
+# 3. Parameters: tensors the step uses that need gradients must be visible to autograd as
+#    inputs of the Function: an ``nn.Module`` step's parameters are found; otherwise pass
+#    ``params=``.
+"""
+from __future__ import annotations
+
+import math
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from torchckpt._errors import CheckpointError
+from torchckpt.schedules import (
+    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, plan_prefetch,
+)
+from torchckpt.schedules.schedule import Schedule
+from torchckpt.store import Store
+from torchckpt.store.host_pool import HostPool
+from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
+
+__all__ = ["checkpointed_loop", "run_schedule", "auto_schedule"]
+
+
+def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: int, slots: int = 4) -> Schedule:
+    """The schedule ``schedule="auto"`` picks: Revolve over as many snapshots as the budgets hold.
+
+    GPU snapshots get what the GPU budget holds beyond ``slots`` cache slots; host snapshots
+    what the host budget holds. With room for every step on the GPU nothing is recomputed.
+
+    Args:
+        n_steps: loop length.
+        snapshot_bytes: bytes of one state.
+        gpu_bytes: GPU memory the snapshots may use (cache slots included).
+        host_bytes: host memory the snapshots may use.
+        slots: GPU cache slots in front of the host tier.
+
+    Returns:
+        ``Revolve`` (one tier) or ``Multistage`` (GPU and host).
+    """
+    if snapshot_bytes <= 0:
+        raise ValueError(f"torchckpt: snapshot_bytes must be > 0, got {snapshot_bytes}.")
+    gpu = max(0, gpu_bytes // snapshot_bytes - slots)
+    host = host_bytes // snapshot_bytes
+    if gpu >= n_steps:
+        return Revolve(n_steps, n_steps, tier=Tier.GPU)
+    if host == 0:
+        if gpu == 0:
+            raise CheckpointError(
+                f"torchckpt: no room for even one snapshot of {snapshot_bytes} bytes (GPU budget {gpu_bytes}, "
+                f"host budget {host_bytes}); give the Store a larger gpu_bytes or HostPool capacity."
+            )
+        return Revolve(n_steps, gpu, tier=Tier.GPU)
+    return Multistage(n_steps, gpu_slots=gpu, host_slots=min(host, n_steps - gpu))
+
+
+class _Progress:
+    def __init__(self, enabled: bool, n: int) -> None:
+        self.enabled, self.n, self.done, self.t0, self.next = enabled, n, 0, time.perf_counter(), 0.1
+
+    def adjoint(self) -> None:
+        self.done += 1
+        if self.enabled and self.done >= self.next * self.n:
+            self.next += 0.1
+            dt = time.perf_counter() - self.t0
+            print(f"torchckpt: adjoint {self.done}/{self.n} steps, {dt:.1f} s", file=sys.stderr, flush=True)
+
+
+def _actions(schedule: Iterable[Any], slots: int, prefetch: bool) -> Iterable[Any]:
+    return plan_prefetch(schedule, slots) if prefetch else schedule
+
+
+def run_schedule(
+    schedule: Iterable[Any],
+    *,
+    forward: Callable[[int, int], None],
+    save: Callable[[int], torch.Tensor | Sequence[torch.Tensor]],
+    restore: Callable[[int, list[torch.Tensor]], None],
+    backward: Callable[[int], None],
+    store: Store | SnapshotStore | None = None,
+    slots: int = 4,
+    prefetch: bool = True,
+    end_forward: Callable[[], None] | None = None,
+    progress: bool = False,
+) -> SnapshotStats:
+    """Drive a hand-written adjoint (e.g. reverse time migration) through a checkpoint schedule.
+
+    torchckpt does the saving, caching, prefetching and restoring of snapshots; the callbacks
+    do the compute.
+
+    Args:
+        schedule: a schedule from ``torchckpt.schedules`` (or any iterable of its actions).
+        forward: ``forward(n0, n1)`` advances the current state from step n0 to n1.
+        save: ``save(n)`` returns the tensors of the current state (step n); torchckpt copies them.
+        restore: ``restore(n, tensors)`` copies snapshot n into the current state; ``tensors`` are
+            read-only views, valid until the callback returns.
+        backward: ``backward(n)`` takes the adjoint step n (the current state is state n).
+        store: a ``SnapshotStore``, or a ``Store`` whose device and host pool to use; ``None``: the
+            device of the first saved tensor and a new host pool.
+        slots: GPU cache slots in front of host memory (when no ``SnapshotStore`` is given).
+        prefetch: plan prefetches with ``plan_prefetch`` (``False``: restores load on demand).
+        end_forward: called once the forward sweep is done.
+        progress: print adjoint progress to stderr every 10%.
+
+    Returns:
+        The snapshot store's statistics.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve, Tier
+        >>> x, log = [torch.tensor([1.0])], []
+        >>> stats = run_schedule(
+        ...     Revolve(4, 2, tier=Tier.HOST),
+        ...     forward=lambda n0, n1: x.__setitem__(0, x[0] * 2 ** (n1 - n0)),
+        ...     save=lambda n: x[0],
+        ...     restore=lambda n, t: x.__setitem__(0, t[0].clone()),
+        ...     backward=lambda n: log.append((n, x[0].item())),
+        ...     store=SnapshotStore("cpu", slots=2, host=HostPool(chunk_bytes=1 << 20, pin=False)))
+        >>> log  # adjoint step n sees state n = 2**n
+        [(3, 8.0), (2, 4.0), (1, 2.0), (0, 1.0)]
+    """
+    snaps = store if isinstance(store, SnapshotStore) else None
+    n_adj = getattr(schedule, "n_steps", 0)
+    prog = _Progress(progress, n_adj)
+    for a in _actions(schedule, slots, prefetch):
+        t = type(a)
+        if t is Advance:
+            forward(a.n0, a.n1)
+        elif t is Save:
+            tensors = save(a.n)
+            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            if snaps is None:
+                snaps = _new_snapshot_store(store, tensors[0].device, slots)
+            snaps.save(a.n, a.tier, tensors)
+        elif t is Restore:
+            if snaps is None:
+                raise CheckpointError(f"torchckpt: {a!r} before any Save: the schedule is invalid (check it with simulate()).")
+            restore(a.n, snaps.restore(a.n, a.tier))
+            snaps.after_use()
+        elif t is Adjoint:
+            backward(a.n)
+            prog.adjoint()
+        elif t is Prefetch:
+            if snaps is not None:
+                snaps.prefetch(a.n, a.src, a.dst)
+        elif t is Free:
+            if snaps is not None:
+                snaps.free(a.n, a.tier)
+        elif t is EndForward:
+            if end_forward is not None:
+                end_forward()
+        elif t is End:
+            break
+        else:
+            raise TypeError(f"torchckpt: unknown schedule action {a!r}.")
+    if snaps is None:
+        return SnapshotStats()
+    st = snaps.stats()
+    if not isinstance(store, SnapshotStore):
+        snaps.close()
+    return st
+
+
+def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -> SnapshotStore:
+    host = store.host if isinstance(store, Store) else HostPool(pin=device.type == "cuda")
+    dev = store.device if isinstance(store, Store) else device
+    return SnapshotStore(dev, slots=slots, host=host)
+
+
+class _LoopRun:
+    """What the autograd Function carries from forward to backward."""
+
+    def __init__(self, step: Callable[..., Any], spec: Any, n_state: int, schedule: Iterable[Any],
+                 snaps_factory: Callable[[torch.device], SnapshotStore], slots: int, prefetch: bool) -> None:
+        self.step, self.spec, self.n_state = step, spec, n_state
+        self.actions = iter(_actions(schedule, slots, prefetch))
+        self.factory = snaps_factory
+        self.snaps: SnapshotStore | None = None
+        self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.stats: SnapshotStats | None = None
+
+    def call(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
+        y = self.step(tree_unflatten(x, self.spec))
+        flat, spec = tree_flatten(y)
+        if spec != self.spec:
+            raise CheckpointError(
+                f"torchckpt: step must return a state of the same structure as it takes; took {self.spec}, "
+                f"returned {spec}."
+            )
+        return flat
+
+    def save(self, n: int, tier: Tier, x: list[torch.Tensor]) -> None:
+        if self.snaps is None:
+            self.snaps = self.factory(x[0].device)
+        self.snaps.save(n, tier, x)
+
+    def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
+        assert self.snaps is not None
+        x = [v.clone() for v in self.snaps.restore(n, tier)]
+        self.snaps.after_use()
+        return x
+
+
+class _Loop(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, run: _LoopRun, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        x = [t.detach() for t in tensors[: run.n_state]]
+        for a in run.actions:
+            t = type(a)
+            if t is Advance:
+                for _ in range(a.n0, a.n1):
+                    x = run.call(x)
+            elif t is Save:
+                run.save(a.n, a.tier, x)
+            elif t is Prefetch:
+                if run.snaps is not None:
+                    run.snaps.prefetch(a.n, a.src, a.dst)
+            elif t is Free:
+                if run.snaps is not None:
+                    run.snaps.free(a.n, a.tier)
+            elif t is EndForward:
+                break
+            else:
+                raise CheckpointError(f"torchckpt: {a!r} before EndForward: the schedule is invalid.")
+        with torch.enable_grad():  # Rule 2: record the last step, keep its graph for Adjoint(n-1)
+            xin = [v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) for v in x]
+            y = run.call(xin)
+        run.last = (xin, y)
+        ctx.run = run
+        ctx.n_params = len(tensors) - run.n_state
+        ctx.params = tensors[run.n_state:]
+        return tuple(v.detach() for v in y)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
+        run: _LoopRun = ctx.run
+        params = list(ctx.params)
+        g: list[torch.Tensor | None] = list(grads)
+        gp: list[torch.Tensor | None] = [None] * len(params)
+        x: list[torch.Tensor] | None = None
+        for a in run.actions:
+            t = type(a)
+            if t is Adjoint:
+                if run.last is not None:
+                    xin, y = run.last
+                    run.last = None
+                else:
+                    if x is None:
+                        raise CheckpointError(f"torchckpt: {a!r} with no current state: the schedule is invalid.")
+                    with torch.enable_grad():
+                        xin = [v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) for v in x]
+                        y = run.call(xin)
+                outs_y = [v for v, gv in zip(y, g) if gv is not None and v.requires_grad]
+                gs = [gv for v, gv in zip(y, g) if gv is not None and v.requires_grad]
+                wrt = [v for v in xin if v.requires_grad] + [p for p in params if p.requires_grad]
+                res = torch.autograd.grad(outs_y, wrt, gs, allow_unused=True) if outs_y else [None] * len(wrt)
+                it = iter(res)
+                g = [next(it) if v.requires_grad else None for v in xin]
+                for i, p in enumerate(params):
+                    if p.requires_grad:
+                        d = next(it)
+                        if d is not None:
+                            gp[i] = d if gp[i] is None else gp[i] + d
+                x = None
+            elif t is Restore:
+                x = run.restore(a.n, a.tier)
+            elif t is Advance:
+                assert x is not None
+                with torch.no_grad():
+                    for _ in range(a.n0, a.n1):
+                        x = run.call(x)
+            elif t is Save:
+                assert x is not None
+                run.save(a.n, a.tier, x)
+            elif t is Prefetch:
+                if run.snaps is not None:
+                    run.snaps.prefetch(a.n, a.src, a.dst)
+            elif t is Free:
+                if run.snaps is not None:
+                    run.snaps.free(a.n, a.tier)
+            elif t is End:
+                break
+        if run.snaps is not None:
+            run.stats = run.snaps.stats()
+            run.snaps.close()
+        return (None, *g, *gp)
+
+
+def checkpointed_loop(
+    step: Callable[[Any], Any],
+    state: Any,
+    n_steps: int,
+    *,
+    schedule: Schedule | Iterable[Any] | str = "auto",
+    store: Store | None = None,
+    slots: int = 4,
+    prefetch: bool = True,
+    params: Sequence[torch.Tensor] | None = None,
+) -> Any:
+    """Run ``state = step(state)`` ``n_steps`` times, differentiably, storing only a schedule's snapshots.
+
+    ``backward()`` through the result gives the gradients of the plain unrolled loop (exactly,
+    for deterministic ops) while at most the schedule's snapshots are held; the others are
+    recomputed from them. Snapshots off the GPU pass through ``slots`` GPU cache slots and are
+    prefetched following ``plan_prefetch`` (NOTE [ Adjoint executor ]).
+
+    Args:
+        step: one time step, ``state -> state`` of the same structure (a tensor, tuple or dict of
+            tensors). It must be deterministic given its input (no fresh randomness).
+        state: the initial state.
+        n_steps: number of steps (>= 1).
+        schedule: a schedule for ``n_steps`` (``Revolve``, ``ZCut``, ``Uniform``, ``Multistage``)
+            or ``"auto"``: Revolve over as many snapshots as ``store``'s budgets hold.
+        store: supplies the device, the GPU budget and the host pool (``None``: the default store).
+        slots: GPU cache slots in front of host snapshots.
+        prefetch: prefetch host snapshots ahead of their restores.
+        params: tensors ``step`` uses that need gradients; ``None``: ``step.parameters()`` for an
+            ``nn.Module`` step, else none.
+
+    Returns:
+        The state after ``n_steps`` steps.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> w = torch.tensor(0.9, requires_grad=True)
+        >>> x0 = torch.ones(3, requires_grad=True)
+        >>> y = checkpointed_loop(lambda x: torch.sin(w * x), x0, 50, schedule=Revolve(50, 4),
+        ...                       params=[w], store=Store("cpu"))
+        >>> y.sum().backward()
+        >>> w.grad is not None and x0.grad.shape == (3,)
+        True
+    """
+    if not isinstance(n_steps, int) or n_steps < 1:
+        raise ValueError(f"torchckpt: n_steps must be an int >= 1, got {n_steps!r}.")
+    flat, spec = tree_flatten(state)
+    if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
+        raise TypeError("torchckpt: state must be a tensor or a tuple/list/dict of tensors.")
+    if params is None:
+        params = [p for p in step.parameters() if p.requires_grad] if isinstance(step, nn.Module) else []
+    params = list(params)
+    if store is None:
+        from torchckpt.api import default_store
+
+        store = default_store(flat[0].device)
+    if isinstance(schedule, str):
+        if schedule != "auto":
+            raise ValueError(f"torchckpt: schedule must be a schedule object or 'auto', got {schedule!r}.")
+        nbytes = sum(t.numel() * t.element_size() for t in flat)
+        schedule = auto_schedule(n_steps, nbytes, store.cache.budget_bytes, store.host.capacity_bytes, slots)
+    sched_n = getattr(schedule, "n_steps", n_steps)
+    if sched_n != n_steps:
+        raise ValueError(f"torchckpt: the schedule is for {sched_n} steps but n_steps={n_steps}; build it with n_steps.")
+    st = store
+
+    def factory(device: torch.device) -> SnapshotStore:
+        return SnapshotStore(st.device, slots=slots, host=st.host)
+
+    run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch)
+    out = _Loop.apply(run, *flat, *params)
+    return tree_unflatten(list(out), spec)

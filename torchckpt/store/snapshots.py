@@ -1,0 +1,399 @@
+"""Snapshots of a time-stepping loop's state, held for a checkpoint schedule.
+
+# NOTE [ Snapshot store ]
+# The runtime of NOTE [ Snapshot cache ] (schedules/prefetch.py): the same ranking and pins,
+# now with memory and streams.
+# 1. A snapshot is a tuple of tensors (a wave equation carries u_t and u_{t-1}); every
+#    snapshot of one loop has the same layout (shapes, dtypes), checked at each save.
+# 2. ``Tier.GPU`` snapshots are device copies held by reference. Off-GPU snapshots
+#    (``Tier.HOST``; DISK is treated as HOST) live in the host pool and pass through
+#    ``slots`` device slots, each one flat buffer allocated once for the loop: a save
+#    copies the state into a slot on the compute stream and the slot is flushed to host on
+#    the offload stream; a restore that hits reads the slot.
+# 3. Every slot remembers three events: its last flush (device-to-host), its last fill
+#    (host-to-device) and its last use on the compute stream. Overwriting a slot waits on
+#    the events of whatever may still read or write it: a save waits (GPU-side) for the
+#    slot's flush, as GPUZIP's SAVE does; a prefetch on the prefetch stream waits for the
+#    slot's flush and last use, and for the snapshot's own flush to host.
+# 4. A restore waits on the slot's fill event (compute stream), never on the device. A
+#    restore that misses fills a slot on demand; with no slot available (every slot pinned:
+#    the runtime left the plan) it copies straight from host into fresh tensors.
+# 5. ``restore`` returns views of the slot (or of the GPU-tier copy): the caller copies them
+#    into its own buffers before the next action touches that snapshot and must not modify
+#    them. Events recorded after the caller's copy make the slot's reuse safe.
+# 6. On the CPU (``device="cpu"``) streams and events are absent and copies synchronous: the
+#    same bookkeeping runs, which is what the CPU tests check.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torchckpt._errors import CheckpointError, internal_error
+from torchckpt.profiling import nvtx_range
+from torchckpt.schedules.actions import Tier
+from torchckpt.schedules.prefetch import _Cache
+from torchckpt.store.host_pool import HostBlock, HostPool
+
+_ALIGN = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotStats:
+    """What a snapshot store did. Times in seconds; on CUDA from device events.
+
+    Attributes:
+        saves: snapshots saved (all tiers); host_saves: of them, to an off-GPU tier.
+        restores: snapshots restored; hits: off-GPU restores served by a slot.
+        prefetches: host-to-device prefetch copies; late_prefetches / late_wait_s: those that
+            ended after the restore needed them, and by how much in total.
+        misses: off-GPU restores loaded on demand; miss_wait_s: the compute stream's wait for them.
+        save_waits / save_wait_s: saves that had to wait for their slot's previous flush.
+        bytes_to_host / bytes_to_device: bytes copied each way.
+    """
+
+    saves: int = 0
+    host_saves: int = 0
+    restores: int = 0
+    hits: int = 0
+    prefetches: int = 0
+    late_prefetches: int = 0
+    late_wait_s: float = 0.0
+    misses: int = 0
+    miss_wait_s: float = 0.0
+    save_waits: int = 0
+    save_wait_s: float = 0.0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """Off-GPU restores served by a slot, as a fraction (1.0 when there were none)."""
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        return self.late_wait_s + self.miss_wait_s + self.save_wait_s
+
+
+class _Layout:
+    """Shapes and dtypes of a snapshot and where each tensor sits in a flat buffer."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.meta = tuple((t.shape, t.dtype) for t in tensors)
+        self.offsets = []
+        off = 0
+        for t in tensors:
+            self.offsets.append(off)
+            off += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
+        self.nbytes = off
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        out = []
+        for (shape, dtype), off in zip(self.meta, self.offsets):
+            n = dtype.itemsize * shape.numel()
+            out.append(flat[off : off + n].view(dtype).view(shape))
+        return out
+
+
+class SnapshotStore:
+    """Holds a schedule's snapshots: GPU tier on the device, other tiers via device slots and a host pool.
+
+    Args:
+        device: where the state lives (``"cuda"``/``"cuda:N"``, or ``"cpu"`` to simulate).
+        slots: device slots in front of the host tier (GPUZIP's cache; >= 1, 2+ to overlap).
+        host: the host pool (``None``: a new ``HostPool``).
+        timing: time late prefetches and waits with CUDA events.
+
+    Example::
+
+        >>> s = SnapshotStore("cpu", slots=2, host=HostPool(chunk_bytes=1 << 20, pin=False))
+        >>> s.save(0, Tier.HOST, [torch.arange(4.0)])
+        >>> s.restore(0, Tier.HOST)[0]
+        tensor([0., 1., 2., 3.])
+    """
+
+    def __init__(self, device: str | torch.device, slots: int = 4, host: HostPool | None = None,
+                 timing: bool = True) -> None:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cuda", "cpu"):
+            raise ValueError(f"torchckpt: SnapshotStore supports 'cuda' and 'cpu', got {str(device)!r}.")
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("torchckpt: SnapshotStore(device='cuda') needs CUDA; pass device='cpu' to simulate.")
+        if not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"torchckpt: SnapshotStore needs slots >= 1 (2 or more to overlap copies), got {slots!r}.")
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.timing = timing and self.cuda
+        self.host = host if host is not None else HostPool(pin=self.cuda)
+        self.nslots = slots
+        self._rank = _Cache(slots)
+        self._layout: _Layout | None = None
+        self._slots: list[torch.Tensor] = []
+        self._slot_of: dict[int, int] = {}
+        self._free_slots: list[int] = []
+        self._flush_ev: list[Any] = []  # per slot: last device-to-host copy out of it
+        self._fill_ev: list[Any] = []  # per slot: last host-to-device copy into it
+        self._use_ev: list[Any] = []  # per slot: last compute-stream access
+        self._on_host: dict[int, tuple[HostBlock, Any]] = {}  # step -> (block, its flush event)
+        self._gpu: dict[int, list[torch.Tensor]] = {}
+        self._prefetched: set[int] = set()
+        self._timings: list[tuple[str, Any, Any]] = []
+        self._pending_use: int | None = None
+        self._c: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(SnapshotStats)}
+        for k in ("late_wait_s", "miss_wait_s", "save_wait_s"):
+            self._c[k] = 0.0
+        if self.cuda:
+            self._offload = torch.cuda.Stream(device)
+            self._prefetch = torch.cuda.Stream(device)
+
+    # -- actions -------------------------------------------------------------------------
+    def save(self, n: int, tier: Tier, tensors: Sequence[torch.Tensor]) -> None:
+        """Snapshot ``tensors`` (the state at step ``n``) into ``tier``."""
+        tensors = list(tensors)
+        self._check(tensors)
+        c = self._c
+        c["saves"] += 1
+        with nvtx_range(f"torchckpt.save {n}"):
+            if tier is Tier.GPU:
+                self._gpu[n] = [t.detach().clone() for t in tensors]
+                return
+            c["host_saves"] += 1
+            lay = self._layout
+            assert lay is not None
+            if not self._rank.can_take():  # every slot pinned: straight to host (Rule 4)
+                block = self.host.alloc(lay.nbytes)
+                flat = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
+                for dst, src in zip(lay.views(flat), tensors):
+                    dst.copy_(src)
+                ev = self._to_host(block.tensor, flat)
+                self._on_host[n] = (block, ev)
+                if self.cuda:
+                    torch.cuda.current_stream(self.device).wait_event(ev)  # flat must outlive the copy
+                return
+            s = self._take_slot(n)
+            if self.cuda and self._flush_ev[s] is not None and not self._flush_ev[s].query():
+                c["save_waits"] += 1
+                need = self._wait(self._flush_ev[s])
+                if need is not None:
+                    self._timings.append(("save", need, self._flush_ev[s]))
+            slot = self._slots[s]
+            for dst, src in zip(lay.views(slot), tensors):
+                dst.copy_(src)
+            self._use_ev[s] = self._record()
+            old = self._on_host.pop(n, None)
+            if old is not None:
+                self.host.free(old[0], old[1])
+            block = self.host.alloc(lay.nbytes)
+            ev = self._to_host(block.tensor, slot)
+            self._flush_ev[s] = ev
+            self._on_host[n] = (block, ev)
+
+    def prefetch(self, n: int, src: Tier, dst: Tier) -> None:
+        """Start bringing snapshot ``n`` into a slot (or pin it where it is) ahead of its restore."""
+        if src is dst:
+            if n in self._slot_of:
+                self._rank.pin(n)
+            return
+        if n in self._slot_of:
+            self._rank.pin(n)
+            return
+        if n not in self._on_host:
+            raise CheckpointError(f"torchckpt: Prefetch({n}) of a snapshot that was never saved to host.")
+        if not self._rank.can_take():
+            return  # every slot pinned: the restore will load on demand
+        with nvtx_range(f"torchckpt.prefetch {n}"):
+            s = self._take_slot(n)
+            self._rank.pin(n)
+            self._fill(s, n)
+            self._prefetched.add(n)
+            self._c["prefetches"] += 1
+
+    def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
+        """Views of snapshot ``n`` valid on the current stream (Rule 5: copy them, do not modify them)."""
+        c = self._c
+        c["restores"] += 1
+        with nvtx_range(f"torchckpt.restore {n}"):
+            if tier is Tier.GPU:
+                if n not in self._gpu:
+                    raise CheckpointError(f"torchckpt: Restore({n}, GPU) of a snapshot that was never saved.")
+                return self._gpu[n]
+            lay = self._layout
+            hit = self._rank.use(n)
+            if hit:
+                s = self._slot_of[n]
+                c["hits"] += 1
+                if n in self._prefetched:
+                    self._prefetched.discard(n)
+                    need = self._wait(self._fill_ev[s])
+                    if need is not None:
+                        self._timings.append(("late", need, self._fill_ev[s]))
+                elif self._fill_ev[s] is not None:
+                    self._wait(self._fill_ev[s])
+                views = lay.views(self._slots[s])  # type: ignore[union-attr]
+                self._use_ev[s] = None  # the caller's copy comes after: see _after_use
+                self._pending_use = s
+                return views
+            if n not in self._on_host:
+                raise CheckpointError(f"torchckpt: Restore({n}, HOST) of a snapshot that was never saved.")
+            c["misses"] += 1
+            t0 = time.perf_counter()
+            if self._rank.can_take():
+                s = self._take_slot(n)
+                ev = self._fill(s, n)
+                need = self._wait(ev)
+                if need is not None:
+                    self._timings.append(("miss", need, ev))
+                elif not self.cuda:
+                    c["miss_wait_s"] += time.perf_counter() - t0
+                self._pending_use = s
+                return lay.views(self._slots[s])  # type: ignore[union-attr]
+            block, ev = self._on_host[n]
+            if ev is not None:
+                self._wait(ev)
+            flat = block.tensor.to(self.device)  # synchronous from the caller's view
+            c["bytes_to_device"] += lay.nbytes  # type: ignore[union-attr]
+            return lay.views(flat)  # type: ignore[union-attr]
+
+    def free(self, n: int, tier: Tier) -> None:
+        """Release snapshot ``n`` of ``tier``."""
+        if tier is Tier.GPU:
+            self._gpu.pop(n, None)
+            return
+        self._rank.drop(n)
+        self._prefetched.discard(n)
+        s = self._slot_of.pop(n, None)
+        if s is not None:
+            self._free_slots.append(s)
+        old = self._on_host.pop(n, None)
+        if old is not None:
+            last = self._fill_ev[s] if s is not None and self._fill_ev[s] is not None else old[1]
+            self.host.free(old[0], last)
+
+    def after_use(self) -> None:
+        """Mark the end of the caller's reads of the views ``restore`` returned (Rule 5)."""
+        s = self._pending_use
+        if s is not None:
+            self._use_ev[s] = self._record()
+            self._pending_use = None
+
+    def stats(self) -> SnapshotStats:
+        """Counters so far (waits for pending timing events)."""
+        for kind, need, done in self._timings:
+            done.synchronize()
+            need.synchronize()
+            late = need.elapsed_time(done) / 1e3
+            if late > 0:
+                key = {"late": "late_wait_s", "miss": "miss_wait_s", "save": "save_wait_s"}[kind]
+                self._c[key] += late
+                if kind == "late":
+                    self._c["late_prefetches"] += 1
+        self._timings = []
+        return SnapshotStats(**self._c)
+
+    def close(self) -> None:
+        """Free every snapshot and the slots (waits for copies in flight)."""
+        for n in list(self._on_host):
+            self.free(n, Tier.HOST)
+        self._gpu.clear()
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._offload)
+            torch.cuda.current_stream(self.device).wait_stream(self._prefetch)
+        self._slots = []
+
+    # -- internals -----------------------------------------------------------------------
+    def _check(self, tensors: list[torch.Tensor]) -> None:
+        if not tensors:
+            raise ValueError("torchckpt: a snapshot needs at least one tensor.")
+        for t in tensors:
+            if t.device != self.device:
+                raise ValueError(
+                    f"torchckpt: snapshot tensor on {t.device}, store on {self.device}; "
+                    "create the SnapshotStore on the state's device."
+                )
+        if self._layout is None:
+            self._layout = _Layout(tensors)
+            nb = self._layout.nbytes
+            self._slots = [torch.empty(nb, dtype=torch.uint8, device=self.device) for _ in range(self.nslots)]
+            self._free_slots = list(range(self.nslots - 1, -1, -1))
+            self._flush_ev = [None] * self.nslots
+            self._fill_ev = [None] * self.nslots
+            self._use_ev = [None] * self.nslots
+        elif tuple((t.shape, t.dtype) for t in tensors) != self._layout.meta:
+            raise ValueError(
+                "torchckpt: every snapshot of a loop must have the same shapes and dtypes; expected "
+                f"{[(tuple(s), d) for s, d in self._layout.meta]}, got {[(tuple(t.shape), t.dtype) for t in tensors]}."
+            )
+
+    def _take_slot(self, n: int) -> int:
+        old = self._rank.insert(n)
+        if n in self._slot_of:
+            return self._slot_of[n]
+        if old is not None:
+            s = self._slot_of.pop(old)
+        elif self._free_slots:
+            s = self._free_slots.pop()
+        else:
+            raise internal_error("snapshot cache has neither a free slot nor a victim")
+        self._slot_of[n] = s
+        return s
+
+    def _fill(self, s: int, n: int) -> Any:
+        block, flushed = self._on_host[n]
+        slot = self._slots[s]
+        self._c["bytes_to_device"] += block.nbytes if block.chunk >= 0 else block.tensor.numel()
+        if not self.cuda:
+            slot.copy_(block.tensor)
+            self._fill_ev[s] = None
+            return None
+        p = self._prefetch
+        for ev in (flushed, self._flush_ev[s], self._use_ev[s]):  # Rule 3
+            if ev is not None:
+                p.wait_event(ev)
+        if self._use_ev[s] is None:  # no record of the last use: order after everything so far
+            p.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(p):
+            slot[: block.tensor.numel()].copy_(block.tensor, non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=self.timing)
+            ev.record(p)
+        self._fill_ev[s] = ev
+        return ev
+
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        self._c["bytes_to_host"] += dst.numel()
+        if not self.cuda:
+            dst.copy_(src[: dst.numel()])
+            return None
+        o = self._offload
+        o.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(o):
+            dst.copy_(src[: dst.numel()], non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=self.timing)
+            ev.record(o)
+        return ev
+
+    def _record(self) -> Any:
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def _wait(self, ev: Any) -> Any:
+        """The compute stream waits on ``ev``; returns a timing event marking when it started to."""
+        if not self.cuda or ev is None:
+            return None
+        cur = torch.cuda.current_stream(self.device)
+        need = None
+        if self.timing:
+            need = torch.cuda.Event(enable_timing=True)
+            need.record(cur)
+        cur.wait_event(ev)
+        return need
