@@ -53,7 +53,7 @@ setup(
     python_requires=">=3.11",
     install_requires=["torch>=2.11"],
     extras_require={
-        "test": ["pytest>=8", "hypothesis>=6", "numpy", "checkpoint-schedules==1.0.4"],
+        "test": ["pytest>=8", "hypothesis>=6", "numpy", "mypy>=1.10", "checkpoint-schedules==1.0.4"],
         "plot": ["matplotlib"],
     },
     entry_points={"console_scripts": ["torchckpt=torchckpt.__main__:main"]},

@@ -151,7 +151,7 @@ def run_schedule(
             tensors = save(a.n)
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             if snaps is None:
-                snaps = _new_snapshot_store(store, tensors[0].device, slots)
+                snaps = _new_snapshot_store(store if isinstance(store, Store) else None, tensors[0].device, slots)
             snaps.save(a.n, a.tier, tensors)
         elif t is Restore:
             if snaps is None:
@@ -280,8 +280,9 @@ class _Loop(torch.autograd.Function):
                 for i, p in enumerate(params):
                     if p.requires_grad:
                         d = next(it)
+                        prev = gp[i]
                         if d is not None:
-                            gp[i] = d if gp[i] is None else gp[i] + d
+                            gp[i] = d if prev is None else prev + d
                 x = None
             elif t is Restore:
                 x = run.restore(a.n, a.tier)

@@ -127,14 +127,14 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps
     print(f"\n{'mode':34s} {'step ms':>9s} {'x none':>7s} {'peak act GiB':>13s} {'offl MiB/step':>14s} "
           f"{'pf hits':>8s} {'misses':>7s} {'exposed ms':>11s} {'final loss':>11s}")
-    for name, t, peak, st, loss in rows:
+    for name, step_s, peak, st, final_loss in rows:
         mem = f"{peak:13.2f}" if cuda else f"{'n/a (CPU)':>13s}"
         if st is not None:
             extra = (f"{st.offloaded_bytes / steps / 2**20:14.1f} {st.prefetch_hits // steps:8d} "
                      f"{st.misses // steps:7d} {st.exposed_transfer_s / steps * 1e3:11.2f}")
         else:
             extra = f"{'-':>14s} {'-':>8s} {'-':>7s} {'-':>11s}"
-        print(f"{name:34s} {t * 1e3:9.1f} {t / t_ref:7.2f} {mem} {extra} {loss:11.6f}")
+        print(f"{name:34s} {step_s * 1e3:9.1f} {step_s / t_ref:7.2f} {mem} {extra} {final_loss:11.6f}")
     spread = max(r[4] for r in rows) - min(r[4] for r in rows)
     if spread == 0:
         print("\nFinal losses are identical across modes: saved tensors come back bit-identical and "

@@ -304,8 +304,8 @@ class Store:
             return t
         es = t.element_size()
         extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-        lo = t.storage_offset() * es
-        span = extent * es
+        lo = int(t.storage_offset()) * es
+        span = int(extent) * es
         whole = 2 * span >= storage.nbytes()
         with self._lock, nvtx_range("torchckpt.pack"):
             if self._live == 0 and self._trace:
@@ -326,7 +326,7 @@ class Store:
             if key is not None:
                 self._by_storage[key] = (e, StorageWeakRef(storage))
             self._live += 1
-            h = _Handle(self, e, t, t.storage_offset() * es - lo)
+            h = _Handle(self, e, t, int(t.storage_offset()) * es - lo)
             self._record(PACK, e.id, span)
             if not self._on_plan or e.id in self._plan.writes:  # type: ignore[union-attr]
                 self._write(e)
