@@ -13,8 +13,11 @@
 #    that graph for ``Adjoint(n_steps - 1)`` (Rule 4 of NOTE [ Schedule actions ]). Its
 #    backward executes the rest: each ``Adjoint(n)`` re-evaluates step n with recording from
 #    the current state and back-propagates the incoming adjoint through it. Gradients with
-#    respect to the initial state and to the parameters (summed over steps in the order plain
-#    autograd sums them) are those of the unrolled loop, bit for bit for deterministic ops.
+#    respect to the initial state and to the parameters are those of the unrolled loop, bit
+#    for bit for deterministic ops when each parameter enters a step once (contributions are
+#    summed over steps in the order plain autograd sums them). A parameter used several
+#    times within one step has its uses summed per step first: the same value up to rounding.
+#    One backward pass per loop: the schedule's snapshots are consumed by it.
 # 3. Parameters: tensors the step uses that need gradients must be visible to autograd as
 #    inputs of the Function: an ``nn.Module`` step's parameters are found; otherwise pass
 #    ``params=``.
@@ -33,7 +36,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchckpt._errors import CheckpointError
 from torchckpt.schedules import (
-    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, plan_prefetch,
+    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, plan_flushes,
+    plan_prefetch,
 )
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.store import Store
@@ -87,8 +91,10 @@ class _Progress:
             print(f"torchckpt: adjoint {self.done}/{self.n} steps, {dt:.1f} s", file=sys.stderr, flush=True)
 
 
-def _actions(schedule: Iterable[Any], slots: int, prefetch: bool) -> Iterable[Any]:
-    return plan_prefetch(schedule, slots) if prefetch else schedule
+def _actions(schedule: Iterable[Any], slots: int, prefetch: bool) -> tuple[list[Any], frozenset[int]]:
+    """The actions to execute (with prefetches) and the Saves that flush (NOTE [ Write-back ])."""
+    acts = list(plan_prefetch(schedule, slots)) if prefetch else list(schedule)
+    return acts, plan_flushes(acts, slots)
 
 
 def run_schedule(
@@ -143,7 +149,8 @@ def run_schedule(
     snaps = store if isinstance(store, SnapshotStore) else None
     n_adj = getattr(schedule, "n_steps", 0)
     prog = _Progress(progress, n_adj)
-    for a in _actions(schedule, slots, prefetch):
+    acts, flushes = _actions(schedule, slots, prefetch)
+    for i, a in enumerate(acts):
         t = type(a)
         if t is Advance:
             forward(a.n0, a.n1)
@@ -152,7 +159,7 @@ def run_schedule(
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
             if snaps is None:
                 snaps = _new_snapshot_store(store if isinstance(store, Store) else None, tensors[0].device, slots)
-            snaps.save(a.n, a.tier, tensors)
+            snaps.save(a.n, a.tier, tensors, flush=i in flushes)
         elif t is Restore:
             if snaps is None:
                 raise CheckpointError(f"torchckpt: {a!r} before any Save: the schedule is invalid (check it with simulate()).")
@@ -194,11 +201,13 @@ class _LoopRun:
     def __init__(self, step: Callable[..., Any], spec: Any, n_state: int, schedule: Iterable[Any],
                  snaps_factory: Callable[[torch.device], SnapshotStore], slots: int, prefetch: bool) -> None:
         self.step, self.spec, self.n_state = step, spec, n_state
-        self.actions = iter(_actions(schedule, slots, prefetch))
+        acts, self.flushes = _actions(schedule, slots, prefetch)
+        self.actions = iter(enumerate(acts))
         self.factory = snaps_factory
         self.snaps: SnapshotStore | None = None
         self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.stats: SnapshotStats | None = None
+        self.done = False
 
     def call(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
         y = self.step(tree_unflatten(x, self.spec))
@@ -210,10 +219,10 @@ class _LoopRun:
             )
         return flat
 
-    def save(self, n: int, tier: Tier, x: list[torch.Tensor]) -> None:
+    def save(self, i: int, n: int, tier: Tier, x: list[torch.Tensor]) -> None:
         if self.snaps is None:
             self.snaps = self.factory(x[0].device)
-        self.snaps.save(n, tier, x)
+        self.snaps.save(n, tier, x, flush=i in self.flushes)
 
     def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
         assert self.snaps is not None
@@ -226,13 +235,13 @@ class _Loop(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _LoopRun, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         x = [t.detach() for t in tensors[: run.n_state]]
-        for a in run.actions:
+        for i, a in run.actions:
             t = type(a)
             if t is Advance:
                 for _ in range(a.n0, a.n1):
                     x = run.call(x)
             elif t is Save:
-                run.save(a.n, a.tier, x)
+                run.save(i, a.n, a.tier, x)
             elif t is Prefetch:
                 if run.snaps is not None:
                     run.snaps.prefetch(a.n, a.src, a.dst)
@@ -247,6 +256,7 @@ class _Loop(torch.autograd.Function):
             xin = [v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) for v in x]
             y = run.call(xin)
         run.last = (xin, y)
+        ctx.set_materialize_grads(False)  # an output the loss does not use brings None, as in plain autograd
         ctx.run = run
         ctx.n_params = len(tensors) - run.n_state
         ctx.params = tensors[run.n_state:]
@@ -255,11 +265,17 @@ class _Loop(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
         run: _LoopRun = ctx.run
+        if run.done:
+            raise CheckpointError(
+                "torchckpt: a second backward through checkpointed_loop: its snapshots were consumed by the "
+                "first one. Run the loop again for another backward (retain_graph=True cannot replay it)."
+            )
+        run.done = True
         params = list(ctx.params)
         g: list[torch.Tensor | None] = list(grads)
         gp: list[torch.Tensor | None] = [None] * len(params)
         x: list[torch.Tensor] | None = None
-        for a in run.actions:
+        for i, a in run.actions:
             t = type(a)
             if t is Adjoint:
                 if run.last is not None:
@@ -293,7 +309,7 @@ class _Loop(torch.autograd.Function):
                         x = run.call(x)
             elif t is Save:
                 assert x is not None
-                run.save(a.n, a.tier, x)
+                run.save(i, a.n, a.tier, x)
             elif t is Prefetch:
                 if run.snaps is not None:
                     run.snaps.prefetch(a.n, a.src, a.dst)

@@ -18,7 +18,7 @@ from torchckpt.schedules.actions import (
 )
 from torchckpt.schedules.multistage import Multistage
 from torchckpt.schedules.plan import Plan
-from torchckpt.schedules.prefetch import CacheStats, PrefetchedSchedule, plan_prefetch, simulate_cache
+from torchckpt.schedules.prefetch import CacheStats, PrefetchedSchedule, plan_flushes, plan_prefetch, simulate_cache
 from torchckpt.schedules.revolve import Revolve, optimal_forward_steps, repetition_number
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.schedules.simulate import SimResult, simulate
@@ -46,6 +46,7 @@ __all__ = [
     "Uniform",
     "ZCut",
     "optimal_forward_steps",
+    "plan_flushes",
     "plan_prefetch",
     "repetition_number",
     "simulate",

@@ -19,7 +19,9 @@ overlap the copy with computation.
 #    belongs to one future ``Restore`` of n and ends there; pinned slots are never
 #    evicted, so a prefetched snapshot is never evicted before its use.
 # 4. ``Restore(n, HOST)`` hits if n is in the cache (it becomes most recently used), else
-#    misses (a synchronous host-to-device copy). ``Free(n, HOST)`` drops n.
+#    misses: a synchronous host-to-device copy into a slot chosen as in Rule 2 (so that a
+#    later restore of n hits), or straight into the state when every slot is pinned.
+#    ``Free(n, HOST)`` drops n.
 #
 # NOTE [ Prefetch setup ]
 # ``plan_prefetch`` replays the schedule on the cache of NOTE [ Snapshot cache ] and
@@ -42,6 +44,7 @@ overlap the copy with computation.
 """
 from __future__ import annotations
 
+import bisect
 from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -59,7 +62,7 @@ from torchckpt.schedules.actions import (
 )
 from torchckpt.schedules.schedule import check_int
 
-__all__ = ["CacheStats", "PrefetchedSchedule", "plan_prefetch", "simulate_cache"]
+__all__ = ["CacheStats", "PrefetchedSchedule", "plan_flushes", "plan_prefetch", "simulate_cache"]
 
 
 class _Cache:
@@ -243,6 +246,83 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
     return PrefetchedSchedule(tuple(out), cache_slots, copies, pins)
 
 
+def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
+    """Positions of the off-GPU ``Save`` actions whose snapshot must be copied to host (write-back).
+
+    # NOTE [ Write-back ]
+    # GPUZIP flushes every snapshot to host as it is saved. A snapshot that is freed, saved
+    # again or never read again while it still sits in its slot needs no host copy at all.
+    # Replaying the actions on the cache of NOTE [ Snapshot cache ] tells which snapshots are
+    # evicted while a later Restore or Prefetch still reads them: only their Saves flush.
+    # The runtime flushes any other snapshot at the moment it is evicted (never lost), so
+    # this plan only decides which copies start early, overlapped with compute.
+
+    Args:
+        actions: a schedule's actions, normally after ``plan_prefetch``.
+        cache_slots: the GPU cache's slots.
+
+    Returns:
+        Indices into ``actions`` of the Saves to flush.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> acts = list(plan_prefetch(Revolve(6, 2, tier=Tier.HOST), 2))
+        >>> sorted(plan_flushes(acts, 2)) == sorted(plan_flushes(acts, 2))
+        True
+    """
+    check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
+    acts = list(actions)
+    cache = _Cache(cache_slots)
+    saved_at: dict[int, int] = {}
+    flush: set[int] = set()
+    evictions: list[tuple[int, int, int]] = []  # (position, step, position of its Save)
+    reads: dict[int, list[int]] = {}  # step -> positions of Restore / copying Prefetch
+    ends: dict[int, list[int]] = {}  # step -> positions of Save / Free
+
+    def put(i: int, n: int) -> None:
+        old = cache.insert(n)
+        if old is not None and old in saved_at:
+            evictions.append((i, old, saved_at[old]))
+
+    for i, act in enumerate(acts):
+        if isinstance(act, Save) and _cached(act):
+            ends.setdefault(act.n, []).append(i)
+            saved_at[act.n] = i
+            if cache.can_take():
+                put(i, act.n)
+            else:  # every slot pinned: it goes straight to host
+                flush.add(i)
+        elif isinstance(act, Prefetch):
+            if act.src is act.dst:
+                if act.n in cache.rank:
+                    cache.pin(act.n)
+            elif act.n in cache.rank:
+                cache.pin(act.n)
+            else:
+                reads.setdefault(act.n, []).append(i)
+                if cache.can_take():
+                    put(i, act.n)
+                    cache.pin(act.n)
+        elif isinstance(act, Restore) and _cached(act):
+            if not cache.use(act.n):
+                reads.setdefault(act.n, []).append(i)
+                if cache.can_take():
+                    put(i, act.n)
+        elif isinstance(act, Free) and _cached(act):
+            ends.setdefault(act.n, []).append(i)
+            cache.drop(act.n)
+            saved_at.pop(act.n, None)
+    for pos, n, save_pos in evictions:
+        r = reads.get(n, [])
+        e = ends.get(n, [])
+        k = bisect.bisect_right(r, pos)
+        j = bisect.bisect_right(e, pos)
+        if k < len(r) and (j >= len(e) or r[k] < e[j]):
+            flush.add(save_pos)
+    return frozenset(flush)
+
+
 @dataclass(frozen=True, slots=True)
 class CacheStats:
     """What a replay on the snapshot cache saw (NOTE [ Snapshot cache ]).
@@ -340,7 +420,10 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
         elif isinstance(act, Restore):
             if _cached(act):
                 restores += 1
-                hits += cache.use(act.n)
+                hit = cache.use(act.n)
+                hits += hit
+                if not hit and cache.can_take():  # Rule 4: the on-demand copy lands in a slot
+                    evicted(cache.insert(act.n))
                 issued_at = awaiting.pop(act.n, None)
                 if issued_at is not None:
                     leads.append(work - issued_at)

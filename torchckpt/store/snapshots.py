@@ -21,7 +21,9 @@
 # 5. ``restore`` returns views of the slot (or of the GPU-tier copy): the caller copies them
 #    into its own buffers before the next action touches that snapshot and must not modify
 #    them. Events recorded after the caller's copy make the slot's reuse safe.
-# 6. On the CPU (``device="cpu"``) streams and events are absent and copies synchronous: the
+# 6. Write-back: a save may skip its flush (``flush=False``, decided by ``plan_flushes``);
+#    such a snapshot is flushed when it is evicted from its slot, before the slot is reused.
+# 7. On the CPU (``device="cpu"``) streams and events are absent and copies synchronous: the
 #    same bookkeeping runs, which is what the CPU tests check.
 """
 from __future__ import annotations
@@ -145,6 +147,7 @@ class SnapshotStore:
         self._on_host: dict[int, tuple[HostBlock, Any]] = {}  # step -> (block, its flush event)
         self._gpu: dict[int, list[torch.Tensor]] = {}
         self._prefetched: set[int] = set()
+        self._dirty: set[int] = set()  # in a slot, not on host (write-back)
         self._timings: list[tuple[str, Any, Any]] = []
         self._pending_use: int | None = None
         self._c: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(SnapshotStats)}
@@ -155,8 +158,12 @@ class SnapshotStore:
             self._prefetch = torch.cuda.Stream(device)
 
     # -- actions -------------------------------------------------------------------------
-    def save(self, n: int, tier: Tier, tensors: Sequence[torch.Tensor]) -> None:
-        """Snapshot ``tensors`` (the state at step ``n``) into ``tier``."""
+    def save(self, n: int, tier: Tier, tensors: Sequence[torch.Tensor], flush: bool = True) -> None:
+        """Snapshot ``tensors`` (the state at step ``n``) into ``tier``.
+
+        ``flush=False`` (write-back, NOTE [ Write-back ]) skips the copy to host unless the
+        snapshot is later evicted from its slot, which then flushes it first.
+        """
         tensors = list(tensors)
         self._check(tensors)
         c = self._c
@@ -191,10 +198,10 @@ class SnapshotStore:
             old = self._on_host.pop(n, None)
             if old is not None:
                 self.host.free(old[0], old[1])
-            block = self.host.alloc(lay.nbytes)
-            ev = self._to_host(block.tensor, slot)
-            self._flush_ev[s] = ev
-            self._on_host[n] = (block, ev)
+            if flush:
+                self._flush(n, s)
+            else:
+                self._dirty.add(n)
 
     def prefetch(self, n: int, src: Tier, dst: Tier) -> None:
         """Start bringing snapshot ``n`` into a slot (or pin it where it is) ahead of its restore."""
@@ -269,6 +276,7 @@ class SnapshotStore:
             return
         self._rank.drop(n)
         self._prefetched.discard(n)
+        self._dirty.discard(n)
         s = self._slot_of.pop(n, None)
         if s is not None:
             self._free_slots.append(s)
@@ -332,11 +340,23 @@ class SnapshotStore:
                 f"{[(tuple(s), d) for s, d in self._layout.meta]}, got {[(tuple(t.shape), t.dtype) for t in tensors]}."
             )
 
+    def _flush(self, n: int, s: int) -> None:
+        """Copy the snapshot in slot ``s`` (step ``n``) to a host block on the offload stream."""
+        lay = self._layout
+        assert lay is not None
+        block = self.host.alloc(lay.nbytes)
+        ev = self._to_host(block.tensor, self._slots[s])
+        self._flush_ev[s] = ev
+        self._on_host[n] = (block, ev)
+        self._dirty.discard(n)
+
     def _take_slot(self, n: int) -> int:
         old = self._rank.insert(n)
         if n in self._slot_of:
             return self._slot_of[n]
         if old is not None:
+            if old in self._dirty:  # written back only now: the new content waits for it (Rule 3)
+                self._flush(old, self._slot_of[old])
             s = self._slot_of.pop(old)
         elif self._free_slots:
             s = self._free_slots.pop()
@@ -348,7 +368,7 @@ class SnapshotStore:
     def _fill(self, s: int, n: int) -> Any:
         block, flushed = self._on_host[n]
         slot = self._slots[s]
-        self._c["bytes_to_device"] += block.nbytes if block.chunk >= 0 else block.tensor.numel()
+        self._c["bytes_to_device"] += block.tensor.numel()
         if not self.cuda:
             slot.copy_(block.tensor)
             self._fill_ev[s] = None
