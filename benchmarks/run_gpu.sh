@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train] [extra train_step.py args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint] [extra benchmark args, e.g. --sweep]
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train) ;; *) echo "usage: $0 [all|tests|train] [train_step.py args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint) ;; *) echo "usage: $0 [all|tests|train|adjoint] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -47,5 +47,14 @@ if [[ $PART == all || $PART == train ]]; then
   set -e
 fi
 
-echo "== summary: gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"
-[[ $TRAIN_RC == skipped || $TRAIN_RC == 0 ]]
+ADJ_RC=skipped
+if [[ $PART == all || $PART == adjoint ]]; then
+  echo "== adjoint benchmark"
+  set +e
+  python3 benchmarks/adjoint.py --out "$OUT" $([[ $PART == adjoint ]] && echo "$@") 2>&1 | tee "$OUT/adjoint.log"
+  ADJ_RC=${PIPESTATUS[0]}
+  set -e
+fi
+
+echo "== summary: adjoint exit code $ADJ_RC; gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"
+[[ ($TRAIN_RC == skipped || $TRAIN_RC == 0) && ($ADJ_RC == skipped || $ADJ_RC == 0) ]]

@@ -14,19 +14,20 @@
 #    backward executes the rest: each ``Adjoint(n)`` re-evaluates step n with recording from
 #    the current state and back-propagates the incoming adjoint through it. Gradients with
 #    respect to the initial state and to the parameters are those of the unrolled loop, bit
-#    for bit for deterministic ops when each parameter enters a step once (contributions are
-#    summed over steps in the order plain autograd sums them). A parameter used several
-#    times within one step has its uses summed per step first: the same value up to rounding.
-#    One backward pass per loop: the schedule's snapshots are consumed by it.
+#    for bit for deterministic ops: a parameter's running sum is passed to each step's
+#    ``autograd.grad`` as the gradient of the parameter itself, so every use adds to it in
+#    the order plain autograd's accumulation would.
+#    One backward pass per loop: the schedule's snapshots are consumed by it. A loop run
+#    without grad, or dropped without a backward, gives its host blocks back.
 # 3. Parameters: tensors the step uses that need gradients must be visible to autograd as
 #    inputs of the Function: an ``nn.Module`` step's parameters are found; otherwise pass
 #    ``params=``.
 """
 from __future__ import annotations
 
-import math
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -124,7 +125,7 @@ def run_schedule(
         backward: ``backward(n)`` takes the adjoint step n (the current state is state n).
         store: a ``SnapshotStore``, or a ``Store`` whose device and host pool to use; ``None``: the
             device of the first saved tensor and a new host pool.
-        slots: GPU cache slots in front of host memory (when no ``SnapshotStore`` is given).
+        slots: GPU cache slots in front of host memory (a ``SnapshotStore`` given uses its own).
         prefetch: plan prefetches with ``plan_prefetch`` (``False``: restores load on demand).
         end_forward: called once the forward sweep is done.
         progress: print adjoint progress to stderr every 10%.
@@ -147,6 +148,8 @@ def run_schedule(
         [(3, 8.0), (2, 4.0), (1, 2.0), (0, 1.0)]
     """
     snaps = store if isinstance(store, SnapshotStore) else None
+    if snaps is not None:
+        slots = snaps.nslots  # the plan must match the slots the store has
     n_adj = getattr(schedule, "n_steps", 0)
     prog = _Progress(progress, n_adj)
     acts, flushes = _actions(schedule, slots, prefetch)
@@ -195,6 +198,13 @@ def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -
     return SnapshotStore(dev, slots=slots, host=host)
 
 
+def _check_structure(took: Any, returned: Any) -> None:
+    if returned != took:
+        raise CheckpointError(
+            f"torchckpt: step must return a state of the same structure as it takes; took {took}, returned {returned}."
+        )
+
+
 class _LoopRun:
     """What the autograd Function carries from forward to backward."""
 
@@ -212,16 +222,14 @@ class _LoopRun:
     def call(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
         y = self.step(tree_unflatten(x, self.spec))
         flat, spec = tree_flatten(y)
-        if spec != self.spec:
-            raise CheckpointError(
-                f"torchckpt: step must return a state of the same structure as it takes; took {self.spec}, "
-                f"returned {spec}."
-            )
+        _check_structure(self.spec, spec)
         return flat
 
     def save(self, i: int, n: int, tier: Tier, x: list[torch.Tensor]) -> None:
         if self.snaps is None:
             self.snaps = self.factory(x[0].device)
+            # Rule 3: a loop dropped without a backward still gives its host blocks back.
+            weakref.finalize(self, self.snaps.close)
         self.snaps.save(n, tier, x, flush=i in self.flushes)
 
     def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
@@ -290,15 +298,18 @@ class _Loop(torch.autograd.Function):
                 outs_y = [v for v, gv in zip(y, g) if gv is not None and v.requires_grad]
                 gs = [gv for v, gv in zip(y, g) if gv is not None and v.requires_grad]
                 wrt = [v for v in xin if v.requires_grad] + [p for p in params if p.requires_grad]
-                res = torch.autograd.grad(outs_y, wrt, gs, allow_unused=True) if outs_y else [None] * len(wrt)
+                # Rule 2: each parameter's running sum enters as an output of its own, so autograd adds
+                # this step's uses to it one by one, in the order plain autograd would.
+                seeds = [(p, s) for p, s in zip(params, gp) if p.requires_grad and s is not None]
+                res = (torch.autograd.grad(outs_y + [p for p, _ in seeds], wrt, gs + [s for _, s in seeds],
+                                           allow_unused=True) if outs_y or seeds else [None] * len(wrt))
                 it = iter(res)
                 g = [next(it) if v.requires_grad else None for v in xin]
                 for i, p in enumerate(params):
                     if p.requires_grad:
                         d = next(it)
-                        prev = gp[i]
                         if d is not None:
-                            gp[i] = d if prev is None else prev + d
+                            gp[i] = d
                 x = None
             elif t is Restore:
                 x = run.restore(a.n, a.tier)
@@ -394,6 +405,12 @@ def checkpointed_loop(
     def factory(device: torch.device) -> SnapshotStore:
         return SnapshotStore(st.device, slots=slots, host=st.host)
 
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*flat, *params]):
+        with torch.no_grad():  # nothing to differentiate: no snapshots at all
+            for _ in range(n_steps):
+                state = step(state)
+                _check_structure(spec, tree_flatten(state)[1])
+        return state
     run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch)
     out = _Loop.apply(run, *flat, *params)
     return tree_unflatten(list(out), spec)

@@ -163,11 +163,21 @@ def test_parked_block_not_reused_until_its_copy_ends() -> None:
     ev = FakeEvent()
     p.free(a, ev)
     assert p.stats().in_use_bytes == MiB  # parked counts as in use
-    b = p.alloc(MiB)  # the pool grows rather than wait (Rule 3)
-    assert b.chunk == 1 and ev.syncs == 0
+    b = p.alloc(MiB)  # parked bytes suffice: wait for the copy rather than grow (Rule 3)
+    assert ev.syncs == 1 and b.chunk == 0 and p.stats().chunk_allocations == 1
+
+
+def test_grows_when_parked_blocks_cannot_serve() -> None:
+    p = pool()
+    a = p.alloc(MiB // 2)
+    keep = p.alloc(MiB // 2)  # the chunk is full
+    ev = FakeEvent()
+    p.free(a, ev)
+    b = p.alloc(MiB)  # half a MiB parked cannot serve a MiB: grow, do not wait
+    assert ev.syncs == 0 and b.chunk == 1 and keep.chunk == 0
     ev.done = True
-    c = p.alloc(MiB)  # reclaimed: reuses chunk 0
-    assert c.chunk == 0 and p.stats().chunk_allocations == 2
+    c = p.alloc(MiB // 2)  # reclaimed without waiting: reuses chunk 0
+    assert c.chunk == 0 and ev.syncs == 0
 
 
 def test_at_cap_waits_for_parked_blocks_instead_of_pageable() -> None:

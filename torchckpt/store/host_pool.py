@@ -8,8 +8,10 @@
 # 2. A block never straddles two chunks. Inside a chunk, first-fit over an offset-sorted
 #    free list, coalesced on free; offsets are aligned to ``ALIGN`` bytes.
 # 3. A block freed while a copy may still read or write it is parked with the event
-#    that copy recorded; it rejoins the free list once the event has completed. A new
-#    allocation never waits for such an event on the CPU if the pool can grow instead.
+#    that copy recorded; it rejoins the free list once the event has completed. When no
+#    free span fits but parked blocks hold enough bytes, the allocation waits for their
+#    events (oldest first) rather than grow: the host thread may run far ahead of the GPU,
+#    and growing then would size the pool by that lead instead of by the working set.
 # 4. The pool is capped (``capacity_bytes``, half of physical RAM by default). Past the
 #    cap, blocks are plain pageable tensors (copies are then slower, results identical)
 #    and the pool warns once. If even pageable memory cannot be had, allocation raises
@@ -187,6 +189,11 @@ class HostPool:
         with self._lock:
             self._reclaim(block=False)
             hit = self._take(need)
+            while hit is None and self._parked and sum(b.nbytes for b, _ in self._parked) >= need:
+                blk, ev = self._parked.pop(0)  # Rule 3: wait for the oldest, then try again
+                ev.synchronize()
+                self._release(blk)
+                hit = self._take(need)
             if hit is None and self._reserved + self._grow_size(need) <= self.capacity_bytes:
                 self._grow(need)
                 hit = self._take(need)

@@ -282,8 +282,8 @@ class SnapshotStore:
             self._free_slots.append(s)
         old = self._on_host.pop(n, None)
         if old is not None:
-            last = self._fill_ev[s] if s is not None and self._fill_ev[s] is not None else old[1]
-            self.host.free(old[0], last)
+            filled = s is not None and self._fill_of[s] == n  # the slot was filled from this block
+            self.host.free(old[0], self._fill_ev[s] if filled else old[1])  # type: ignore[index]
 
     def after_use(self) -> None:
         """Mark the end of the caller's reads of the views ``restore`` returned (Rule 5)."""
@@ -334,6 +334,7 @@ class SnapshotStore:
             self._flush_ev = [None] * self.nslots
             self._fill_ev = [None] * self.nslots
             self._use_ev = [None] * self.nslots
+            self._fill_of: list[int | None] = [None] * self.nslots
         elif tuple((t.shape, t.dtype) for t in tensors) != self._layout.meta:
             raise ValueError(
                 "torchckpt: every snapshot of a loop must have the same shapes and dtypes; expected "
@@ -370,8 +371,9 @@ class SnapshotStore:
         slot = self._slots[s]
         self._c["bytes_to_device"] += block.tensor.numel()
         if not self.cuda:
-            slot.copy_(block.tensor)
+            slot[: block.tensor.numel()].copy_(block.tensor)
             self._fill_ev[s] = None
+            self._fill_of[s] = n
             return None
         p = self._prefetch
         for ev in (flushed, self._flush_ev[s], self._use_ev[s]):  # Rule 3
@@ -384,6 +386,7 @@ class SnapshotStore:
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(p)
         self._fill_ev[s] = ev
+        self._fill_of[s] = n
         return ev
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
