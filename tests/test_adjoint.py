@@ -45,9 +45,9 @@ def make_schedule(name: str, n: int, state_bytes: int, slots: int) -> tuple[Sche
     if name == "auto-host":  # one GPU snapshot beyond the cache slots: Multistage over GPU and host
         return "auto", cpu_store(gpu_bytes=(slots + 1) * state_bytes)
     sched: Schedule = {
-        "revolve-gpu": lambda: Revolve(n, 3),
-        "revolve-host": lambda: Revolve(n, 3, tier=Tier.HOST),
-        "uniform": lambda: Uniform(n, 3, tier=Tier.HOST),
+        "revolve-gpu": lambda: Revolve(n, min(3, n)),
+        "revolve-host": lambda: Revolve(n, min(3, n), tier=Tier.HOST),
+        "uniform": lambda: Uniform(n, min(3, n), tier=Tier.HOST),
         "zcut": lambda: ZCut(n, tier=Tier.HOST),
         "multistage": lambda: Multistage(n, gpu_slots=1, host_slots=2),
     }[name]()
@@ -410,8 +410,8 @@ class Recurrence:
 
 
 def run_schedules(n: int) -> list[Schedule]:
-    return [Revolve(n, 3), Revolve(n, 3, tier=Tier.HOST), Revolve(n, 1, tier=Tier.HOST), Uniform(n, 2, tier=Tier.HOST),
-            Uniform(n, 4), ZCut(n, tier=Tier.HOST), Multistage(n, gpu_slots=1, host_slots=3),
+    return [Revolve(n, min(3, n)), Revolve(n, min(3, n), tier=Tier.HOST), Revolve(n, 1, tier=Tier.HOST),
+            Uniform(n, min(2, n), tier=Tier.HOST), Uniform(n, min(4, n)), ZCut(n, tier=Tier.HOST), Multistage(n, gpu_slots=1, host_slots=3),
             Multistage(n, gpu_slots=0, host_slots=2)]
 
 
@@ -466,7 +466,7 @@ def test_run_schedule_gpu_tier_only_saves_nothing_to_host() -> None:
 
 def test_run_schedule_without_saves_returns_empty_stats() -> None:
     rec = Recurrence()
-    st = rec.run(Revolve(1, 3))
+    st = rec.run(Revolve(1, 1))
     assert st == SnapshotStats() and [s[0] for s in rec.seen] == [0]
 
 

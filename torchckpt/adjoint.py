@@ -223,6 +223,12 @@ class _LoopRun:
         y = self.step(tree_unflatten(x, self.spec))
         flat, spec = tree_flatten(y)
         _check_structure(self.spec, spec)
+        for a, b in zip(x, flat):
+            if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                raise CheckpointError(
+                    "torchckpt: step must return a state of the same shapes and dtypes as it takes; took "
+                    f"{tuple(a.shape)} {a.dtype}, returned {tuple(getattr(b, 'shape', ()))} {getattr(b, 'dtype', type(b))}."
+                )
         return flat
 
     def save(self, i: int, n: int, tier: Tier, x: list[torch.Tensor]) -> None:

@@ -89,8 +89,8 @@ def test_wave_gradients_match_plain(kind: str, slots: int, slow_copies: random.R
     u0 = pulse(d, 0).requires_grad_()
     up0 = torch.zeros(d, d, d, device="cuda")  # does not require grad
     sched: Schedule = {
-        "revolve-host": Revolve(n, 5, tier=Tier.HOST),
-        "revolve-host-no-prefetch": Revolve(n, 5, tier=Tier.HOST),
+        "revolve-host": Revolve(n, min(5, n), tier=Tier.HOST),
+        "revolve-host-no-prefetch": Revolve(n, min(5, n), tier=Tier.HOST),
         "zcut": ZCut(n, tier=Tier.HOST),
         "multistage": Multistage(n, gpu_slots=1, host_slots=3),
     }[kind]
@@ -180,7 +180,7 @@ class Wave:
 
 
 def stress_schedules(n: int) -> list[Schedule]:
-    return [Revolve(n, 5, tier=Tier.HOST), Revolve(n, 2, tier=Tier.HOST), Uniform(n, 4, tier=Tier.HOST),
+    return [Revolve(n, min(5, n), tier=Tier.HOST), Revolve(n, min(2, n), tier=Tier.HOST), Uniform(n, min(4, n), tier=Tier.HOST),
             ZCut(n, tier=Tier.HOST), Multistage(n, gpu_slots=2, host_slots=3)]
 
 

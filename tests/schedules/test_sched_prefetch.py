@@ -94,9 +94,9 @@ def schedules(draw):
     kind = draw(_kinds)
     n = draw(st.integers(1, 400))
     if kind == "revolve":
-        return Revolve(n, draw(st.integers(1, 25)), tier=draw(st.sampled_from([H, Tier.DISK])))
+        return Revolve(n, draw(st.integers(1, min(25, n))), tier=draw(st.sampled_from([H, Tier.DISK])))
     if kind == "uniform":
-        return Uniform(n, draw(st.integers(1, 25)), tier=H)
+        return Uniform(n, draw(st.integers(1, min(25, n))), tier=H)
     if kind == "zcut":
         return ZCut(n, segment=draw(st.none() | st.integers(1, 60)), tier=H)
     return Multistage(n, draw(st.integers(0, 6)), draw(st.integers(1, 12)))

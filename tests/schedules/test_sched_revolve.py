@@ -69,10 +69,12 @@ def test_simulate_valid_random_up_to_500() -> None:
 
 
 def test_snapshots_beyond_need() -> None:
-    # More slots than states: store everything once (n - 1 advances).
+    # As many slots as states: store everything once (n - 1 advances); more is refused.
     for n in (1, 2, 5, 40):
-        r = simulate(Revolve(n, 1000))
+        r = simulate(Revolve(n, n))
         assert r.forward_steps == max(n - 1, 0)
+        with pytest.raises(ValueError, match="^torchckpt: snapshots="):
+            Revolve(n, n + 1)
 
 
 @pytest.mark.parametrize(

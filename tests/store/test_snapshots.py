@@ -74,7 +74,7 @@ def replay(store: SnapshotStore, actions: Iterable[Action], flushes: frozenset[i
 
 
 def host_schedules(n: int) -> list[Schedule]:
-    return [Revolve(n, 4, tier=Tier.HOST), Uniform(n, 4, tier=Tier.HOST), ZCut(n, tier=Tier.HOST),
+    return [Revolve(n, min(4, n), tier=Tier.HOST), Uniform(n, min(4, n), tier=Tier.HOST), ZCut(n, tier=Tier.HOST),
             Multistage(n, gpu_slots=2, host_slots=3)]
 
 

@@ -53,6 +53,11 @@ class Uniform(Schedule):
             "snapshots", self.snapshots, 1,
             "pass how many snapshot slots may be used, the one holding x0 included",
         )
+        if self.snapshots > self.n_steps:
+            raise ValueError(
+                f"torchckpt: snapshots={self.snapshots} is more than n_steps={self.n_steps}: a schedule of "
+                f"n steps can use at most n snapshots; pass snapshots=min(snapshots, n_steps)."
+            )
         if not isinstance(self.tier, Tier):
             raise TypeError(
                 f"torchckpt: tier must be a Tier, found {type(self.tier).__name__} "
