@@ -238,6 +238,15 @@ class _LoopRun:
             weakref.finalize(self, self.snaps.close)
         self.snaps.save(n, tier, x, flush=i in self.flushes)
 
+    def housekeep(self, a: Any) -> None:
+        """Execute a ``Prefetch`` or ``Free`` (nothing to do before the first save)."""
+        if self.snaps is None:
+            return
+        if type(a) is Prefetch:
+            self.snaps.prefetch(a.n, a.src, a.dst)
+        else:
+            self.snaps.free(a.n, a.tier)
+
     def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
         assert self.snaps is not None
         x = [v.clone() for v in self.snaps.restore(n, tier)]
@@ -256,12 +265,8 @@ class _Loop(torch.autograd.Function):
                     x = run.call(x)
             elif t is Save:
                 run.save(i, a.n, a.tier, x)
-            elif t is Prefetch:
-                if run.snaps is not None:
-                    run.snaps.prefetch(a.n, a.src, a.dst)
-            elif t is Free:
-                if run.snaps is not None:
-                    run.snaps.free(a.n, a.tier)
+            elif t is Prefetch or t is Free:
+                run.housekeep(a)
             elif t is EndForward:
                 break
             else:
@@ -327,12 +332,8 @@ class _Loop(torch.autograd.Function):
             elif t is Save:
                 assert x is not None
                 run.save(i, a.n, a.tier, x)
-            elif t is Prefetch:
-                if run.snaps is not None:
-                    run.snaps.prefetch(a.n, a.src, a.dst)
-            elif t is Free:
-                if run.snaps is not None:
-                    run.snaps.free(a.n, a.tier)
+            elif t is Prefetch or t is Free:
+                run.housekeep(a)
             elif t is End:
                 break
         if run.snaps is not None:

@@ -44,7 +44,7 @@ from math import comb
 
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.plan import ADJOINT, END, END_FORWARD, FREE, RESTORE, SAVE, Plan
-from torchckpt.schedules.schedule import Schedule, check_int
+from torchckpt.schedules.schedule import check_steps_snapshots_tier, Schedule, check_int
 
 __all__ = ["Revolve", "optimal_forward_steps", "repetition_number"]
 
@@ -193,21 +193,7 @@ class Revolve(Schedule):
     tier: Tier = Tier.GPU
 
     def __post_init__(self) -> None:
-        check_int("n_steps", self.n_steps, 1, "pass the number of forward steps to reverse")
-        check_int(
-            "snapshots", self.snapshots, 1,
-            "pass how many snapshot slots may be used, the one holding x0 included",
-        )
-        if self.snapshots > self.n_steps:
-            raise ValueError(
-                f"torchckpt: snapshots={self.snapshots} is more than n_steps={self.n_steps}: a schedule of "
-                f"n steps can use at most n snapshots; pass snapshots=min(snapshots, n_steps)."
-            )
-        if not isinstance(self.tier, Tier):
-            raise TypeError(
-                f"torchckpt: tier must be a Tier, found {type(self.tier).__name__} "
-                f"{self.tier!r}; pass e.g. Tier.GPU or Tier.HOST."
-            )
+        check_steps_snapshots_tier(self.n_steps, self.snapshots, self.tier)
 
     @property
     def slots_used(self) -> int:

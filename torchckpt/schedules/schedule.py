@@ -77,3 +77,23 @@ def check_int(name: str, value: object, minimum: int, hint: str) -> int:
     if value < minimum:
         raise ValueError(f"torchckpt: {name} must be >= {minimum}, found {value}; {hint}.")
     return int(value)
+
+
+def check_steps_snapshots_tier(n_steps: object, snapshots: object, tier: object) -> None:
+    """Validate the (n_steps, snapshots, tier) arguments shared by single-tier schedules.
+
+    Example::
+
+        >>> check_steps_snapshots_tier(10, 3, Tier.GPU)
+    """
+    check_int("n_steps", n_steps, 1, "pass the number of forward steps to reverse")
+    check_int("snapshots", snapshots, 1, "pass how many snapshot slots may be used, the one holding x0 included")
+    if snapshots > n_steps:  # type: ignore[operator]
+        raise ValueError(
+            f"torchckpt: snapshots={snapshots} is more than n_steps={n_steps}: a schedule of "
+            f"n steps can use at most n snapshots; pass snapshots=min(snapshots, n_steps)."
+        )
+    if not isinstance(tier, Tier):
+        raise TypeError(
+            f"torchckpt: tier must be a Tier, found {type(tier).__name__} {tier!r}; pass e.g. Tier.GPU or Tier.HOST."
+        )
