@@ -55,6 +55,14 @@ from torchckpt.store.host_pool import HostBlock, HostPool
 from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
 from torchckpt.store.stats import Stats
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
+def _in_backward() -> bool:
+    """Whether the calling thread is running a backward pass (False if torch cannot tell)."""
+    return _graph_task_id is not None and _graph_task_id() != -1
+
+
 _STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes")]
 
 
@@ -288,7 +296,7 @@ class Store:
             or t.device != self.device
             or (t.requires_grad and t.is_leaf)
             or (t._base is not None and (isinstance(t._base, torch.nn.Parameter) or (t._base.requires_grad and t._base.is_leaf)))
-            or torch._C._current_graph_task_id() != -1  # saved during backward (a recomputation): Rule 1
+            or _in_backward()  # saved during backward (a recomputation): Rule 1
             or type(t) not in (torch.Tensor, torch.nn.Parameter)
             or t.layout != torch.strided
             or isinstance(t, torch.nn.Parameter)
