@@ -1,0 +1,228 @@
+"""The codec interface: compress a tensor into a packed buffer, decompress it back.
+
+# NOTE [ Codec streams ]
+# 1. ``compress(x, stream=s)`` and ``decompress(p, out, stream=s)`` enqueue all their work on
+#    ``s`` (``None``: the current stream). ``s`` first waits for the current stream, so work
+#    already queued there (what produced ``x``, or the allocation of ``out``) is ordered before.
+# 2. Inputs are marked with ``record_stream(s)``, so the caching allocator does not hand
+#    their memory out before ``s`` has read them. Outputs are allocated on ``s``: a consumer
+#    on another stream waits on an event recorded on ``s`` (the caller records it, as the
+#    store does for copies) and calls ``record_stream`` if it frees them there.
+# 3. A codec may read a few bytes back to the host (TritonQuant: the number of blocks kept
+#    raw, to size the packed buffer); that synchronizes ``s`` only, never the device.
+# 4. On the CPU streams are absent and ``stream`` must be ``None``.
+"""
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+import types
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+_KINDS = ("lossless", "abs", "rel", "fixed_rate")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Guarantee:
+    """What a codec promises about ``x' = decompress(compress(x))``.
+
+    Args:
+        kind: ``"lossless"`` (bit-exact), ``"abs"`` (``|x - x'| <= bound`` per element),
+            ``"rel"`` (``|x - x'| <= bound * max|x|`` over the element's block of ``block``
+            elements) or ``"fixed_rate"`` (``bound`` bits per element, no error bound).
+        bound: the bound (``None`` for ``"lossless"``).
+        block: for ``"rel"``, the block size the maximum is taken over.
+
+    Example::
+
+        >>> Guarantee("abs", 1e-3).describe()
+        "lossy: |x - x'| <= 0.001 per element"
+    """
+
+    kind: str
+    bound: float | None = None
+    block: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KINDS:
+            raise ValueError(f"torchckpt: Guarantee kind must be one of {_KINDS}, got {self.kind!r}.")
+        if self.kind == "lossless":
+            if self.bound is not None:
+                raise ValueError("torchckpt: a lossless Guarantee takes no bound; pass bound=None.")
+        elif self.bound is None or not (0 < self.bound < float("inf")):
+            raise ValueError(
+                f"torchckpt: Guarantee({self.kind!r}) needs a finite bound > 0, got {self.bound!r}."
+            )
+
+    def describe(self) -> str:
+        """The guarantee in one line."""
+        if self.kind == "lossless":
+            return "lossless: x' == x bit for bit"
+        if self.kind == "abs":
+            return f"lossy: |x - x'| <= {self.bound:g} per element"
+        if self.kind == "rel":
+            where = f"its block of {self.block} elements" if self.block else "its block"
+            return f"lossy: |x - x'| <= {self.bound:g} * max|x| over {where}, per element"
+        return f"lossy: fixed rate of {self.bound:g} bits per element, no error bound"
+
+
+@dataclasses.dataclass(frozen=True)
+class Meta:
+    """What a decoder needs besides the bytes: the original shape and dtype, the codec and its settings."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    codec: str
+    params: Mapping[str, Any] = dataclasses.field(default_factory=lambda: types.MappingProxyType({}))
+
+
+@dataclasses.dataclass(frozen=True)
+class Packed:
+    """A compressed tensor: uint8 buffer(s) on the input's device plus ``meta``.
+
+    ``nbytes`` is what the packed form occupies (every buffer), ``ratio`` the original size over it.
+    """
+
+    data: torch.Tensor | tuple[torch.Tensor, ...]
+    meta: Meta
+
+    @property
+    def buffers(self) -> tuple[torch.Tensor, ...]:
+        return self.data if isinstance(self.data, tuple) else (self.data,)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self.buffers)
+
+    @property
+    def orig_nbytes(self) -> int:
+        return self.meta.shape.numel() * self.meta.dtype.itemsize
+
+    @property
+    def ratio(self) -> float:
+        """Original bytes over packed bytes (``inf`` for an empty packed form of a non-empty tensor)."""
+        if self.nbytes == 0:
+            return 1.0 if self.orig_nbytes == 0 else float("inf")
+        return self.orig_nbytes / self.nbytes
+
+    @property
+    def device(self) -> torch.device:
+        return self.buffers[0].device
+
+
+class Codec(abc.ABC):
+    """Compresses tensors on a given stream into a ``Packed`` and back (NOTE [ Codec streams ]).
+
+    Subclasses implement ``compress``, ``decompress`` and ``guarantee``; they override
+    ``unavailable_reason`` when they need something this machine may lack.
+    """
+
+    name: str = "codec"
+
+    @property
+    @abc.abstractmethod
+    def guarantee(self) -> Guarantee:
+        """What the round trip preserves."""
+
+    @abc.abstractmethod
+    def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
+        """Compress ``x`` (any layout; read as if contiguous) on ``stream``."""
+
+    @abc.abstractmethod
+    def decompress(self, p: Packed, out: torch.Tensor | None = None,
+                   stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        """Decompress ``p`` into ``out`` (a new tensor when ``None``) on ``stream``; returns it."""
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when the codec can run here, else what is missing and how to get it."""
+        return None
+
+    def is_available(self) -> bool:
+        return self.unavailable_reason() is None
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+    # -- helpers for subclasses --------------------------------------------------------
+    def _check_packed(self, p: Packed) -> None:
+        if not isinstance(p, Packed):
+            raise TypeError(f"torchckpt: {self.name}.decompress needs a Packed from compress(), got {type(p).__name__}.")
+        if p.meta.codec != self.name:
+            raise ValueError(
+                f"torchckpt: this Packed was made by codec {p.meta.codec!r}; decompress it with that codec, "
+                f"not {self.name!r}."
+            )
+
+    def _output(self, p: Packed, out: torch.Tensor | None) -> torch.Tensor:
+        """``out`` checked against ``p``, or a new tensor on ``p``'s device (allocated on the current stream)."""
+        if out is None:
+            return torch.empty(p.meta.shape, dtype=p.meta.dtype, device=p.device)
+        if not isinstance(out, torch.Tensor):
+            raise TypeError(f"torchckpt: out must be a torch.Tensor or None, got {type(out).__name__}.")
+        if out.shape != p.meta.shape or out.dtype != p.meta.dtype or out.device != p.device:
+            raise ValueError(
+                f"torchckpt: out must have shape {tuple(p.meta.shape)}, dtype {p.meta.dtype} and device {p.device} "
+                f"(those of the compressed tensor); got {tuple(out.shape)}, {out.dtype}, {out.device}. "
+                "Pass out=None to get a new tensor."
+            )
+        return out
+
+
+@contextlib.contextmanager
+def on_stream(stream: torch.cuda.Stream | None, device: torch.device, *inputs: torch.Tensor) -> Iterator[None]:
+    """Run the body on ``stream`` after the current stream (NOTE [ Codec streams ] Rules 1, 2, 4)."""
+    if stream is None:
+        yield
+        return
+    if device.type != "cuda":
+        raise ValueError(
+            f"torchckpt: a stream was passed for a tensor on {device}; streams are for CUDA tensors, pass stream=None."
+        )
+    cur = torch.cuda.current_stream(device)
+    if stream != cur:
+        stream.wait_stream(cur)
+        for t in inputs:
+            t.record_stream(stream)
+    with torch.cuda.stream(stream):
+        yield
+
+
+class Identity(Codec):
+    """The lossless do-nothing codec: a byte copy. A baseline, and the codec of "no compression".
+
+    Example::
+
+        >>> c = Identity()
+        >>> p = c.compress(torch.arange(6.0).view(2, 3))
+        >>> p.nbytes, c.decompress(p)
+        (24, tensor([[0., 1., 2.],
+                [3., 4., 5.]]))
+    """
+
+    name = "identity"
+
+    @property
+    def guarantee(self) -> Guarantee:
+        return Guarantee("lossless")
+
+    def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"torchckpt: {self.name}.compress needs a torch.Tensor, got {type(x).__name__}.")
+        with on_stream(stream, x.device, x):
+            data = x.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+        return Packed(data, Meta(x.shape, x.dtype, self.name))
+
+    def decompress(self, p: Packed, out: torch.Tensor | None = None,
+                   stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+        self._check_packed(p)
+        out = self._output(p, out)
+        with on_stream(stream, p.device, *p.buffers):
+            if out.is_contiguous():
+                out.reshape(-1).view(torch.uint8).copy_(p.buffers[0])
+            else:
+                out.copy_(p.buffers[0].view(p.meta.dtype).view(p.meta.shape))
+        return out
