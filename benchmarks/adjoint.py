@@ -52,11 +52,11 @@ import torchckpt  # noqa: E402
 from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
 from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.schedules import (  # noqa: E402
-    Adjoint, Advance, End, EndForward, Free, Restore, Revolve, Save, Tier, Uniform, ZCut, simulate,
+    Adjoint, Advance, End, EndForward, Free, Restore, Revolve, Save, Tier, Uniform, simulate,
 )
 from torchckpt.store import HostPool, SnapshotStore  # noqa: E402
 from wave import (  # noqa: E402
-    RTM, cfl_dt, dominant_frequency, layered_model, model_data, ricker, smooth, step_torch, step_triton,
+    RTM, make_schedule, cfl_dt, dominant_frequency, layered_model, model_data, ricker, smooth, step_torch, step_triton,
     surface_survey, triton_available,
 )
 
@@ -65,15 +65,6 @@ CPU_NOTE = "CPU: times are not meaningful (smoke test at a tiny size; no link bo
 DX = 10.0
 
 
-def make_schedule(name: str, n_steps: int, snapshots: int, tier: Tier):
-    if name == "revolve":
-        return Revolve(n_steps, snapshots, tier=tier)
-    if name == "uniform":
-        return Uniform(n_steps, snapshots, tier=tier)
-    try:
-        return ZCut(n_steps, memory_slots=snapshots, tier=tier)
-    except ValueError:  # fewer slots than zCut can work with: its least peak
-        return ZCut(n_steps, tier=tier)
 
 
 def run_sync_host(schedule, rtm: RTM, bufs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:

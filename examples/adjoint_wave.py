@@ -32,26 +32,16 @@ sys.path.insert(1, os.path.dirname(HERE))  # the repo, when torchckpt is not ins
 import torch  # noqa: E402
 
 from torchckpt.adjoint import run_schedule  # noqa: E402
-from torchckpt.schedules import Revolve, Tier, Uniform, ZCut, simulate  # noqa: E402
+from torchckpt.schedules import Tier, simulate  # noqa: E402
 from torchckpt.store import HostPool, SnapshotStore  # noqa: E402
 from wave import (  # noqa: E402
-    RTM, cfl_dt, dominant_frequency, laplacian, layered_model, model_data, ricker, rtm_keep_all, smooth,
+    RTM, make_schedule, cfl_dt, dominant_frequency, laplacian, layered_model, model_data, ricker, rtm_keep_all, smooth,
     step_torch, step_triton, surface_survey, triton_available,
 )
 
 DX = 10.0  # m
 
 
-def make_schedule(name: str, n_steps: int, snapshots: int, tier: Tier):
-    """Revolve and Uniform with ``snapshots`` slots; ZCut with at most that many, or its least peak."""
-    if name == "revolve":
-        return Revolve(n_steps, snapshots, tier=tier)
-    if name == "uniform":
-        return Uniform(n_steps, snapshots, tier=tier)
-    try:
-        return ZCut(n_steps, memory_slots=snapshots, tier=tier)
-    except ValueError:  # fewer slots than ZCut can ever do with: use its smallest peak
-        return ZCut(n_steps, tier=tier)
 
 
 class Problem:

@@ -42,6 +42,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from torchckpt.schedules import Revolve, Schedule, Tier, Uniform, ZCut
+
 try:  # Triton is optional: the PyTorch step runs everywhere.
     import triton
     import triton.language as tl
@@ -294,3 +296,15 @@ def rtm_keep_all(rtm: RTM) -> torch.Tensor:
         rtm.u.cur.copy_(kept.pop())
         rtm.backward(n)
     return rtm.image.clone()
+
+
+def make_schedule(name: str, n_steps: int, snapshots: int, tier: Tier) -> Schedule:
+    """Revolve and Uniform with ``snapshots`` slots; ZCut with at most that many, or its least peak."""
+    if name == "revolve":
+        return Revolve(n_steps, snapshots, tier=tier)
+    if name == "uniform":
+        return Uniform(n_steps, snapshots, tier=tier)
+    try:
+        return ZCut(n_steps, memory_slots=snapshots, tier=tier)
+    except ValueError:  # fewer slots than ZCut can ever do with: use its smallest peak
+        return ZCut(n_steps, tier=tier)
