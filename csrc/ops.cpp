@@ -41,7 +41,7 @@ int64_t touch_pages(at::Tensor buf, int64_t page_bytes) {
   return pages;
 }
 
-TORCH_LIBRARY(torchckpt, m) {
+TORCH_LIBRARY(torchckpt, m) {  // other csrc files add ops with TORCH_LIBRARY_FRAGMENT
   m.def("touch_pages(Tensor(a!) buf, int page_bytes) -> int");
 }
 
