@@ -148,20 +148,38 @@ def run_schedule(
         [(3, 8.0), (2, 4.0), (1, 2.0), (0, 1.0)]
     """
     snaps = store if isinstance(store, SnapshotStore) else None
-    if snaps is not None:
-        slots = snaps.nslots  # the plan must match the slots the store has
     n_adj = getattr(schedule, "n_steps", 0)
     prog = _Progress(progress, n_adj)
-    acts, flushes = _actions(schedule, slots, prefetch)
-    for i, a in enumerate(acts):
+    sched = list(schedule)
+    # Only Advance (and End markers) can come before the first Save: nothing is cached before
+    # it, so planning from there is planning the whole schedule. The first Save fixes the
+    # snapshot store's slots (a store sized by gpu_bytes, or holding a codec, calibrates on it).
+    i0 = next((i for i, a in enumerate(sched) if type(a) is Save), len(sched))
+    first: list[torch.Tensor] | None = None
+    acts: list[Any] = sched[: i0 + 1]
+    flushes: frozenset[int] = frozenset()
+    i = 0
+    while i < len(acts):
+        a = acts[i]
         t = type(a)
+        if i == i0 and first is None:
+            tensors = save(a.n)
+            first = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            if snaps is None:
+                snaps = _new_snapshot_store(store if isinstance(store, Store) else None, first[0].device, slots)
+            slots = snaps.calibrate(first)  # the plan must match the slots the store has
+            planned, flushes = _actions(sched[i0:], slots, prefetch)
+            flushes = frozenset(f + i0 for f in flushes)
+            acts = acts[:i0] + planned
+            snaps.save(a.n, a.tier, first, flush=i in flushes)
+            i += 1
+            continue
         if t is Advance:
             forward(a.n0, a.n1)
         elif t is Save:
             tensors = save(a.n)
             tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
-            if snaps is None:
-                snaps = _new_snapshot_store(store if isinstance(store, Store) else None, tensors[0].device, slots)
+            assert snaps is not None
             snaps.save(a.n, a.tier, tensors, flush=i in flushes)
         elif t is Restore:
             if snaps is None:
@@ -184,6 +202,7 @@ def run_schedule(
             break
         else:
             raise TypeError(f"torchckpt: unknown schedule action {a!r}.")
+        i += 1
     if snaps is None:
         return SnapshotStats()
     st = snaps.stats()
@@ -195,7 +214,8 @@ def run_schedule(
 def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -> SnapshotStore:
     host = store.host if isinstance(store, Store) else HostPool(pin=device.type == "cuda")
     dev = store.device if isinstance(store, Store) else device
-    return SnapshotStore(dev, slots=slots, host=host)
+    codec = store.codec if isinstance(store, Store) else None
+    return SnapshotStore(dev, slots=slots, host=host, codec=codec)
 
 
 def _check_structure(took: Any, returned: Any) -> None:

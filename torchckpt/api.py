@@ -98,7 +98,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
         return fn(*args, **kwargs)
     if isinstance(policy, Offload):
         store = policy.store or default_store(_device_of(args))
-        with store.hooks(_module_tensors(module)):
+        with store.hooks(_module_tensors(module), policy.codec):
             return fn(*args, **kwargs)
     if isinstance(policy, Recompute):
         ctx: Any = contextlib.nullcontext()
@@ -183,7 +183,7 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
     Forms:
         - ``@checkpoint`` or ``@checkpoint(Offload(store))`` on an ``nn.Module`` subclass:
           every instance runs ``forward`` under the policy.
-        - ``checkpoint(module, policy=...)``: wraps that instance (its ``state_dict`` keys are
+        - ``checkpoint(module, policy=...)`` (or ``checkpoint(module, policy)``): wraps that instance (its ``state_dict`` keys are
           unchanged) and returns it.
         - ``checkpoint(fn, *args, policy=..., **kwargs)``: calls ``fn`` under the policy, like
           ``torch.utils.checkpoint.checkpoint(fn, *args)``.
@@ -213,6 +213,8 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
             raise TypeError("torchckpt: checkpoint(policy) takes no call arguments; use checkpoint(fn, *args, policy=...).")
         pol = _check_policy(target if target is not None else policy)
         return lambda obj: checkpoint(obj, policy=pol)
+    if policy is None and len(args) == 1 and not kwargs and isinstance(args[0], (Recompute, Offload, Keep)):
+        policy, args = args[0], ()  # checkpoint(module, Offload(store)): a policy is never a call argument
     pol = _check_policy(policy)
     if isinstance(target, type):
         if not issubclass(target, nn.Module):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
 
 _DETERMINISM = ("default", "none")
@@ -55,12 +56,22 @@ class Offload:
 
     Args:
         store: the store; ``None`` uses ``torchckpt.default_store()`` for the inputs' device.
+        codec: compress this block's tensors on their way to host memory with this
+            ``torchckpt.codecs.Codec`` (NOTE [ Store ] Rule 9); ``None``: the store's codec.
+            A lossy codec (e.g. ``TritonQuant``) gives gradients within its stated guarantee,
+            not bit-exact ones.
     """
 
     store: Store | None = None
+    codec: Codec | None = None
 
     def __post_init__(self) -> None:
         _check_store("Offload", self.store)
+        if self.codec is not None and not isinstance(self.codec, Codec):
+            raise TypeError(
+                f"torchckpt: Offload(codec=...) expects a torchckpt.codecs.Codec or None, got "
+                f"{type(self.codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=8, mode='rel', bound=1e-2)."
+            )
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -122,6 +122,12 @@ class Codec(abc.ABC):
     """
 
     name: str = "codec"
+    #: dtypes ``compress`` accepts (``None``: any); the store sends other tensors uncompressed.
+    dtypes: tuple[torch.dtype, ...] | None = None
+
+    def supports(self, dtype: torch.dtype) -> bool:
+        """Whether ``compress`` accepts tensors of ``dtype``."""
+        return self.dtypes is None or dtype in self.dtypes
 
     @property
     @abc.abstractmethod

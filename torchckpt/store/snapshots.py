@@ -25,20 +25,36 @@
 #    such a snapshot is flushed when it is evicted from its slot, before the slot is reused.
 # 7. On the CPU (``device="cpu"``) streams and events are absent and copies synchronous: the
 #    same bookkeeping runs, which is what the CPU tests check.
+# 8. With a ``codec``, every snapshot is held compressed, in every tier: a GPU-tier snapshot
+#    is its ``Packed`` buffers; an off-GPU one is a *blob* (the packed buffers of its tensors
+#    laid end to end, ``Blob``) in a slot and in a host block of the blob's size. Compression
+#    runs on the compute stream at save (after what produced the state, NOTE [ Codec
+#    streams ]); decompression at restore, on the compute stream after the slot's fill event,
+#    into fresh tensors. The copies move only compressed bytes.
+# 9. Slots then hold ``slot_bytes`` each: given, or calibrated on the first snapshot as its
+#    blob size times ``1 + slot_margin`` (a variable-rate codec's later snapshots may be
+#    larger). ``gpu_bytes`` (instead of ``slots``) makes the slot count follow: as many slots
+#    as the budget holds, so a codec's ratio turns into more slots (GPUZIP). A blob larger
+#    than its slot grows that slot (a new buffer; the old one is released behind its
+#    streams): the result stays exact to the codec's guarantee, GPU memory exceeds the
+#    budget by the difference, ``stats().slot_grows`` counts it and the store warns once.
 """
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from torchckpt._errors import CheckpointError, internal_error
+from torchckpt.codecs.base import Codec, Packed
 from torchckpt.profiling import nvtx_range
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.prefetch import _Cache
+from torchckpt.store.blob import Blob
 from torchckpt.store.host_pool import HostBlock, HostPool
 
 _ALIGN = 256
@@ -56,6 +72,9 @@ class SnapshotStats:
         misses: off-GPU restores loaded on demand; miss_wait_s: the compute stream's wait for them.
         save_waits / save_wait_s: saves that had to wait for their slot's previous flush.
         bytes_to_host / bytes_to_device: bytes copied each way.
+        raw_bytes / packed_bytes: with a codec, the bytes of the snapshots saved and of their
+            compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
+            (NOTE [ Snapshot store ] Rule 9).
     """
 
     saves: int = 0
@@ -71,6 +90,14 @@ class SnapshotStats:
     save_wait_s: float = 0.0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
+    raw_bytes: int = 0
+    packed_bytes: int = 0
+    slot_grows: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio of the snapshots saved (1.0 without a codec)."""
+        return self.raw_bytes / self.packed_bytes if self.packed_bytes else 1.0
 
     @property
     def hit_rate(self) -> float:
@@ -111,6 +138,14 @@ class SnapshotStore:
         slots: device slots in front of the host tier (GPUZIP's cache; >= 1, 2+ to overlap).
         host: the host pool (``None``: a new ``HostPool``).
         timing: time late prefetches and waits with CUDA events.
+        codec: a ``torchckpt.codecs.Codec`` holding every snapshot compressed (NOTE [ Snapshot
+            store ] Rules 8, 9); restores then give the codec's guarantee, not bit-exactness
+            (unless the codec is lossless). ``None``: snapshots are stored as they are.
+        gpu_bytes: instead of ``slots``, a byte budget for the slots: their number is fixed at
+            the first snapshot (``calibrate``) as ``gpu_bytes // slot_bytes``.
+        slot_bytes: bytes of one slot (with a codec: the compressed room per snapshot);
+            ``None``: the snapshot's size, or with a codec its first blob times ``1 + slot_margin``.
+        slot_margin: headroom of a calibrated compressed slot (>= 0).
 
     Example::
 
@@ -120,8 +155,9 @@ class SnapshotStore:
         tensor([0., 1., 2., 3.])
     """
 
-    def __init__(self, device: str | torch.device, slots: int = 4, host: HostPool | None = None,
-                 timing: bool = True) -> None:
+    def __init__(self, device: str | torch.device, slots: int | None = None, host: HostPool | None = None,
+                 timing: bool = True, codec: Codec | None = None, gpu_bytes: int | None = None,
+                 slot_bytes: int | None = None, slot_margin: float = 0.25) -> None:
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -129,15 +165,37 @@ class SnapshotStore:
             raise ValueError(f"torchckpt: SnapshotStore supports 'cuda' and 'cpu', got {str(device)!r}.")
         if device.type == "cuda" and not torch.cuda.is_available():
             raise ValueError("torchckpt: SnapshotStore(device='cuda') needs CUDA; pass device='cpu' to simulate.")
-        if not isinstance(slots, int) or slots < 1:
+        if slots is not None and gpu_bytes is not None:
+            raise ValueError("torchckpt: SnapshotStore takes slots= or gpu_bytes=, not both; pass one of them.")
+        if gpu_bytes is None and slots is None:
+            slots = 4
+        if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
             raise ValueError(f"torchckpt: SnapshotStore needs slots >= 1 (2 or more to overlap copies), got {slots!r}.")
+        if gpu_bytes is not None and (not isinstance(gpu_bytes, int) or gpu_bytes <= 0):
+            raise ValueError(f"torchckpt: SnapshotStore gpu_bytes must be a positive int, got {gpu_bytes!r}.")
+        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
+            raise ValueError(f"torchckpt: SnapshotStore slot_bytes must be a positive int, got {slot_bytes!r}.")
+        if not (slot_margin >= 0):
+            raise ValueError(f"torchckpt: SnapshotStore slot_margin must be >= 0, got {slot_margin!r}.")
+        if codec is not None and not isinstance(codec, Codec):
+            raise TypeError(
+                f"torchckpt: SnapshotStore(codec=...) expects a torchckpt.codecs.Codec, got {type(codec).__name__}; "
+                "pass e.g. codec=torchckpt.codecs.TritonQuant(bits=8, mode='rel', bound=1e-3)."
+            )
         self.device = device
         self.cuda = device.type == "cuda"
         self.timing = timing and self.cuda
         self.host = host if host is not None else HostPool(pin=self.cuda)
-        self.nslots = slots
-        self._rank = _Cache(slots)
+        self.codec = codec
+        self.gpu_bytes = gpu_bytes
+        self.slot_margin = float(slot_margin)
+        self._slot_bytes = slot_bytes
+        self.nslots: int = slots if slots is not None else 0  # 0 until calibrate() (gpu_bytes=)
+        self._rank = _Cache(max(self.nslots, 1))
         self._layout: _Layout | None = None
+        self._blobs: dict[int, Blob] = {}  # off-GPU snapshot -> its blob layout (with a codec)
+        self._packs: dict[int, list[Packed]] = {}  # GPU-tier snapshots, compressed (with a codec)
+        self._warned_grow = False
         self._slots: list[torch.Tensor] = []
         self._slot_of: dict[int, int] = {}
         self._free_slots: list[int] = []
@@ -169,17 +227,24 @@ class SnapshotStore:
         c = self._c
         c["saves"] += 1
         with nvtx_range(f"torchckpt.save {n}"):
+            packs = self._compress(tensors) if self.codec is not None else None
             if tier is Tier.GPU:
-                self._gpu[n] = [t.detach().clone() for t in tensors]
+                if packs is not None:
+                    self._packs[n] = packs
+                else:
+                    self._gpu[n] = [t.detach().clone() for t in tensors]
                 return
             c["host_saves"] += 1
             lay = self._layout
             assert lay is not None
+            blob = Blob(packs) if packs is not None else None
+            size = blob.nbytes if blob is not None else lay.nbytes
+            if blob is not None:
+                self._blobs[n] = blob
             if not self._rank.can_take():  # every slot pinned: straight to host (Rule 4)
-                block = self.host.alloc(lay.nbytes)
-                flat = torch.empty(lay.nbytes, dtype=torch.uint8, device=self.device)
-                for dst, src in zip(lay.views(flat), tensors):
-                    dst.copy_(src)
+                block = self.host.alloc(size)
+                flat = torch.empty(size, dtype=torch.uint8, device=self.device)
+                self._fill_flat(flat, tensors, packs, blob)
                 ev = self._to_host(block.tensor, flat)
                 self._on_host[n] = (block, ev)
                 if self.cuda:
@@ -191,9 +256,8 @@ class SnapshotStore:
                 need = self._wait(self._flush_ev[s])
                 if need is not None:
                     self._timings.append(("save", need, self._flush_ev[s]))
-            slot = self._slots[s]
-            for dst, src in zip(lay.views(slot), tensors):
-                dst.copy_(src)
+            self._ensure_room(s, size)
+            self._fill_flat(self._slots[s], tensors, packs, blob)
             self._use_ev[s] = self._record()
             old = self._on_host.pop(n, None)
             if old is not None:
@@ -229,6 +293,8 @@ class SnapshotStore:
         c["restores"] += 1
         with nvtx_range(f"torchckpt.restore {n}"):
             if tier is Tier.GPU:
+                if n in self._packs:
+                    return self._decompress(self._packs[n])
                 if n not in self._gpu:
                     raise CheckpointError(f"torchckpt: Restore({n}, GPU) of a snapshot that was never saved.")
                 return self._gpu[n]
@@ -244,7 +310,7 @@ class SnapshotStore:
                         self._timings.append(("late", need, self._fill_ev[s]))
                 elif self._fill_ev[s] is not None:
                     self._wait(self._fill_ev[s])
-                views = lay.views(self._slots[s])  # type: ignore[union-attr]
+                views = self._views(n, self._slots[s])
                 self._use_ev[s] = None  # the caller's copy comes after: see _after_use
                 self._pending_use = s
                 return views
@@ -261,19 +327,21 @@ class SnapshotStore:
                 elif not self.cuda:
                     c["miss_wait_s"] += time.perf_counter() - t0
                 self._pending_use = s
-                return lay.views(self._slots[s])  # type: ignore[union-attr]
+                return self._views(n, self._slots[s])
             block, ev = self._on_host[n]
             if ev is not None:
                 self._wait(ev)
             flat = block.tensor.to(self.device)  # synchronous from the caller's view
-            c["bytes_to_device"] += lay.nbytes  # type: ignore[union-attr]
-            return lay.views(flat)  # type: ignore[union-attr]
+            c["bytes_to_device"] += block.tensor.numel()
+            return self._views(n, flat)
 
     def free(self, n: int, tier: Tier) -> None:
         """Release snapshot ``n`` of ``tier``."""
         if tier is Tier.GPU:
             self._gpu.pop(n, None)
+            self._packs.pop(n, None)
             return
+        self._blobs.pop(n, None)
         self._rank.drop(n)
         self._prefetched.discard(n)
         self._dirty.discard(n)
@@ -311,6 +379,7 @@ class SnapshotStore:
         for n in list(self._on_host):
             self.free(n, Tier.HOST)
         self._gpu.clear()
+        self._packs.clear()
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._offload)
             torch.cuda.current_stream(self.device).wait_stream(self._prefetch)
@@ -327,25 +396,108 @@ class SnapshotStore:
                     "create the SnapshotStore on the state's device."
                 )
         if self._layout is None:
-            self._layout = _Layout(tensors)
-            nb = self._layout.nbytes
-            self._slots = [torch.empty(nb, dtype=torch.uint8, device=self.device) for _ in range(self.nslots)]
-            self._free_slots = list(range(self.nslots - 1, -1, -1))
-            self._flush_ev = [None] * self.nslots
-            self._fill_ev = [None] * self.nslots
-            self._use_ev = [None] * self.nslots
-            self._fill_of: list[int | None] = [None] * self.nslots
+            self.calibrate(tensors)
         elif tuple((t.shape, t.dtype) for t in tensors) != self._layout.meta:
             raise ValueError(
                 "torchckpt: every snapshot of a loop must have the same shapes and dtypes; expected "
                 f"{[(tuple(s), d) for s, d in self._layout.meta]}, got {[(tuple(t.shape), t.dtype) for t in tensors]}."
             )
 
+    def calibrate(self, tensors: Sequence[torch.Tensor]) -> int:
+        """Fix the snapshot layout, the slot size and the slot count from one snapshot; returns the slot count.
+
+        Called by the first ``save``; ``run_schedule`` calls it before planning when the store
+        was given ``gpu_bytes`` (the plan needs the slot count). With a codec this compresses
+        ``tensors`` once to measure the blob (NOTE [ Snapshot store ] Rule 9).
+        """
+        tensors = list(tensors)
+        if self._layout is not None:
+            return self.nslots
+        if not tensors:
+            raise ValueError("torchckpt: a snapshot needs at least one tensor.")
+        lay = _Layout(tensors)
+        nb = self._slot_bytes
+        if nb is None:
+            if self.codec is not None:
+                blob = Blob(self._compress(tensors, count=False))
+                nb = int(blob.nbytes * (1.0 + self.slot_margin))
+            else:
+                nb = lay.nbytes
+        nb = (nb + _ALIGN - 1) // _ALIGN * _ALIGN
+        if self.codec is None and nb < lay.nbytes:
+            raise ValueError(f"torchckpt: slot_bytes={nb} is smaller than one snapshot ({lay.nbytes} bytes) "
+                             "and there is no codec; pass slot_bytes=None.")
+        if self.gpu_bytes is not None:
+            self.nslots = max(1, self.gpu_bytes // nb)
+            self._rank = _Cache(self.nslots)
+        self._layout = lay
+        self._slot_bytes = nb
+        self._slots = [torch.empty(nb, dtype=torch.uint8, device=self.device) for _ in range(self.nslots)]
+        self._free_slots = list(range(self.nslots - 1, -1, -1))
+        self._flush_ev = [None] * self.nslots
+        self._fill_ev = [None] * self.nslots
+        self._use_ev = [None] * self.nslots
+        self._fill_of: list[int | None] = [None] * self.nslots
+        return self.nslots
+
+    @property
+    def slot_bytes(self) -> int | None:
+        """Bytes of one slot (``None`` before the first snapshot fixed it)."""
+        return self._slot_bytes
+
+    def _compress(self, tensors: Sequence[torch.Tensor], count: bool = True) -> list[Packed]:
+        assert self.codec is not None
+        packs = [self.codec.compress(t.detach()) for t in tensors]
+        if count:
+            self._c["raw_bytes"] += sum(p.orig_nbytes for p in packs)
+            self._c["packed_bytes"] += sum(p.nbytes for p in packs)
+        return packs
+
+    def _decompress(self, packs: Sequence[Packed]) -> list[torch.Tensor]:
+        assert self.codec is not None
+        return [self.codec.decompress(p) for p in packs]
+
+    def _views(self, n: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed (Rule 8)."""
+        if self.codec is not None:
+            return self._decompress(self._blobs[n].read(flat))
+        assert self._layout is not None
+        return self._layout.views(flat)
+
+    def _fill_flat(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], packs: list[Packed] | None,
+                   blob: Blob | None) -> None:
+        if packs is not None and blob is not None:
+            blob.write(flat, packs)
+            return
+        assert self._layout is not None
+        for dst, src in zip(self._layout.views(flat), tensors):
+            dst.copy_(src)
+
+    def _ensure_room(self, s: int, nbytes: int) -> None:
+        """Grow slot ``s`` to ``nbytes`` when a blob does not fit (Rule 9)."""
+        old = self._slots[s]
+        if nbytes <= old.numel():
+            return
+        if self.cuda:  # the old buffer may still be read by a flush or written by a fill
+            old.record_stream(self._offload)
+            old.record_stream(self._prefetch)
+        self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        self._c["slot_grows"] += 1
+        if not self._warned_grow:
+            self._warned_grow = True
+            warnings.warn(
+                f"torchckpt: a compressed snapshot of {nbytes} bytes did not fit its slot of {old.numel()} bytes; "
+                "the slot grew (GPU memory beyond the store's budget). Pass SnapshotStore(slot_bytes=...) or a "
+                "larger slot_margin, or a codec setting with a steadier ratio.",
+                RuntimeWarning, stacklevel=4,
+            )
+
     def _flush(self, n: int, s: int) -> None:
         """Copy the snapshot in slot ``s`` (step ``n``) to a host block on the offload stream."""
         lay = self._layout
         assert lay is not None
-        block = self.host.alloc(lay.nbytes)
+        size = self._blobs[n].nbytes if self.codec is not None else lay.nbytes
+        block = self.host.alloc(size)
         ev = self._to_host(block.tensor, self._slots[s])
         self._flush_ev[s] = ev
         self._on_host[n] = (block, ev)
@@ -368,6 +520,8 @@ class SnapshotStore:
 
     def _fill(self, s: int, n: int) -> Any:
         block, flushed = self._on_host[n]
+        grown = block.tensor.numel() > self._slots[s].numel()
+        self._ensure_room(s, block.tensor.numel())
         slot = self._slots[s]
         self._c["bytes_to_device"] += block.tensor.numel()
         if not self.cuda:
@@ -379,7 +533,7 @@ class SnapshotStore:
         for ev in (flushed, self._flush_ev[s], self._use_ev[s]):  # Rule 3
             if ev is not None:
                 p.wait_event(ev)
-        if self._use_ev[s] is None:  # no record of the last use: order after everything so far
+        if self._use_ev[s] is None or grown:  # no record of the last use, or a new buffer: after everything so far
             p.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(p):
             slot[: block.tensor.numel()].copy_(block.tensor, non_blocking=True)

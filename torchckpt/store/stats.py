@@ -23,7 +23,9 @@ class Stats:
         kept_bytes: their bytes.
         deduplicated: saves served by an existing entry (another view of one storage).
         offloaded: entries copied device-to-host.
-        offloaded_bytes: bytes copied device-to-host.
+        offloaded_bytes: bytes of the entries copied device-to-host (before compression).
+        compressed: of those entries, how many went through a codec.
+        compressed_bytes: what the codec made of them (the bytes that crossed the link).
         loaded_bytes: bytes copied host-to-device (prefetches and loads on demand).
         cache_hits: unpacks served by a tensor resident since it was saved.
         prefetch_hits: unpacks served by a prefetch.
@@ -47,6 +49,8 @@ class Stats:
     deduplicated: int = 0
     offloaded: int = 0
     offloaded_bytes: int = 0
+    compressed: int = 0
+    compressed_bytes: int = 0
     loaded_bytes: int = 0
     cache_hits: int = 0
     prefetch_hits: int = 0

@@ -37,6 +37,16 @@
 # 7. Prefetch follows NOTE [ Prefetch from a recorded trace ] (store/plan.py).
 # 8. ``device="cpu"`` simulates the two tiers with CPU tensors and synchronous copies: the
 #    placement, eviction and prefetch logic is the same code, so CPU tests exercise it.
+# 9. Compression (``Store(codec=...)``, or ``Offload(codec=...)`` for one block): an entry
+#    whose span is whole elements of a dtype the codec supports is compressed on the offload
+#    stream right before its device-to-host copy, and the copy moves the compressed bytes
+#    (one ``Blob``); a load copies them back on the prefetch stream and decompresses there,
+#    into a buffer allocated on the compute stream (Rule 5), before the event unpack waits
+#    on. The GPU cache still holds entries at their full size (the saved tensor itself while
+#    resident); the host pool holds the compressed size. With a lossy codec, gradients are
+#    those of the block's saved tensors as the codec returns them (its guarantee, stated in
+#    ``codec.guarantee``), not bit-exact. Entries of other dtypes are copied as they are.
+#    Views of one storage with different dtypes get entries of their own when a codec is set.
 """
 from __future__ import annotations
 
@@ -49,7 +59,9 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchckpt._errors import internal_error
+from torchckpt.codecs.base import Codec
 from torchckpt.profiling import nvtx_range
+from torchckpt.store.blob import Blob
 from torchckpt.store.gpu_cache import GpuCache
 from torchckpt.store.host_pool import HostBlock, HostPool
 from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
@@ -69,7 +81,7 @@ _STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_
 class _Entry:
     __slots__ = (
         "id", "nbytes", "gpu", "base_off", "host", "d2h", "h2d", "h2d_stream",
-        "prefetched", "refs", "key",
+        "prefetched", "refs", "key", "codec", "dtype", "blob",
     )
 
     def __init__(self, eid: int, nbytes: int, gpu: torch.Tensor, base_off: int, key: Any) -> None:
@@ -84,6 +96,9 @@ class _Entry:
         self.prefetched = False
         self.refs = 0
         self.key = key
+        self.codec: Codec | None = None  # Rule 9
+        self.dtype: torch.dtype = torch.uint8
+        self.blob: Blob | None = None  # where the compressed buffers sit in the host block
 
 
 class _Handle:
@@ -133,6 +148,43 @@ class _CudaMover:
             ev.record(s)
         return ev
 
+    def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], HostBlock]) -> tuple[HostBlock, Blob, Any]:
+        """Compress ``x`` on the offload stream and copy the result to a new host block (Rule 9)."""
+        s = self.offload
+        s.wait_stream(self.current())
+        with torch.cuda.stream(s), nvtx_range("torchckpt.compress+d2h"):
+            if self.delay is not None:
+                self.delay("d2h", s)
+            p = codec.compress(x, stream=s)
+            blob = Blob([p])
+            flat = torch.empty(blob.nbytes, dtype=torch.uint8, device=self.device)
+            blob.write(flat, [p])
+            block = alloc(blob.nbytes)
+            block.tensor.copy_(flat, non_blocking=True)
+            ev = torch.cuda.Event(enable_timing=self.timing)
+            ev.record(s)
+        return block, blob, ev
+
+    def to_device_packed(self, codec: Codec, blob: Blob, src: torch.Tensor, nbytes: int, dtype: torch.dtype,
+                         after: Any) -> tuple[torch.Tensor, Any, Any]:
+        """Copy a compressed entry back and decompress it on the prefetch stream (Rule 9)."""
+        cur = self.current()
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur: Rule 5
+        staged = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        s = self.prefetch
+        s.wait_stream(cur)
+        if after is not None:
+            s.wait_event(after)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.h2d+decompress"):
+            if self.delay is not None:
+                self.delay("h2d", s)
+            staged.copy_(src, non_blocking=True)
+            codec.decompress(blob.read(staged)[0], out=out.view(dtype), stream=s)
+            staged.record_stream(s)
+            ev = torch.cuda.Event(enable_timing=self.timing)
+            ev.record(s)
+        return out, ev, cur
+
     def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
         cur = self.current()
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur: Rule 5
@@ -173,6 +225,19 @@ class _CpuMover:
     def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
         return src.clone(), None, None
 
+    def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], HostBlock]) -> tuple[HostBlock, Blob, Any]:
+        p = codec.compress(x)
+        blob = Blob([p])
+        block = alloc(blob.nbytes)
+        blob.write(block.tensor, [p])
+        return block, blob, None
+
+    def to_device_packed(self, codec: Codec, blob: Blob, src: torch.Tensor, nbytes: int, dtype: torch.dtype,
+                         after: Any) -> tuple[torch.Tensor, Any, Any]:
+        out = torch.empty(nbytes, dtype=torch.uint8)
+        codec.decompress(blob.read(src)[0], out=out.view(dtype))
+        return out, None, None
+
     def use(self, done: Any) -> Any:
         return None
 
@@ -192,6 +257,9 @@ class Store:
         min_bytes: tensors with fewer bytes are kept where they are.
         prefetch: plan prefetches from the first step's trace (``False``: load on demand).
         timing: time late prefetches and loads with CUDA events (for ``stats()``).
+        codec: a ``torchckpt.codecs.Codec`` that compresses what crosses to host memory
+            (NOTE [ Store ] Rule 9), and the snapshots of adjoint loops run with this store.
+            A lossy codec changes gradients within its guarantee. ``None``: no compression.
 
     Example::
 
@@ -212,7 +280,13 @@ class Store:
         min_bytes: int = 1 << 20,
         prefetch: bool = True,
         timing: bool = True,
+        codec: Codec | None = None,
     ) -> None:
+        if codec is not None and not isinstance(codec, Codec):
+            raise TypeError(
+                f"torchckpt: Store(codec=...) expects a torchckpt.codecs.Codec or None, got {type(codec).__name__}; "
+                "pass e.g. codec=torchckpt.codecs.TritonQuant(bits=8, mode='rel', bound=1e-2)."
+            )
         if device is None:
             device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
         device = torch.device(device)
@@ -238,6 +312,7 @@ class Store:
         self.host = host if host is not None else HostPool(pin=device.type == "cuda")
         self.min_bytes = int(min_bytes)
         self.prefetch = bool(prefetch)
+        self.codec = codec
         self._lock = threading.RLock()
         self._live = 0
         self._next_id = 0
@@ -254,14 +329,16 @@ class Store:
     def __deepcopy__(self, memo: dict[int, Any]) -> Store:
         return self  # a store is a shared resource (streams, pools): copies of a model share it
 
-    def hooks(self, keep: Iterable[torch.Tensor] = ()) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self, keep: Iterable[torch.Tensor] = (), codec: Codec | None = None) -> torch.autograd.graph.saved_tensors_hooks:
         """A context manager routing every tensor autograd saves through this store.
 
         Args:
             keep: tensors (e.g. a module's buffers) whose storages stay by reference.
+            codec: compress with this codec instead of the store's (NOTE [ Store ] Rule 9).
         """
         keep_ptrs = frozenset(t.untyped_storage().data_ptr() for t in keep)
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, keep_ptrs), self.unpack)
+        c = codec if codec is not None else self.codec
+        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
 
     def stats(self) -> Stats:
         """Counters so far; waits for the timing events of finished work (not on the hot path)."""
@@ -286,7 +363,7 @@ class Store:
         return self._plan
 
     # -- hooks ---------------------------------------------------------------------------
-    def pack(self, t: torch.Tensor, keep_ptrs: frozenset[int] = frozenset()) -> Any:
+    def pack(self, t: torch.Tensor, keep_ptrs: frozenset[int] = frozenset(), codec: Codec | None = None) -> Any:
         """Saved-tensor pack hook: a handle, or ``t`` itself when it is kept (Rule 1)."""
         c = self._c
         c["packed"] += 1
@@ -318,8 +395,10 @@ class Store:
         with self._lock, nvtx_range("torchckpt.pack"):
             if self._live == 0 and self._trace:
                 self._finish_step()
+            if codec is not None and not codec.supports(t.dtype):
+                codec = None
             if whole:
-                key = (sptr, t._version)
+                key: Any = (sptr, t._version) if codec is None else (sptr, t._version, t.dtype)
                 found = self._by_storage.get(key)
                 if found is not None and found[0].refs > 0 and not found[1].expired():
                     c["deduplicated"] += 1
@@ -329,6 +408,8 @@ class Store:
                 key = None
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, lo, (span,), (1,))
             e = _Entry(self._next_id, span, src, lo, key)
+            if codec is not None and span % es == 0 and lo % es == 0:
+                e.codec, e.dtype = codec, t.dtype
             self._next_id += 1
             self._entries[e.id] = e
             if key is not None:
@@ -399,14 +480,25 @@ class Store:
 
     def _write(self, e: _Entry) -> None:
         """Start the entry's device-to-host copy (its GPU copy must be present)."""
-        e.host = self.host.alloc(e.nbytes)
-        e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)
+        assert e.gpu is not None
+        if e.codec is not None:
+            e.host, e.blob, e.d2h = self._mover.to_host_packed(e.codec, e.gpu.view(e.dtype), self.host.alloc)
+            self._c["compressed"] += 1
+            self._c["compressed_bytes"] += e.blob.nbytes
+        else:
+            e.host = self.host.alloc(e.nbytes)
+            e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)
         self._c["offloaded"] += 1
         self._c["offloaded_bytes"] += e.nbytes
 
     def _load(self, e: _Entry) -> torch.Tensor:
         if e.host is None:
             raise internal_error(f"entry {e.id} has neither a GPU nor a host copy")
+        if e.codec is not None and e.blob is not None:
+            buf, ev, stream = self._mover.to_device_packed(e.codec, e.blob, e.host.tensor, e.nbytes, e.dtype, e.d2h)
+            e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
+            self._c["loaded_bytes"] += e.host.tensor.numel()
+            return buf
         buf, ev, stream = self._mover.to_device(e.host.tensor, e.nbytes, e.d2h)
         e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
         self._c["loaded_bytes"] += e.nbytes

@@ -1,0 +1,60 @@
+"""A compressed tensor (or several) laid out in one flat byte buffer, for one copy each way.
+
+A codec's ``Packed`` may hold several buffers (TritonQuant: codes, block parameters, raw
+blocks). The store and the snapshot store move compressed data as one byte span: ``Blob``
+records where each buffer sits (offsets aligned to ``ALIGN``), writes them into a flat
+buffer and reads ``Packed`` views back out of one. The metadata stays on the host.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from torchckpt.codecs.base import Meta, Packed
+
+_ALIGN = 256
+
+
+class Blob:
+    """Where the buffers of some ``Packed`` sit in one flat byte buffer.
+
+    Example::
+
+        >>> from torchckpt.codecs import Identity
+        >>> c = Identity()
+        >>> packs = [c.compress(torch.arange(3.0)), c.compress(torch.ones(2, dtype=torch.int64))]
+        >>> blob = Blob(packs)
+        >>> flat = torch.empty(blob.nbytes, dtype=torch.uint8)
+        >>> blob.write(flat, packs)
+        >>> [c.decompress(p) for p in blob.read(flat)]
+        [tensor([0., 1., 2.]), tensor([1, 1])]
+    """
+
+    __slots__ = ("metas", "spans", "nbytes")
+
+    def __init__(self, packs: Sequence[Packed]) -> None:
+        self.metas: list[Meta] = [p.meta for p in packs]
+        self.spans: list[list[tuple[int, int]]] = []
+        off = 0
+        for p in packs:
+            sp = []
+            for b in p.buffers:
+                n = b.numel() * b.element_size()
+                sp.append((off, n))
+                off += (n + _ALIGN - 1) // _ALIGN * _ALIGN
+            self.spans.append(sp)
+        self.nbytes = max(off, _ALIGN)
+
+    def write(self, flat: torch.Tensor, packs: Sequence[Packed]) -> None:
+        for p, sp in zip(packs, self.spans):
+            for b, (off, n) in zip(p.buffers, sp):
+                if n:
+                    flat[off : off + n].copy_(b.reshape(-1).view(torch.uint8))
+
+    def read(self, flat: torch.Tensor) -> list[Packed]:
+        out = []
+        for meta, sp in zip(self.metas, self.spans):
+            bufs = tuple(flat[off : off + n] for off, n in sp)
+            out.append(Packed(bufs if len(bufs) != 1 else bufs[0], meta))
+        return out
