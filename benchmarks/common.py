@@ -104,6 +104,8 @@ def print_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
 def _clean(o: Any) -> Any:
     if isinstance(o, float) and o != o:
         return None  # strict JSON has no NaN
+    if isinstance(o, float) and o in (float("inf"), float("-inf")):
+        return "inf" if o > 0 else "-inf"  # e.g. the PSNR of an identical image
     if isinstance(o, dict):
         return {str(k): _clean(v) for k, v in o.items()}
     if isinstance(o, (list, tuple)):

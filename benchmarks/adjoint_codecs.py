@@ -1,0 +1,201 @@
+"""RTM adjoint with compressed snapshots: how much faster than synchronous host checkpointing?
+
+The claim (issue: GPU compression): with the best codec, the adjoint run is at least 5x faster than
+the synchronous host baseline for Revolve and at least 8x for zCut (GPUZIP's best), with the
+image's PSNR reported. Same RTM, schedules and baseline as ``benchmarks/adjoint.py``, in one process:
+
+(a) ``Tier.GPU``, uncompressed: every snapshot in GPU memory; its image is the reference.
+(b) GPUZIP's baseline: blocking copies to and from pinned host buffers (``adjoint.run_sync_host``).
+(d) torchckpt: ``Tier.HOST`` snapshots through ``SnapshotStore(gpu_bytes=B, codec=c)``: every
+    snapshot is compressed on the GPU at save, held compressed in the slots and in host memory,
+    decompressed at restore (NOTE [ Snapshot store ] Rules 8, 9). The GPU budget B is the same
+    for every codec (``--budget-slots`` uncompressed snapshots, 6 by default = 768 MiB at 256^3),
+    so a codec's ratio becomes more slots. ``none`` is the uncompressed store with the same budget
+    (= (c) of adjoint.py at k = budget slots).
+
+Codecs: ``quant8`` = TritonQuant(bits=8, mode="rel", bound=1e-2), ``quant4`` = TritonQuant(bits=4,
+mode="rel", bound=0.1) (lossy; per element |x - x'| <= bound * max|x| of its 256-element block),
+plus ``bitcomp``/``zfp`` when their modules are importable and available (skipped with the reason
+otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s image / RMS difference).
+
+    python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
+                                        [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
+Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(1, os.path.dirname(HERE))
+sys.path.insert(2, os.path.join(os.path.dirname(HERE), "examples"))
+
+import torch  # noqa: E402
+
+import torchckpt  # noqa: E402
+from adjoint import Bench, stats_dict  # noqa: E402
+from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
+from torchckpt.adjoint import run_schedule  # noqa: E402
+from torchckpt.codecs import TritonQuant  # noqa: E402
+from torchckpt.schedules import Revolve, Tier, simulate  # noqa: E402
+from torchckpt.store import SnapshotStore  # noqa: E402
+from wave import RTM, make_schedule  # noqa: E402
+
+SCHEDULES = ("revolve", "zcut", "uniform")
+TARGETS = {"revolve": 5.0, "zcut": 8.0}
+
+
+def make_codec(name: str):
+    """(codec or None, reason it is unavailable or None)."""
+    if name == "none":
+        return None, None
+    if name == "quant8":
+        return TritonQuant(bits=8, mode="rel", bound=1e-2), None
+    if name == "quant4":
+        return TritonQuant(bits=4, mode="rel", bound=0.1), None
+    if name.startswith("bitcomp"):
+        try:
+            mod = importlib.import_module("torchckpt.codecs.bitcomp")
+            c = mod.Bitcomp(delta=float(name.split(":")[1])) if ":" in name else mod.Bitcomp()
+        except Exception as e:  # noqa: BLE001
+            return None, f"{type(e).__name__}: {e}"
+    elif name.startswith("zfp"):
+        try:
+            mod = importlib.import_module("torchckpt.codecs.zfp")
+            c = mod.ZFP(rate=float(name.split(":")[1]) if ":" in name else 8.0)
+        except Exception as e:  # noqa: BLE001
+            return None, f"{type(e).__name__}: {e}"
+    else:
+        raise SystemExit(f"unknown codec {name!r}")
+    why = c.unavailable_reason()
+    return (c, None) if why is None else (None, why)
+
+
+def psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
+    mse = (img.double() - ref.double()).square().mean().item()
+    rng = (ref.max() - ref.min()).item()
+    return math.inf if mse == 0 else 20 * math.log10(rng / math.sqrt(mse))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--snapshots", type=int)
+    p.add_argument("--budget-slots", type=int, default=6, help="GPU budget in uncompressed snapshots (default 6)")
+    p.add_argument("--codecs", default="none,quant8,quant4,bitcomp:0.001,zfp:8")
+    p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--out")
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    args.grid = args.grid or (256 if cuda else 24)
+    args.steps = args.steps or (1000 if cuda else 50)
+    args.snapshots = args.snapshots or (48 if cuda else 6)
+    args.slots = str(args.budget_slots)
+    out = out_dir(args.out)
+    device = torch.cuda.get_device_name() if cuda else "CPU"
+    n, N = args.grid, args.steps
+    names = [s for s in args.schedules.split(",") if s]
+    print(f"adjoint_codecs: {device}, torch {torch.__version__}; {n}^3, {N} steps, {args.snapshots} snapshots, "
+          f"GPU budget {args.budget_slots} uncompressed snapshots", flush=True)
+    codecs = {}
+    skipped = {}
+    for name in [c for c in args.codecs.split(",") if c]:
+        c, why = make_codec(name)
+        if why is not None:
+            skipped[name] = why
+            print(f"codec {name}: skipped ({why})", flush=True)
+        else:
+            codecs[name] = c
+    res: dict = dict(device=device, torch=torch.__version__, grid=n, steps=N, snapshots=args.snapshots,
+                     budget_slots=args.budget_slots, codecs={k: repr(v) for k, v in codecs.items()}, skipped=skipped)
+    if cuda:
+        d2h, h2d = pinned_bandwidth(GiB)
+        res["bandwidth_GBps"] = dict(d2h=d2h / 1e9, h2d=h2d / 1e9)
+        print(f"pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
+    bench = Bench(args, cuda)
+    sb = bench.snap_bytes
+    budget = args.budget_slots * sb
+    scheds = {s: (make_schedule(s, N, args.snapshots, Tier.GPU), make_schedule(s, N, args.snapshots, Tier.HOST))
+              for s in names}
+    peak = max(simulate(h, snapshot_bytes=sb).peak_snapshots[Tier.HOST] for _, h in scheds.values())
+    bench.alloc_host(peak, args.budget_slots)
+
+    def run_codec(sched, codec):
+        store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05)
+        try:
+            t, st = bench.timed(lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
+                                                     restore=bench.rtm.restore, backward=bench.rtm.backward,
+                                                     store=store))
+            return t, st, store.nslots
+        finally:
+            store.close()
+
+    # warm-up (Triton compilation of the stencil and the codecs), untimed
+    main_rtm = bench.rtm
+    warm = Revolve(min(N, 20), 4, tier=Tier.HOST)
+    bench.rtm = RTM(main_rtm.vel2, main_rtm.survey, main_rtm.wavelet, main_rtm.residual[: warm.n_steps + 1])
+    bench.run_gpu(Revolve(warm.n_steps, 4))
+    bench.run_sync(warm)
+    for c in codecs.values():
+        run_codec(warm, c)
+    bench.rtm = main_rtm
+
+    rows, results, ok = [], {}, True
+    for s, (sg, sh) in scheds.items():
+        r: dict = dict(schedule=repr(sh))
+        ta, _ = bench.run_gpu(sg)
+        ref = bench.rtm.image.clone()
+        tb, _ = bench.run_sync(sh)
+        exact_b = torch.equal(bench.rtm.image, ref)
+        ok &= exact_b
+        r["a"], r["b"] = dict(time_s=ta), dict(time_s=tb, image_equal=exact_b)
+        print(f"\n== {s}: (a) {ta:.3f} s, (b) {tb:.3f} s", flush=True)
+        rows.append([s, "(a) GPU tier", fmt(ta, ".3f"), fmt(tb / ta, ".2f") + "x", "-", "-", "-", "-", "ref"])
+        rows.append([s, "(b) sync host", fmt(tb, ".3f"), "1.00x", "-", "-", "-", "-", "inf" if exact_b else "DIFF"])
+        r["d"] = {}
+        for name, c in codecs.items():
+            t, st, slots = run_codec(sh, c)
+            q = psnr(bench.rtm.image, ref)
+            if c is None or c.guarantee.kind == "lossless":
+                ok &= q == math.inf
+            d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,
+                     stats=stats_dict(st))
+            r["d"][name] = d
+            print(f"[{s} (d) {name}] {t:.3f} s = {tb / t:.2f}x faster than (b), {t / ta:.2f}x (a); {slots} slots, "
+                  f"ratio {st.ratio:.2f}x, hit rate {st.hit_rate:.3f}, {st.misses} misses, late "
+                  f"{st.late_prefetches} ({st.late_wait_s * 1e3:.1f} ms), slot grows {st.slot_grows}; "
+                  f"{st.bytes_to_host / GiB:.3g} GiB to host; image PSNR {q:.1f} dB", flush=True)
+            rows.append([s, f"(d) {name}", fmt(t, ".3f"), f"{tb / t:.2f}x", str(slots), f"{st.ratio:.2f}x",
+                         f"{st.hit_rate:.3f}", fmt(st.bytes_to_host / GiB, ".3g"), "inf" if q == math.inf else f"{q:.1f}"])
+        if r["d"]:
+            best = max(r["d"], key=lambda k: r["d"][k]["speedup_over_b"])
+            r["best"] = best
+            if s in TARGETS and cuda:
+                sp = r["d"][best]["speedup_over_b"]
+                r["target"] = dict(want=TARGETS[s], got=sp, codec=best, psnr_db=r["d"][best]["psnr_db"],
+                                   verdict="PASS" if sp >= TARGETS[s] else "FAIL")
+        results[s] = r
+    res["schedules"] = results
+    print()
+    print_table(["schedule", "run", "time s", "vs (b)", "slots", "ratio", "hit rate", "to host GiB", "image PSNR dB"], rows)
+    for s, r in results.items():
+        if "target" in r:
+            t = r["target"]
+            print(f"target {s}: >= {t['want']:.0f}x faster than (b): {t['verdict']} ({t['got']:.2f}x with {t['codec']}, "
+                  f"image PSNR {t['psnr_db']:.1f} dB)")
+    write_json(os.path.join(out, "adjoint_codecs.json"), res)
+    labels = ["(a) GPU tier", "(b) sync host"] + [f"(d) {k}" for k in codecs]
+    panels = {f"{s}: time (s)": [r["a"]["time_s"], r["b"]["time_s"]] + [r["d"][k]["time_s"] for k in codecs]
+              for s, r in results.items()}
+    plot_bars(os.path.join(out, "adjoint_codecs.png"), labels, panels,
+              f"{device}, RTM {n}^3 fp32, {N} steps, GPU budget {budget / GiB:.2f} GiB")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
