@@ -8,6 +8,10 @@ import torch
 MODULES = [
     "torchckpt.adjoint",
     "torchckpt.api",
+    "torchckpt.codecs.base",
+    "torchckpt.codecs.bitcomp",
+    "torchckpt.codecs.quant",
+    "torchckpt.store.blob",
     "torchckpt.store.gpu_cache",
     "torchckpt.store.host_pool",
     "torchckpt.store.plan",

@@ -252,3 +252,32 @@ def test_checkpointed_loop_with_a_store_codec() -> None:
     out = checkpointed_loop(step, x0, 40, schedule=Revolve(40, 4, tier=Tier.HOST), params=[w], store=store)
     out.square().sum().backward()
     assert torch.equal(w.grad, gw) and torch.equal(x0.grad, gx)
+
+
+def _bitcomp():
+    from torchckpt.codecs import Bitcomp
+
+    if not Bitcomp().is_available():
+        pytest.skip(Bitcomp().unavailable_reason() or "")
+    return Bitcomp
+
+
+def test_bitcomp_in_the_store_lossless_and_lossy() -> None:
+    Bitcomp = _bitcomp()
+    torch.manual_seed(4)
+    a = torch.cumsum(torch.randn(1 << 16), 0) * 1e-3  # smooth: compressible
+    st_ll = Store("cpu", gpu_bytes=0, min_bytes=0, host=_pool(), codec=Bitcomp())
+    assert torch.equal(_echo(st_ll, a), a)
+    lossy = Bitcomp(delta=1e-3)
+    st = Store("cpu", gpu_bytes=0, min_bytes=0, host=_pool(), codec=lossy)
+    g = _echo(st, a)
+    err = (g - a).abs().max().item()
+    assert 0 < err <= lossy.guarantee.bound
+    s = st.stats()
+    assert s.compressed == 1 and s.compressed_bytes < a.numel() * 4 / 2
+
+
+def test_lossy_bitcomp_leaves_integer_tensors_alone() -> None:
+    Bitcomp = _bitcomp()
+    assert Bitcomp(delta=1e-3).supports(torch.float32) and not Bitcomp(delta=1e-3).supports(torch.int64)
+    assert Bitcomp().supports(torch.int64)

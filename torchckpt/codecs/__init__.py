@@ -1,9 +1,12 @@
-"""Codecs that compress tensors on the GPU before they leave it (issue 5).
+"""Codecs that compress tensors on the GPU before they leave it.
 
-``Codec`` is the interface (base.py), ``Identity`` the lossless baseline and ``TritonQuant``
-block-wise 8/4-bit quantization with a per-element error bound (quant.py).
+``Codec`` is the interface (base.py), ``Identity`` the lossless baseline, ``TritonQuant``
+block-wise 8/4-bit quantization with a per-element error bound (quant.py), ``Bitcomp`` nVIDIA
+nvCOMP's Bitcomp, lossless or lossy with an absolute bound (bitcomp.py; needs the
+``nvidia-libnvcomp-cu13`` wheel).
 """
 from torchckpt.codecs.base import Codec, Guarantee, Identity, Meta, Packed
+from torchckpt.codecs.bitcomp import Bitcomp
 from torchckpt.codecs.quant import TritonQuant
 
-__all__ = ["Codec", "Guarantee", "Identity", "Meta", "Packed", "TritonQuant"]
+__all__ = ["Bitcomp", "Codec", "Guarantee", "Identity", "Meta", "Packed", "TritonQuant"]

@@ -1,0 +1,235 @@
+"""Bitcomp on CUDA: round trips on side streams, the bound, the same format as the host path, throughput (printed)."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from torchckpt.codecs import Packed
+from torchckpt.codecs import _nvcomp as nv
+from torchckpt.codecs import bitcomp as bc
+from torchckpt.codecs.bitcomp import Bitcomp
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(nv.unavailable_reason() is not None, reason=f"needs nvCOMP: {nv.unavailable_reason()}")]
+
+
+# the helpers of test_bitcomp.py, repeated so that this file needs no hypothesis
+LOSSY = [torch.float16, torch.float32, torch.float64, torch.bfloat16]
+LOSSLESS_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
+                   torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn]
+INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().reshape(-1).view(torch.uint8)
+
+
+def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    x = torch.randn(shape, dtype=torch.float64) * 100
+    if dtype.is_complex:
+        return torch.complex(x, -x / 3).to(dtype)
+    if dtype == torch.bool:
+        return x > 0
+    return x.to(dtype)
+
+
+def check_bound(c: Bitcomp, x: torch.Tensor, y: torch.Tensor) -> None:
+    """NOTE [ Bitcomp ] Rules 3-5: finite elements within the guarantee, NaN and Inf bit-exact."""
+    assert y.shape == x.shape and y.dtype == x.dtype
+    bound = c.guarantee.bound
+    assert bound is not None
+    xf, yf = x.contiguous().reshape(-1), y.contiguous().reshape(-1)
+    fin = torch.isfinite(xf)
+    ity = INT_VIEW[x.element_size()]
+    assert torch.equal(xf.view(ity)[~fin], yf.view(ity)[~fin]), "NaN or Inf did not come back bit-exact"
+    assert torch.isfinite(yf[fin]).all(), "a finite value came back as NaN or Inf"
+    d = (xf[fin].double() - yf[fin].double()).abs()
+    assert not (d > bound).any(), f"bound {bound} broken: max error {d.max().item()}"
+
+
+def to(p: Packed, device: str) -> Packed:
+    return Packed(tuple(b.to(device) for b in p.buffers) if isinstance(p.data, tuple) else p.data.to(device), p.meta)
+
+
+def adversarial(n: int, dtype: torch.dtype) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(n, device="cuda", generator=g, dtype=torch.float64) * torch.logspace(-6, 6, n, device="cuda",
+                                                                                         dtype=torch.float64)
+    x[::997] = float("nan")
+    x[5::1999] = float("inf")
+    x[7::2003] = -float("inf")
+    x[300:900] = 3.0
+    x[1000:1100] = -0.0
+    x[2000:2100] = torch.finfo(dtype).tiny / 4
+    x[3000:3010] = torch.finfo(dtype).max
+    x[3100:3110] = -torch.finfo(dtype).max
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", LOSSLESS_DTYPES)
+@pytest.mark.parametrize("shape", [(1000,), (3, 5, 257), (0,), ()])
+def test_lossless_on_side_stream(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    c = Bitcomp()
+    x = sample(dtype, shape).cuda()
+    s = torch.cuda.Stream()
+    p = c.compress(x, stream=s)
+    out = torch.empty_like(x)
+    c.decompress(p, out=out, stream=s)
+    torch.cuda.current_stream().wait_stream(s)
+    assert p.device.type == "cuda" and torch.equal(bits(out), bits(x))
+
+
+@pytest.mark.parametrize("dtype", LOSSY)
+@pytest.mark.parametrize("delta", [1e-6, 2e-3, 0.5, 1e30, 1e300])
+def test_lossy_bound_on_cuda(dtype: torch.dtype, delta: float) -> None:
+    c = Bitcomp(delta=delta)
+    s = torch.cuda.Stream()
+    for x in (adversarial(300_001, dtype), torch.randn(1 << 20, device="cuda").to(dtype),
+              torch.randn(64, 999, device="cuda").to(dtype).t(), torch.empty(0, device="cuda", dtype=dtype)):
+        p = c.compress(x, stream=s)
+        y = c.decompress(p, stream=s)
+        torch.cuda.current_stream().wait_stream(s)
+        check_bound(c, x.contiguous(), y)
+
+
+@pytest.mark.parametrize("dtype", LOSSY)
+@pytest.mark.parametrize("delta", [None, 2e-3, 0.5])
+@pytest.mark.parametrize("n", [1 << 22, 100_003, 1])
+def test_host_and_device_share_the_format(dtype: torch.dtype, delta: float | None, n: int) -> None:
+    """GPU output decodes on the host and the reverse, to the same values (NOTE [ Bitcomp ] Rule 1)."""
+    c = Bitcomp(delta=delta)
+    x = adversarial(max(n, 4000), dtype)[:n]
+    pg, ph = c.compress(x), c.compress(x.cpu())
+    yg = c.decompress(pg)
+    assert torch.equal(bits(c.decompress(to(pg, "cpu"))), bits(yg.cpu()))  # GPU bytes, host decoder
+    assert torch.equal(bits(c.decompress(to(ph, "cuda")).cpu()), bits(c.decompress(ph)))  # host bytes, GPU decoder
+    assert torch.equal(bits(yg.cpu()), bits(c.decompress(ph)))  # both encoders give the same values
+    if delta is not None:
+        check_bound(c, x, yg)
+    else:
+        assert torch.equal(bits(yg), bits(x))
+
+
+def test_stream_ordering_and_no_sync_in_decompress() -> None:
+    """compress on a side stream waits for the producer of x; decompress enqueues without synchronizing."""
+    c = Bitcomp(delta=1e-3)
+    s = torch.cuda.Stream()
+    a = torch.randn(4096, 4096, device="cuda")
+    x = (a @ a).sin()  # still running on the current stream when compress is called
+    p = c.compress(x, stream=s)
+    out = torch.empty_like(x)
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        c.decompress(p, out=out, stream=s)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    ev = torch.cuda.Event()
+    ev.record(s)
+    torch.cuda.current_stream().wait_event(ev)
+    check_bound(c, x, out)
+
+
+def test_threads_share_plans_safely() -> None:
+    """Two threads on two streams use the same cached plan (same size) at once (Rule 7)."""
+    errors: list[BaseException] = []
+    xs = [torch.randn(1 << 18, device="cuda") * (i + 1) for i in range(8)]
+    torch.cuda.synchronize()
+
+    def work(k: int) -> None:
+        try:
+            s = torch.cuda.Stream()
+            c = Bitcomp(delta=1e-3) if k % 2 else Bitcomp()
+            for _ in range(10):
+                for x in xs:
+                    y = c.decompress(c.compress(x, stream=s), stream=s)
+                    s.synchronize()
+                    if c.delta is None:
+                        assert torch.equal(y, x)
+                    else:
+                        check_bound(c, x, y)
+        except BaseException as e:  # reported below
+            errors.append(e)
+
+    ts = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_plan_cache_evicts_and_destroys(monkeypatch: pytest.MonkeyPatch) -> None:
+    cache = bc._PlanCache(2)
+    monkeypatch.setattr(bc, "_PLANS", cache)
+    c = Bitcomp(delta=1e-2)
+    for n in (1000, 2000, 3000, 4000, 1000):
+        x = torch.randn(n, device="cuda")
+        check_bound(c, x, c.decompress(c.compress(x)))
+        assert len(cache) <= 2
+    torch.cuda.synchronize()
+    x = torch.randn(10, device="cuda")
+    c.compress(x)  # destroys the retired plans (their events are done), then evicts one more
+    assert len(cache._retired) == 1
+    torch.cuda.synchronize()
+    c.compress(x)  # the same plan: nothing evicted, the last retired one destroyed
+    assert len(cache._retired) == 0 and len(cache) == 2
+
+
+def _bench(fn, reps: int) -> float:
+    """Seconds per call (wall clock, the device idle before and after)."""
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def test_throughput_print() -> None:
+    """256 MiB fp32 in GB/s of input (printed and written to $TORCHCKPT_BENCH_JSON if set, not asserted)."""
+    n = (256 << 20) // 4
+    g = torch.Generator(device="cuda").manual_seed(0)
+    i = torch.arange(n, device="cuda", dtype=torch.float32)
+    z, y, xx = i // (512 * 512), (i // 512) % 512, i % 512
+    smooth = torch.sin(xx / 40) * torch.cos(y / 23) * torch.sin(z / 11 + 0.3)  # a 256x512x512 wave-like field
+    data = {"smooth 256x512x512": smooth, "randn": torch.randn(n, device="cuda", generator=g)}
+    gb = n * 4 / 1e9
+    rows = []
+    lib = nv.library()
+    for name, x in data.items():
+        for c in (Bitcomp(), Bitcomp(delta=2e-3)):
+            p = c.compress(x)
+            out = torch.empty_like(x)
+            t_c = _bench(lambda: c.compress(x), 10)
+            t_d = _bench(lambda: c.decompress(p, out=out), 10)
+            r = bc._recipe(x.dtype, c.delta)
+            scratch = torch.empty(lib.bitcompMaxBuflen(n * 4), dtype=torch.uint8, device="cuda")
+
+            def kernel() -> None:
+                with bc._PLANS.use(x.device, n * 4, r.btype, r.mode, c._algo, torch.cuda.current_stream()) as h:
+                    if r.mode == nv.LOSSLESS:
+                        lib.bitcompCompressLossless(h, x.data_ptr(), scratch.data_ptr())
+                    else:
+                        lib.bitcompCompressLossy_fp32(h, x.data_ptr(), scratch.data_ptr(), bc._delta_arg(r))
+            t_k = _bench(kernel, 10)
+            err = (out - x).abs().max().item()
+            row = dict(data=name, codec=repr(c), bound=c.guarantee.bound, max_err=err, ratio=p.ratio,
+                       compress_GBps=gb / t_c, compress_kernel_GBps=gb / t_k, decompress_GBps=gb / t_d)
+            rows.append(row)
+            print(f"\nBitcomp 256 MiB fp32 {name}, {c!r}: ratio {p.ratio:.2f}, max err {err:.3g} "
+                  f"(bound {c.guarantee.bound}); compress {gb / t_c:.0f} GB/s (kernel alone {gb / t_k:.0f}), "
+                  f"decompress {gb / t_d:.0f} GB/s")
+            if c.delta is not None:
+                assert err <= c.guarantee.bound  # type: ignore[operator]
+            else:
+                assert torch.equal(out, x)
+    dest = os.environ.get("TORCHCKPT_BENCH_JSON")
+    if dest:
+        with open(dest, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "nvcomp": nv.version(), "rows": rows}, f, indent=1)
