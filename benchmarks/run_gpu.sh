@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory] [extra benchmark args, e.g. --sweep]
+# codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims);
+# memory: host_init.py and device_cache_init.py (the native memory engine). `all` runs everything.
+# nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it.
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint) ;; *) echo "usage: $0 [all|tests|train|adjoint] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|memory) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -17,7 +20,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,memory.used,pcie.link.ge
 python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available())'
 
 echo "== install"
-if pip install --no-build-isolation --no-deps -e . -q; then
+if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-deps .whl/*.whl || echo "nvCOMP wheel install failed"; fi
+if python3 -m pip install --no-build-isolation --no-deps -e . -q; then
   echo "installed torchckpt (editable)"
 else
   echo "pip install failed: using PYTHONPATH=."
@@ -54,6 +58,25 @@ if [[ $PART == all || $PART == adjoint ]]; then
   python3 benchmarks/adjoint.py --out "$OUT" $([[ $PART == adjoint ]] && echo "$@") 2>&1 | tee "$OUT/adjoint.log"
   ADJ_RC=${PIPESTATUS[0]}
   set -e
+fi
+
+run_part() {  # name, script args...: run one benchmark script into $OUT, log it, never abort the others
+  local name=$1; shift
+  echo "== $name"
+  set +e
+  python3 "$@" --out "$OUT" 2>&1 | tee "$OUT/$name.log"
+  echo "$name exit code ${PIPESTATUS[0]}"
+  set -e
+}
+if [[ $PART == all || $PART == codecs ]]; then
+  run_part codecs benchmarks/codecs.py
+  run_part codec_quality benchmarks/codec_quality.py
+  run_part adjoint_codecs benchmarks/adjoint_codecs.py
+  run_part train_codecs benchmarks/train_codecs.py
+fi
+if [[ $PART == all || $PART == memory ]]; then
+  run_part host_init benchmarks/host_init.py
+  run_part device_cache_init benchmarks/device_cache_init.py
 fi
 
 echo "== summary: adjoint exit code $ADJ_RC; gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"

@@ -12,6 +12,7 @@ MODULES = [
     "torchckpt.codecs.bitcomp",
     "torchckpt.codecs.quant",
     "torchckpt.store.blob",
+    "torchckpt.store.device_arena",
     "torchckpt.store.gpu_cache",
     "torchckpt.store.host_pool",
     "torchckpt.store.plan",

@@ -38,10 +38,16 @@
 #    than its slot grows that slot (a new buffer; the old one is released behind its
 #    streams): the result stays exact to the codec's guarantee, GPU memory exceeds the
 #    budget by the difference, ``stats().slot_grows`` counts it and the store warns once.
+# 10. The slots are one range of device memory from ``arena_slots`` (store/device_arena.py): on
+#    a GPU with the native extension, a CUDA virtual-memory arena whose first slot is mapped
+#    at once and the rest in the background (a slot's first use waits for its own range only);
+#    elsewhere one ``torch.empty``. ``TORCHCKPT_DEVICE_CACHE=caching`` forces the latter. Arena
+#    memory is outside PyTorch's caching allocator: ``device_bytes()`` reports it.
 """
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 import warnings
 from collections.abc import Sequence
@@ -55,6 +61,7 @@ from torchckpt.profiling import nvtx_range
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.prefetch import _Cache
 from torchckpt.store.blob import Blob
+from torchckpt.store.device_arena import ArenaSlots, DeviceArena, arena_slots
 from torchckpt.store.host_pool import HostBlock, HostPool
 
 _ALIGN = 256
@@ -130,6 +137,32 @@ class _Layout:
         return out
 
 
+class _Slots:
+    """The store's slots: arena slots (Rule 10), each replaceable by a grown buffer (Rule 9)."""
+
+    def __init__(self, slots: ArenaSlots | None = None) -> None:
+        self._arena_slots = slots
+        self._own: dict[int, torch.Tensor] = {}
+
+    def __len__(self) -> int:
+        return len(self._arena_slots) if self._arena_slots is not None else 0
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        t = self._own.get(i)
+        if t is not None:
+            return t
+        assert self._arena_slots is not None
+        return self._arena_slots[i]
+
+    def __setitem__(self, i: int, t: torch.Tensor) -> None:
+        self._own[i] = t
+
+    def release(self) -> None:
+        self._own.clear()
+        if self._arena_slots is not None:
+            self._arena_slots.release()
+
+
 class SnapshotStore:
     """Holds a schedule's snapshots: GPU tier on the device, other tiers via device slots and a host pool.
 
@@ -196,7 +229,8 @@ class SnapshotStore:
         self._blobs: dict[int, Blob] = {}  # off-GPU snapshot -> its blob layout (with a codec)
         self._packs: dict[int, list[Packed]] = {}  # GPU-tier snapshots, compressed (with a codec)
         self._warned_grow = False
-        self._slots: list[torch.Tensor] = []
+        self._slots = _Slots()
+        self._arena: DeviceArena | None = None
         self._slot_of: dict[int, int] = {}
         self._free_slots: list[int] = []
         self._flush_ev: list[Any] = []  # per slot: last device-to-host copy out of it
@@ -383,7 +417,17 @@ class SnapshotStore:
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._offload)
             torch.cuda.current_stream(self.device).wait_stream(self._prefetch)
-        self._slots = []
+        self._slots.release()
+        self._slots = _Slots()
+        if self._arena is not None:
+            self._arena.close()  # the memory goes back once no view of it is left
+            self._arena = None
+
+    def device_bytes(self) -> int:
+        """Device memory the slots hold (arena memory is not in ``torch.cuda.memory_allocated()``)."""
+        if self._arena is not None:
+            return int(self._arena.mapped_bytes)
+        return len(self._slots) * (self._slot_bytes or 0)
 
     # -- internals -----------------------------------------------------------------------
     def _check(self, tensors: list[torch.Tensor]) -> None:
@@ -432,7 +476,9 @@ class SnapshotStore:
             self._rank = _Cache(self.nslots)
         self._layout = lay
         self._slot_bytes = nb
-        self._slots = [torch.empty(nb, dtype=torch.uint8, device=self.device) for _ in range(self.nslots)]
+        use_vmm = False if os.environ.get("TORCHCKPT_DEVICE_CACHE", "auto") == "caching" else None
+        self._arena, slots = arena_slots(self.device, self.nslots, nb, use_vmm=use_vmm)  # Rule 10
+        self._slots = _Slots(slots)
         self._free_slots = list(range(self.nslots - 1, -1, -1))
         self._flush_ev = [None] * self.nslots
         self._fill_ev = [None] * self.nslots
