@@ -3,10 +3,12 @@
 ``Codec`` is the interface (base.py), ``Identity`` the lossless baseline, ``TritonQuant``
 block-wise 8/4-bit quantization with a per-element error bound (quant.py), ``Bitcomp`` nVIDIA
 nvCOMP's Bitcomp, lossless or lossy with an absolute bound (bitcomp.py; needs the
-``nvidia-libnvcomp-cu13`` wheel).
+``nvidia-libnvcomp-cu13`` wheel), ``ZFP`` fixed-rate zfp / cuZFP (zfp.py; needs the extension
+built with ``TORCHCKPT_BUILD_ZFP=1``).
 """
 from torchckpt.codecs.base import Codec, Guarantee, Identity, Meta, Packed
 from torchckpt.codecs.bitcomp import Bitcomp
 from torchckpt.codecs.quant import TritonQuant
+from torchckpt.codecs.zfp import ZFP
 
-__all__ = ["Bitcomp", "Codec", "Guarantee", "Identity", "Meta", "Packed", "TritonQuant"]
+__all__ = ["Bitcomp", "Codec", "Guarantee", "Identity", "Meta", "Packed", "TritonQuant", "ZFP"]
