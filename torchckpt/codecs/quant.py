@@ -1,10 +1,21 @@
-"""TritonQuant: block-wise 8- or 4-bit quantization with a per-element error bound.
+"""TritonQuant: block-wise quantization (8-bit, 4-bit or fp8 e4m3 codes) with a per-element error bound.
 
 # NOTE [ Block quantization ]
 # 1. The flattened tensor is cut into blocks of ``block`` elements (the last one padded).
-#    Per block: ``mn`` and ``mx`` of its finite values, ``step = (mx - mn) / L`` with
-#    ``L = 2**bits - 1``, codes ``q = clamp(floor((x - mn) / step + 0.5), 0, L)``, decoded
-#    as ``x' = (mn + q * step)`` rounded to the tensor's dtype. All arithmetic is fp32.
+#    All arithmetic is fp32. Per block, over its finite values:
+#    - ``fmt="int"`` (the default): ``mn``, ``mx``, ``step = (mx - mn) / L`` with
+#      ``L = 2**bits - 1`` and ``inv = 1 / max(step, 2**-126)`` (two IEEE divisions per
+#      block, none per element); codes ``q = ((x - mn) * inv + R) - R`` with ``R = 1.5 * 2**23``
+#      (round to nearest, half to even, without a conversion instruction), decoded as
+#      ``x' = (mn + q * step)`` rounded to the tensor's dtype. In a finite block
+#      ``(x - mn) * inv <= L (1 + 2**-22)``, so ``0 <= q <= L`` without a clamp.
+#    - ``fmt="e4m3"`` (8 bits): ``scale = max(max|x| / 448, 2**-126)``, ``inv = 1 / scale``;
+#      codes ``c = e4m3(x * inv)`` (round to nearest even; ``|x * inv| <= 448 (1 + 2**-22)``
+#      in a finite block, so no code saturates), decoded as ``x' = (float(c) * scale)``
+#      rounded to the dtype.
+#    ``inv`` is finite for every finite block, so no code is NaN; rounding ``x * inv`` may
+#    differ from ``x / step`` by an ulp, which only moves an element's error, and Rule 2
+#    checks the error.
 # 2. The bound holds by construction because it is checked at compression: each element's
 #    ``x'`` is computed exactly as decompress computes it and compared with ``x``. A block is
 #    kept *raw* (its original bits, stored apart) when any element fails, when it holds a
@@ -16,20 +27,30 @@
 #    normal numbers). Exact reconstructions (``x' == x``, e.g. constant or all-zero blocks)
 #    always pass. A quantized -0.0 may come back as +0.0 (numerically equal).
 # 4. The packed form is four uint8 buffers: codes (``bits/8`` bytes per element, padded to
-#    whole blocks), params (fp32 ``mn``, ``step`` per block; ``step = -1`` marks a raw
-#    block), the int32 indices of raw blocks, and those blocks' original bytes. With no raw
-#    blocks, fp32 8-bit is 264 bytes per 1024 (3.88x) and 4-bit 136 (7.53x) at block=256.
-# 5. How many blocks are raw is known only after the kernel ran: compress reads that count
-#    to the host (NOTE [ Codec streams ] Rule 3). Blocks whose range needs more than
-#    ``L`` steps of ``2 * bound`` end up raw: on data with a huge range per block the ratio
-#    falls towards 1, the bound never breaks.
+#    whole blocks; 4-bit codes put element ``j`` of a block in the low nibble of byte ``j``
+#    and element ``j + block/2`` in its high nibble; codes of raw blocks and padding are 0),
+#    params (fp32 per block: ``mn, step`` for ``"int"``, ``scale`` for ``"e4m3"``; a
+#    negative ``step``/``scale`` (-1) marks a raw block), the int32 indices of raw blocks,
+#    and those blocks' original bytes. With no raw blocks, fp32 is 264 bytes per 1024 at 8
+#    bits (3.88x), 136 at 4 bits (7.53x) and 260 in e4m3 (3.94x) at block=256.
+# 5. How many blocks are raw is known only after the kernel ran: the kernel adds its raw
+#    blocks to a device counter, and compress reads that one int32 back (one D2H copy into
+#    pinned memory, then an event wait: NOTE [ Codec streams ] Rule 3). The packed buffers
+#    are sized exactly, so the count must be known on the host before compress returns; the
+#    compaction of raw blocks (``nonzero``, a gather) runs only when the count is non-zero.
+#    Blocks whose range needs more than ``L`` steps of ``2 * bound`` (or, in e4m3, whose
+#    elements' rounding errors exceed it) end up raw: on such data the ratio falls towards
+#    1, the bound never breaks.
 # 6. The Triton kernels (_quant_triton.py) and the PyTorch reference (``_quant_ref``,
-#    ``_dequant_ref``) do the same fp32 operations in the same order, with IEEE division and
-#    no fused multiply-add, so their packed bytes are identical; raw blocks and everything
-#    after the kernel are shared PyTorch code.
+#    ``_dequant_ref``) do the same fp32 operations in the same order on every block that is
+#    not raw, with IEEE division and no fused multiply-add, so their packed bytes are
+#    identical (a raw block's intermediates may differ, e.g. the kernel does not filter
+#    non-finite values out of min/max; its stored bytes are fixed: codes 0, marker -1).
+#    Raw blocks and everything after the kernel are shared PyTorch code.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import logging
 import math
@@ -44,8 +65,20 @@ from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
 _log = logging.getLogger("torchckpt")
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_FMTS = ("int", "e4m3")
 _REL_SLACK = 1.0 - 2.0**-20  # see Rule 3
-_ROWS = 16  # blocks per Triton program
+_FLT_MIN = 2.0**-126  # see Rule 1
+_DENORM_MIN = 2.0**-149  # the smallest positive fp32
+_ROUNDER = 1.5 * 2.0**23  # t + 1.5 * 2**23 in fp32 rounds t to an integer, half to even (Rule 1)
+_E4M3_MAX = 448.0
+# Triton launch shapes, (blocks per program, warps) for compress and for decompress, per
+# (element size, codes): measured on an H100 for 256 MiB inputs (docs/results/quant_h100.json).
+# Every shape gives the same bytes; on the H100 the compress kernels run at 1.9-2.5 TB/s of input
+# (about the memory bandwidth) for most shapes, and (4 blocks, 8 warps) is much slower for bf16.
+_CFG: dict[tuple[int, str], tuple[int, int, int, int]] = {
+    (4, "int8"): (8, 8, 4, 4), (4, "int4"): (8, 8, 8, 8), (4, "e4m3"): (8, 8, 8, 8),
+    (2, "int8"): (8, 4, 16, 8), (2, "int4"): (16, 4, 16, 8), (2, "e4m3"): (8, 4, 16, 8),
+}
 
 
 def _fp32_at_most(v: float) -> float:
@@ -68,46 +101,65 @@ def _pad_blocks(flat: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Ten
     return xf.view(nb, block), valid
 
 
-def _quant_ref(flat: torch.Tensor, bits: int, block: int, rel: bool, bound: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference quantizer (CPU or CUDA): ``(codes uint8, params fp32 (nblocks, 2))`` per Rule 1-3."""
+def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(v, dtype=torch.float32, device=like.device)
+
+
+def _quant_ref(flat: torch.Tensor, bits: int, block: int, rel: bool, bound: float,
+               fmt: str = "int") -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference quantizer (CPU or CUDA): ``(codes uint8, params fp32 (nblocks, 2 or 1))`` per Rules 1-4."""
     dev = flat.device
-    levels = float(2**bits - 1)
+    npar = 1 if fmt == "e4m3" else 2
     nb = -(-flat.numel() // block)
     if nb == 0:
-        return torch.empty(0, dtype=torch.uint8, device=dev), torch.empty(0, 2, dtype=torch.float32, device=dev)
+        return torch.empty(0, dtype=torch.uint8, device=dev), torch.empty(0, npar, dtype=torch.float32, device=dev)
     xb, valid = _pad_blocks(flat, block)
     finite = torch.isfinite(xb)
-    inf = torch.tensor(math.inf, device=dev)
-    mn = torch.where(finite, xb, inf).amin(1)
-    mx = torch.where(finite, xb, -inf).amax(1)
-    mn = mn + torch.zeros((), device=dev)
-    step = (mx - mn) / torch.full_like(mn, levels)
-    safe = torch.where(step > 0, step, torch.ones_like(step))
-    q = torch.floor((xb - mn[:, None]) / safe[:, None].expand_as(xb) + 0.5)
-    q = torch.clamp(q, 0.0, levels)
-    q = torch.where(step[:, None] > 0, q, torch.zeros_like(q))
-    xr = (mn[:, None] + q * step[:, None]).to(flat.dtype).float()
-    d = (xr - xb).abs()
-    b = torch.tensor(bound, dtype=torch.float32, device=dev)
-    if rel:
-        amax = torch.maximum(mn.abs(), mx.abs())
-        thr = (amax * b) * torch.tensor(_REL_SLACK, dtype=torch.float32, device=dev)
+    one = _f32(1.0, xb)
+    if fmt == "e4m3":
+        amax = torch.where(finite, xb.abs(), torch.zeros_like(xb)).amax(1)
+        step = torch.maximum(amax / _f32(_E4M3_MAX, xb).expand_as(amax), _f32(_FLT_MIN, xb))
+        mn = torch.zeros_like(amax)
+        inv = one.expand_as(step) / step
+        c = (xb * inv[:, None]).to(torch.float8_e4m3fn)  # finite blocks: |x * inv| <= 448 (1 + 2**-22)
+        xr = (c.float() * step[:, None]).to(flat.dtype).float()
+        q = c.view(torch.uint8)
     else:
-        thr = b.expand_as(mn)
-    ok = ((d < thr[:, None]) | (d == 0)) & finite
-    ok = ok | ~valid
-    raw = ~ok.all(1)
+        levels = _f32(float(2**bits - 1), xb)
+        inf = torch.tensor(math.inf, device=dev)
+        mn = torch.where(finite, xb, inf).amin(1)
+        mx = torch.where(finite, xb, -inf).amax(1)
+        mn = mn + torch.zeros((), device=dev)
+        amax = torch.maximum(mn.abs(), mx.abs())
+        step = (mx - mn) / levels.expand_as(mn)
+        inv = one.expand_as(step) / torch.maximum(step, _f32(_FLT_MIN, xb))
+        rounder = _f32(_ROUNDER, xb)
+        r = (xb - mn[:, None]) * inv[:, None] + rounder  # rint by adding 1.5 * 2**23 (Rule 1)
+        qf = r - rounder
+        xr = (mn[:, None] + qf * step[:, None]).to(flat.dtype).float()
+        q = qf
+    # Rules 2-3: the block passes when every valid element has d < thr or d == 0, i.e. when
+    # max(d) (NaN propagated: non-finite x) < max(thr, 2**-149)
+    d = torch.where(valid, (xr - xb).abs(), torch.zeros_like(xb))
+    b = _f32(bound, xb)
+    thr = (amax * b) * _f32(_REL_SLACK, xb) if rel else b.expand_as(mn)
+    thr = torch.maximum(thr, _f32(_DENORM_MIN, xb))
+    raw = ~(d.amax(1) < thr) | ~finite.all(1)
     q = torch.where(raw[:, None] | ~valid, torch.zeros_like(q), q)
-    params = torch.stack([torch.where(raw, torch.zeros_like(mn), mn),
-                          torch.where(raw, torch.full_like(step, -1.0), step)], 1)
     qi = q.to(torch.uint8)
+    if fmt == "e4m3":
+        params = torch.where(raw, torch.full_like(step, -1.0), step)[:, None]
+    else:
+        params = torch.stack([torch.where(raw, torch.zeros_like(mn), mn),
+                              torch.where(raw, torch.full_like(step, -1.0), step)], 1)
     if bits == 4:
-        qi = qi.view(nb, block // 2, 2)
-        qi = qi[..., 0] | (qi[..., 1] << 4)
+        qi = qi.view(nb, 2, block // 2)
+        qi = qi[:, 0] | (qi[:, 1] << 4)
     return qi.reshape(-1), params
 
 
-def _dequant_ref(codes: torch.Tensor, params: torch.Tensor, out_flat: torch.Tensor, bits: int, block: int) -> None:
+def _dequant_ref(codes: torch.Tensor, params: torch.Tensor, out_flat: torch.Tensor, bits: int, block: int,
+                 fmt: str = "int") -> None:
     """Reference decoder: writes every non-raw block of ``out_flat`` (raw ones are left as they are)."""
     n = out_flat.numel()
     nb = params.shape[0]
@@ -115,17 +167,26 @@ def _dequant_ref(codes: torch.Tensor, params: torch.Tensor, out_flat: torch.Tens
         return
     if bits == 4:
         c = codes.view(nb, block // 2)
-        q = torch.stack([c & 15, c >> 4], 2).view(nb, block)
+        q = torch.cat([c & 15, c >> 4], 1)
     else:
         q = codes.view(nb, block)
-    mn, step = params[:, 0], params[:, 1]
-    xr = (mn[:, None] + q.float() * step[:, None]).to(out_flat.dtype).reshape(-1)[:n]
+    step = params[:, -1]
+    if fmt == "e4m3":
+        xr = q.view(torch.float8_e4m3fn).float() * step[:, None]
+    else:
+        xr = params[:, 0, None] + q.float() * step[:, None]
+    xr = xr.to(out_flat.dtype).reshape(-1)[:n]
     keep = (step >= 0)[:, None].expand(nb, block).reshape(-1)[:n]
     out_flat.copy_(torch.where(keep, xr, out_flat))
 
 
+@functools.lru_cache(maxsize=None)
+def _has_triton() -> bool:
+    return importlib.util.find_spec("triton") is not None  # costs tens of microseconds: asked once
+
+
 def _triton_reason() -> str | None:
-    if importlib.util.find_spec("triton") is None:
+    if not _has_triton():
         return "TritonQuant's GPU kernels need triton: pip install triton (the PyTorch reference path still runs)."
     if not torch.cuda.is_available():
         return ("TritonQuant's GPU kernels need a CUDA device, and torch.cuda.is_available() is False "
@@ -133,19 +194,34 @@ def _triton_reason() -> str | None:
     return None
 
 
+def _launch(kernel: Any, n: int, nb: int, B: int, rows: int, args: tuple[Any, ...], **kw: Any) -> None:
+    """Launch ``kernel`` unmasked over whole programs, then masked over the tail (_quant_triton.py)."""
+    big = (nb + rows) * B >= 2**31
+    full = n // (rows * B)
+    if full:
+        kernel[(full,)](*args, 0, MASKED=False, BIG=big, **kw)
+    rest = nb - full * rows
+    if rest > 0:
+        kernel[(-(-rest // rows),)](*args, full * rows, MASKED=True, BIG=big, **kw)
+
+
 class TritonQuant(Codec):
-    """Block-wise quantization to 8 or 4 bits with an error bound that holds by construction.
+    """Block-wise quantization to 8-bit, 4-bit or fp8 e4m3 codes with an error bound that holds by construction.
 
     NOTE [ Block quantization ] says exactly what is guaranteed and how.
 
     Args:
-        bits: 8 or 4 bits per element.
+        bits: 8 or 4 bits per element (``fmt="e4m3"`` needs 8).
         mode: ``"abs"`` (``|x - x'| <= bound``) or ``"rel"`` (``|x - x'| <= bound * max|x|``
             over the element's block).
         bound: the error bound, finite and > 0.
         block: elements per block (a power of two, 64 to 4096).
         use_triton: ``None`` uses the Triton kernels for CUDA tensors when triton imports,
             ``False`` always the PyTorch reference (same bytes, slower).
+        fmt: ``"int"`` (default): uniform integer codes between the block's min and max;
+            ``"e4m3"``: fp8 e4m3 codes scaled so that the block's max|x| maps to 448
+            (finer near zero, coarser near the max: relative error of the codes up to 2**-4,
+            so it suits looser bounds than ``"int"`` at the same 8 bits).
 
     Example::
 
@@ -154,12 +230,17 @@ class TritonQuant(Codec):
         >>> p = c.compress(x)
         >>> round(p.ratio, 2), bool((c.decompress(p) - x).abs().max() <= 1e-2)
         (3.79, True)
+        >>> e = TritonQuant(bits=8, mode="rel", bound=0.05, fmt="e4m3")
+        >>> p = e.compress(x)
+        >>> round(p.ratio, 2), p.meta.params["raw_blocks"]
+        (3.85, 0)
     """
 
     name = "triton_quant"
+    dtypes = _DTYPES  # Codec.supports: the store sends other dtypes uncompressed
 
     def __init__(self, bits: int = 8, mode: str = "abs", bound: float = 1e-3, block: int = 256,
-                 use_triton: bool | None = None) -> None:
+                 use_triton: bool | None = None, fmt: str = "int") -> None:
         if bits not in (4, 8) or isinstance(bits, bool):
             raise ValueError(f"torchckpt: TritonQuant bits must be 8 or 4, got {bits!r}.")
         if mode not in ("abs", "rel"):
@@ -169,6 +250,11 @@ class TritonQuant(Codec):
                              "for a lossless copy use Identity().")
         if not isinstance(block, int) or block < 64 or block > 4096 or block & (block - 1):
             raise ValueError(f"torchckpt: TritonQuant block must be a power of two from 64 to 4096, got {block!r}.")
+        if fmt not in _FMTS:
+            raise ValueError(f"torchckpt: TritonQuant fmt must be 'int' or 'e4m3', got {fmt!r}.")
+        if fmt == "e4m3" and bits != 8:
+            raise ValueError(f"torchckpt: TritonQuant fmt='e4m3' stores 8-bit codes, got bits={bits!r}; "
+                             "pass bits=8, or fmt='int' for 4-bit codes.")
         b32 = _fp32_at_most(float(bound))
         if b32 <= 0:
             raise ValueError(f"torchckpt: TritonQuant bound {bound!r} is below the smallest fp32; pass a larger bound.")
@@ -177,10 +263,12 @@ class TritonQuant(Codec):
         self.bound = float(bound)
         self.block = block
         self.use_triton = use_triton
+        self.fmt = fmt
         self._b32 = b32
 
     def __repr__(self) -> str:
-        return f"TritonQuant(bits={self.bits}, mode={self.mode!r}, bound={self.bound!r}, block={self.block})"
+        f = f", fmt={self.fmt!r}" if self.fmt != "int" else ""
+        return f"TritonQuant(bits={self.bits}, mode={self.mode!r}, bound={self.bound!r}, block={self.block}{f})"
 
     @property
     def guarantee(self) -> Guarantee:
@@ -201,6 +289,10 @@ class TritonQuant(Codec):
             return False
         return True
 
+    def _config(self, dtype: torch.dtype) -> tuple[int, int, int, int]:
+        codes = "e4m3" if self.fmt == "e4m3" else f"int{self.bits}"
+        return _CFG[(min(dtype.itemsize, 4), codes)]
+
     def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
         """Quantize ``x`` (fp32, fp16 or bf16, any layout) on ``stream``; see NOTE [ Block quantization ]."""
         if not isinstance(x, torch.Tensor):
@@ -211,6 +303,8 @@ class TritonQuant(Codec):
                 "cast it (e.g. x.float()) or use a lossless codec such as Identity()."
             )
         B = self.block
+        fp8 = self.fmt == "e4m3"
+        npar = 1 if fp8 else 2
         with on_stream(stream, x.device, x):
             flat = x.detach().contiguous().reshape(-1)
             n = flat.numel()
@@ -218,66 +312,116 @@ class TritonQuant(Codec):
             if self._triton(x.device) and nb > 0:
                 from torchckpt.codecs import _quant_triton as k
 
+                rows, warps, _, _ = self._config(x.dtype)
                 codes = torch.empty(nb * B * self.bits // 8, dtype=torch.uint8, device=x.device)
-                params = torch.empty(nb, 2, dtype=torch.float32, device=x.device)
-                k.quant_kernel[(triton_cdiv(nb, _ROWS),)](
-                    flat, codes, params, n, nb, self._b32, float(2**self.bits - 1),
-                    REL=self.mode == "rel", BITS=self.bits, BLOCK=B, ROWS=_ROWS, OUT=_tl_dtype(x.dtype),
-                    num_warps=8, enable_fp_fusion=False,
-                )
+                params = torch.empty(nb, npar, dtype=torch.float32, device=x.device)
+                count = torch.zeros(1, dtype=torch.int32, device=x.device)
+                _launch(k.quant_kernel, n, nb, B, rows,
+                        (flat, codes, params, count, n, nb, self._b32, float(2**self.bits - 1)),
+                        REL=self.mode == "rel", BITS=self.bits, FP8=fp8, BLOCK=B, ROWS=rows,
+                        OUT=_tl_dtype(x.dtype), num_warps=warps, enable_fp_fusion=False)
+                # Rule 5: one int32 to pinned memory, then wait for this stream only
+                host = torch.empty(1, dtype=torch.int32, pin_memory=True)
+                host.copy_(count, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record()
+                # host work while the kernel runs
+                none = (torch.empty(0, dtype=torch.uint8, device=x.device),
+                        torch.empty(0, dtype=torch.uint8, device=x.device))
+                params_u8 = params.view(-1).view(torch.uint8)
+                done.synchronize()
+                nraw = int(host[0])
             else:
-                codes, params = _quant_ref(flat, self.bits, B, self.mode == "rel", self._b32)
-            ids = (params[:, 1] < 0).nonzero().reshape(-1)  # reads the count to the host: Rule 5
-            if ids.numel():
-                idx = ids[:, None] * B + torch.arange(B, device=x.device)
-                raw = flat[idx.clamp(max=n - 1)]  # the last block is padded with its last element
+                codes, params = _quant_ref(flat, self.bits, B, self.mode == "rel", self._b32, self.fmt)
+                none = (torch.empty(0, dtype=torch.uint8, device=x.device),
+                        torch.empty(0, dtype=torch.uint8, device=x.device))
+                params_u8 = params.reshape(-1).view(torch.uint8)
+                nraw = -1  # not counted: always look
+            tail_raw = False
+            if nraw:
+                ids_u8, raw_u8, tail_raw = _gather_raw(flat, params, B, nraw)
             else:
-                raw = flat.new_empty(0, B)
-            data = (codes, params.reshape(-1).view(torch.uint8), ids.to(torch.int32).view(torch.uint8),
-                    raw.reshape(-1).view(torch.uint8))
+                ids_u8, raw_u8 = none
         meta = Meta(x.shape, x.dtype, self.name, types.MappingProxyType({
-            "bits": self.bits, "mode": self.mode, "bound": self.bound, "block": B, "raw_blocks": int(ids.numel()),
-            "blocks": nb,
+            "bits": self.bits, "mode": self.mode, "bound": self.bound, "block": B,
+            "raw_blocks": ids_u8.numel() // 4, "blocks": nb, "fmt": self.fmt, "tail_raw": tail_raw,
         }))
-        return Packed(data, meta)
+        return Packed((codes, params_u8, ids_u8, raw_u8), meta)
 
     def decompress(self, p: Packed, out: torch.Tensor | None = None,
                    stream: torch.cuda.Stream | None = None) -> torch.Tensor:
         """Decode ``p`` into ``out`` (a new tensor when ``None``) on ``stream``."""
         self._check_packed(p)
         bits, B = int(p.meta.params["bits"]), int(p.meta.params["block"])
-        if len(p.buffers) != 4:
-            raise internal_error(f"TritonQuant packed form has {len(p.buffers)} buffers, expected 4")
+        fmt = str(p.meta.params.get("fmt", "int"))
+        if len(p.buffers) != 4 or fmt not in _FMTS:
+            raise internal_error(f"TritonQuant packed form has {len(p.buffers)} buffers and fmt {fmt!r}, "
+                                 "expected 4 and 'int' or 'e4m3'")
+        fp8 = fmt == "e4m3"
         out = self._output(p, out)
         codes, params_u8, ids_u8, raw_u8 = p.buffers
         with on_stream(stream, p.device, *p.buffers):
             flat = out.view(-1) if out.is_contiguous() else torch.empty(out.numel(), dtype=out.dtype, device=out.device)
             n = flat.numel()
-            params = params_u8.view(torch.float32).view(-1, 2)
+            params = params_u8.view(torch.float32).view(-1, 1 if fp8 else 2)
             nb = params.shape[0]
             if self._triton(p.device) and nb > 0:
                 from torchckpt.codecs import _quant_triton as k
 
-                k.dequant_kernel[(triton_cdiv(nb, _ROWS),)](
-                    codes, params, flat, n, nb, BITS=bits, BLOCK=B, ROWS=_ROWS, OUT=_tl_dtype(out.dtype),
-                    num_warps=8, enable_fp_fusion=False,
-                )
+                _, _, rows, warps = _CFG[(min(out.dtype.itemsize, 4), "e4m3" if fp8 else f"int{bits}")]
+                _launch(k.dequant_kernel, n, nb, B, rows, (codes, params, flat, n, nb),
+                        BITS=bits, FP8=fp8, BLOCK=B, ROWS=rows, OUT=_tl_dtype(out.dtype),
+                        num_warps=warps, enable_fp_fusion=False)
             else:
-                _dequant_ref(codes, params, flat, bits, B)
-            ids = ids_u8.view(torch.int32)
-            if ids.numel():
-                idx = (ids.long()[:, None] * B + torch.arange(B, device=p.device)).clamp(max=n - 1)
-                # padded slots point at element n-1 and carry its value: duplicate writes agree
-                flat.index_put_((idx.reshape(-1),), raw_u8.view(out.dtype))
+                _dequant_ref(codes, params, flat, bits, B, fmt)
+            if ids_u8.numel():
+                _scatter_raw(flat, ids_u8.view(torch.int32), raw_u8.view(out.dtype), B,
+                             bool(p.meta.params.get("tail_raw", False)))
             if flat.data_ptr() != out.data_ptr() or not out.is_contiguous():
                 out.copy_(flat.view(out.shape))
         return out
+
+
+def _gather_raw(flat: torch.Tensor, params: torch.Tensor, B: int,
+                nraw: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """The raw blocks (Rule 4): ``(ids, bytes, whether the last block is raw and partial)``.
+
+    ``nraw`` is the kernel's count (``-1``: not counted). Whole blocks are gathered as rows; a
+    raw partial last block (always the last id) is padded with its last element.
+    """
+    n = flat.numel()
+    ids = (params[:, -1] < 0).nonzero().reshape(-1)  # sorted; reads the count to the host (Rule 5)
+    if nraw >= 0 and ids.numel() != nraw:
+        raise internal_error(f"TritonQuant counted {nraw} raw blocks but params mark {ids.numel()}")
+    nfull = n // B
+    tail_raw = bool(ids.numel()) and n % B != 0 and bool(params[-1, -1] < 0)
+    kf = ids.numel() - int(tail_raw)
+    raw = flat.new_empty(ids.numel(), B)
+    if kf:
+        torch.index_select(flat[: nfull * B].view(nfull, B), 0, ids[:kf], out=raw[:kf])
+    if tail_raw:
+        raw[kf, : n - nfull * B] = flat[nfull * B:]
+        raw[kf, n - nfull * B:] = flat[-1]
+    return ids.to(torch.int32).view(torch.uint8), raw.view(-1).view(torch.uint8), tail_raw
+
+
+def _scatter_raw(flat: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor, B: int, tail_raw: bool) -> None:
+    """Writes the raw blocks back into ``flat`` (the inverse of ``_gather_raw``)."""
+    n = flat.numel()
+    nfull = n // B
+    raw = raw.view(-1, B)
+    kf = ids.numel() - int(tail_raw)
+    if kf:
+        flat[: nfull * B].view(nfull, B).index_copy_(0, ids[:kf].long(), raw[:kf])
+    if tail_raw:
+        flat[nfull * B:] = raw[kf, : n - nfull * B]
 
 
 def triton_cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+@functools.lru_cache(maxsize=None)
 def _tl_dtype(dtype: torch.dtype) -> Any:
     import triton.language as tl
 
