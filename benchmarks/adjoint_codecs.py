@@ -15,6 +15,8 @@ image's PSNR reported. Same RTM, schedules and baseline as ``benchmarks/adjoint.
 
 Codecs: ``quant8`` = TritonQuant(bits=8, mode="rel", bound=1e-2), ``quant4`` = TritonQuant(bits=4,
 mode="rel", bound=0.1) (lossy; per element |x - x'| <= bound * max|x| of its 256-element block),
+``quant8a`` / ``quant4a`` = TritonQuant(bits=8 / 4, mode="abs", bound=2e-3 / 1e-2 x the wavefield's
+peak |u|, measured by one untimed forward sweep) (lossy; per element |x - x'| <= bound),
 plus ``bitcomp``/``zfp`` when their modules are importable and available (skipped with the reason
 otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s image / RMS difference).
 
@@ -49,10 +51,14 @@ SCHEDULES = ("revolve", "zcut", "uniform")
 TARGETS = {"revolve": 5.0, "zcut": 8.0}
 
 
-def make_codec(name: str):
-    """(codec or None, reason it is unavailable or None)."""
+def make_codec(name: str, peak: float = 1.0):
+    """(codec or None, reason it is unavailable or None). ``peak``: the wavefield's largest |u|."""
     if name == "none":
         return None, None
+    if name == "quant8a":  # absolute bounds scaled to the data: what a seismic user states
+        return TritonQuant(bits=8, mode="abs", bound=2e-3 * peak), None
+    if name == "quant4a":
+        return TritonQuant(bits=4, mode="abs", bound=1e-2 * peak), None
     if name == "quant8":
         return TritonQuant(bits=8, mode="rel", bound=1e-2), None
     if name == "quant4":
@@ -87,7 +93,7 @@ def main() -> int:
     p.add_argument("--steps", type=int)
     p.add_argument("--snapshots", type=int)
     p.add_argument("--budget-slots", type=int, default=6, help="GPU budget in uncompressed snapshots (default 6)")
-    p.add_argument("--codecs", default="none,quant8,quant4,bitcomp:0.001,zfp:8")
+    p.add_argument("--codecs", default="none,quant8,quant4,quant8a,quant4a,bitcomp:0.001,zfp:8")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--out")
     args = p.parse_args()
@@ -102,22 +108,28 @@ def main() -> int:
     names = [s for s in args.schedules.split(",") if s]
     print(f"adjoint_codecs: {device}, torch {torch.__version__}; {n}^3, {N} steps, {args.snapshots} snapshots, "
           f"GPU budget {args.budget_slots} uncompressed snapshots", flush=True)
+    bench = Bench(args, cuda)
+    peak = 0.0
+    bench.rtm.reset()
+    for k in range(0, N, 10):  # one untimed forward sweep: the wavefield's peak amplitude
+        bench.rtm.forward(k, min(N, k + 10))
+        peak = max(peak, max(float(t.abs().max()) for t in bench.rtm.save(k)))
+    print(f"wavefield peak |u| over the forward sweep: {peak:.4g}", flush=True)
     codecs = {}
     skipped = {}
     for name in [c for c in args.codecs.split(",") if c]:
-        c, why = make_codec(name)
+        c, why = make_codec(name, peak)
         if why is not None:
             skipped[name] = why
             print(f"codec {name}: skipped ({why})", flush=True)
         else:
             codecs[name] = c
-    res: dict = dict(device=device, torch=torch.__version__, grid=n, steps=N, snapshots=args.snapshots,
+    res: dict = dict(device=device, torch=torch.__version__, grid=n, steps=N, snapshots=args.snapshots, peak_u=peak,
                      budget_slots=args.budget_slots, codecs={k: repr(v) for k, v in codecs.items()}, skipped=skipped)
     if cuda:
         d2h, h2d = pinned_bandwidth(GiB)
         res["bandwidth_GBps"] = dict(d2h=d2h / 1e9, h2d=h2d / 1e9)
         print(f"pinned D2H {d2h / 1e9:.1f} GB/s, H2D {h2d / 1e9:.1f} GB/s", flush=True)
-    bench = Bench(args, cuda)
     sb = bench.snap_bytes
     budget = args.budget_slots * sb
     scheds = {s: (make_schedule(s, N, args.snapshots, Tier.GPU), make_schedule(s, N, args.snapshots, Tier.HOST))

@@ -15,6 +15,8 @@ MODULES = [
     "torchckpt.store.device_arena",
     "torchckpt.store.gpu_cache",
     "torchckpt.store.host_pool",
+    "torchckpt.store.lazy_pool",
+    "torchckpt.store.node_lock",
     "torchckpt.store.plan",
     "torchckpt.store.snapshots",
     "torchckpt.store.store",

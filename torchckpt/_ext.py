@@ -7,8 +7,11 @@ installed (skip it with ``TORCHCKPT_USE_CPP=0``).
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 import torch
+
+from torchckpt._errors import CheckpointError
 
 _log = logging.getLogger("torchckpt")
 _error: str | None = None
@@ -42,3 +45,30 @@ def touch_pages(buf: torch.Tensor, page_bytes: int = 4096) -> int:
         return 0
     flat[::page_bytes].add_(0)
     return (flat.numel() + page_bytes - 1) // page_bytes
+
+
+def host_pool_available() -> bool:
+    """Whether the native lazily pinned host pool (csrc/host_pool.cpp) is loaded."""
+    if not native_available():
+        return False
+    try:
+        torch.ops.torchckpt.host_page_bytes.default  # noqa: B018  (raises when the op is missing)
+        return True
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def host_pool_can_register() -> bool:
+    """Whether the native host pool was built with the CUDA runtime (it can pin memory)."""
+    return host_pool_available() and bool(torch.ops.torchckpt.host_pool_built_with_cuda())
+
+
+def native_host_pool_class() -> Any:
+    """The native host pool class (``torch.classes.torchckpt.HostPool``); raises when not built."""
+    if not host_pool_available():
+        raise CheckpointError(
+            "torchckpt: the native host pool is not available "
+            f"({native_error() or 'this build of torchckpt._C has no host_pool.cpp'}); build the extension with "
+            "`pip install --no-build-isolation -e .` where torch is installed, or use HostPool."
+        )
+    return torch.classes.torchckpt.HostPool

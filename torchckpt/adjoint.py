@@ -43,6 +43,7 @@ from torchckpt.schedules import (
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.store import Store
 from torchckpt.store.host_pool import HostPool
+from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 
 __all__ = ["checkpointed_loop", "run_schedule", "auto_schedule"]
@@ -212,7 +213,7 @@ def run_schedule(
 
 
 def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -> SnapshotStore:
-    host = store.host if isinstance(store, Store) else HostPool(pin=device.type == "cuda")
+    host = store.host if isinstance(store, Store) else make_host_pool(pin=device.type == "cuda")
     dev = store.device if isinstance(store, Store) else device
     codec = store.codec if isinstance(store, Store) else None
     return SnapshotStore(dev, slots=slots, host=host, codec=codec)

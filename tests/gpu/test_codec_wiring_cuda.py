@@ -147,7 +147,7 @@ def test_snapshot_store_codec_on_cuda(codec_name: str, tier: Tier) -> None:
         # each restore is within 1e-3; Revolve re-saves recomputed states, so errors can add up once
         # per level of its recursion (at most the 6 snapshots); this map does not amplify them
         assert 0 < err <= 6e-3
-        assert st.ratio > 3.5 and snap.nslots >= 10  # the same budget holds > 3x the slots
+        assert st.ratio > 3.5 and snap.nslots >= 9  # 3.9x smaller blobs, 1.25x margin: 3x the slots
     if tier is Tier.HOST:
         assert st.hit_rate == 1.0
     snap.close()

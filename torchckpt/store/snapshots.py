@@ -63,6 +63,7 @@ from torchckpt.schedules.prefetch import _Cache
 from torchckpt.store.blob import Blob
 from torchckpt.store.device_arena import ArenaSlots, DeviceArena, arena_slots
 from torchckpt.store.host_pool import HostBlock, HostPool
+from torchckpt.store.lazy_pool import make_host_pool
 
 _ALIGN = 256
 
@@ -169,7 +170,7 @@ class SnapshotStore:
     Args:
         device: where the state lives (``"cuda"``/``"cuda:N"``, or ``"cpu"`` to simulate).
         slots: device slots in front of the host tier (GPUZIP's cache; >= 1, 2+ to overlap).
-        host: the host pool (``None``: a new ``HostPool``).
+        host: the host pool (``None``: ``make_host_pool()``, lazily pinned where it can be).
         timing: time late prefetches and waits with CUDA events.
         codec: a ``torchckpt.codecs.Codec`` holding every snapshot compressed (NOTE [ Snapshot
             store ] Rules 8, 9); restores then give the codec's guarantee, not bit-exactness
@@ -218,7 +219,7 @@ class SnapshotStore:
         self.device = device
         self.cuda = device.type == "cuda"
         self.timing = timing and self.cuda
-        self.host = host if host is not None else HostPool(pin=self.cuda)
+        self.host = host if host is not None else make_host_pool(pin=self.cuda)
         self.codec = codec
         self.gpu_bytes = gpu_bytes
         self.slot_margin = float(slot_margin)

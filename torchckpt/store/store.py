@@ -64,6 +64,7 @@ from torchckpt.profiling import nvtx_range
 from torchckpt.store.blob import Blob
 from torchckpt.store.gpu_cache import GpuCache
 from torchckpt.store.host_pool import HostBlock, HostPool
+from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
 from torchckpt.store.stats import Stats
 
@@ -253,7 +254,8 @@ class Store:
         gpu_bytes: GPU cache budget in bytes: how much offloaded data may stay resident on
             the device (just-saved tensors and prefetched ones). ``0`` sends every tensor
             straight to host and waits for each copy before going on.
-        host: the host pool; ``None`` makes a ``HostPool`` with default settings.
+        host: the host pool; ``None``: ``make_host_pool()``, the lazily pinned native pool on a
+            GPU machine with the extension built (else ``HostPool``).
         min_bytes: tensors with fewer bytes are kept where they are.
         prefetch: plan prefetches from the first step's trace (``False``: load on demand).
         timing: time late prefetches and loads with CUDA events (for ``stats()``).
@@ -309,7 +311,7 @@ class Store:
             raise ValueError(f"torchckpt: Store min_bytes must be >= 0, got {min_bytes}.")
         self.device = device
         self.cache = GpuCache(gpu_bytes)
-        self.host = host if host is not None else HostPool(pin=device.type == "cuda")
+        self.host = host if host is not None else make_host_pool(pin=device.type == "cuda")
         self.min_bytes = int(min_bytes)
         self.prefetch = bool(prefetch)
         self.codec = codec

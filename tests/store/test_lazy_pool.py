@@ -1,0 +1,360 @@
+"""LazyHostPool (NOTE [ Lazy host pool ]): chunk layout and states, blocks inside one chunk,
+touch progress, strategies, copy gating, close, bad input, the factory. CUDA registration is
+stubbed with register_mode="fake" / "fake_fail" (csrc/host_pool.cpp Rule 7)."""
+from __future__ import annotations
+
+import doctest
+import os
+import time
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import torchckpt.store.lazy_pool as lp
+import torchckpt.store.node_lock as nl
+from torchckpt._errors import CheckpointError
+from torchckpt._ext import host_pool_available
+from torchckpt.store.host_pool import ALIGN, HostPool
+from torchckpt.store.lazy_pool import (
+    FAILED,
+    REGISTERED,
+    TOUCHED,
+    UNTOUCHED,
+    LazyHostPool,
+    LinkProfile,
+    choose_strategy,
+    make_host_pool,
+)
+
+MiB = 1 << 20
+native = pytest.mark.skipif(not host_pool_available(), reason="torchckpt._C with csrc/host_pool.cpp is not built")
+
+
+def make(capacity: int = 16 * MiB, chunk: int = 4 * MiB, first: int = MiB, mode: str = "fake", **kw: object) -> LazyHostPool:
+    kw.setdefault("lock_path", os.path.join("/tmp", f"torchckpt-test-{os.getpid()}.lock"))
+    return LazyHostPool(capacity_bytes=capacity, chunk_bytes=chunk, first_chunk_bytes=first, register_mode=mode,
+                        strategy=kw.pop("strategy", "concurrent"), **kw)  # type: ignore[arg-type]
+
+
+def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-def]
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return bool(cond())
+
+
+class FakeEvent:
+    def __init__(self) -> None:
+        self.done = False
+        self.syncs = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self.done = True
+
+
+# -- runs everywhere ---------------------------------------------------------------------
+def test_factory_without_pinning_is_python_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHCKPT_HOST_POOL", raising=False)
+    p = make_host_pool(pin=False, capacity_bytes=8 * MiB, chunk_bytes=MiB)
+    assert type(p) is HostPool and not p.pin
+    monkeypatch.setenv("TORCHCKPT_HOST_POOL", "python")
+    assert type(make_host_pool(pin=False, capacity_bytes=8 * MiB, chunk_bytes=MiB)) is HostPool
+    monkeypatch.setenv("TORCHCKPT_HOST_POOL", "bogus")
+    with pytest.raises(ValueError, match="^torchckpt: TORCHCKPT_HOST_POOL"):
+        make_host_pool(pin=False)
+
+
+def test_factory_pin_true_uses_lazy_only_where_it_can_register(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("TORCHCKPT_HOST_POOL", raising=False)
+    monkeypatch.setattr(lp, "host_pool_available", lambda: False)
+    # No native pool: the factory must not pick LazyHostPool (HostPool then decides about CUDA).
+    if torch.cuda.is_available():
+        p = make_host_pool(pin=True, capacity_bytes=8 * MiB, chunk_bytes=MiB)
+        assert type(p) is HostPool
+    else:
+        with pytest.raises(CheckpointError, match="^torchckpt:"):
+            make_host_pool(pin=True, capacity_bytes=8 * MiB, chunk_bytes=MiB)
+
+
+def test_choose_strategy_model() -> None:
+    G = 1e9
+    fast = LinkProfile(55 * G, 54 * G, 13 * G, 2 * G, 40 * G, 400 * G)
+    assert choose_strategy(fast) == "concurrent"  # touching barely disturbs copies
+    slowed = LinkProfile(55 * G, 30 * G, 13 * G, 2 * G, 40 * G, 400 * G)
+    assert choose_strategy(slowed, write_rate=1 * G) == "sequential"  # idle link, copies hurt by touching
+    assert choose_strategy(slowed, write_rate=55 * G) == "concurrent"  # link always busy: it would never touch
+    crushed = LinkProfile(55 * G, 10 * G, 13 * G, 2 * G, 40 * G, 400 * G)
+    assert choose_strategy(crushed, write_rate=55 * G) == "sequential"  # pinned-while-touching below pageable
+    with pytest.raises(ValueError, match="^torchckpt:"):
+        LinkProfile(0.0, 1.0, 1.0, 1.0, 1.0, 1.0)
+    with pytest.raises(ValueError, match="^torchckpt:"):
+        choose_strategy(fast, write_rate=0.0)
+
+
+@pytest.mark.parametrize("mod", [lp, nl])
+def test_docstring_examples(mod: object) -> None:
+    if mod is lp and not host_pool_available():
+        pytest.skip("the LazyHostPool example needs the native pool")
+    res = doctest.testmod(mod, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
+    assert res.attempted > 0 and res.failed == 0
+
+
+def test_lazy_pool_without_native_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchckpt._ext as ext
+
+    monkeypatch.setattr(ext, "host_pool_available", lambda: False)
+    monkeypatch.setattr(lp, "native_host_pool_class", ext.native_host_pool_class)
+    with pytest.raises(CheckpointError, match="pip install --no-build-isolation"):
+        LazyHostPool(capacity_bytes=8 * MiB, pin=False)
+
+
+# -- native pool, CUDA stubbed -------------------------------------------------------------
+@native
+def test_chunk_layout_doubles_then_caps() -> None:
+    p = make(capacity=27 * MiB, chunk=8 * MiB, first=MiB, mode="none")
+    bounds = p.chunk_bounds()
+    assert [s for _, s in bounds] == [MiB, 2 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 4 * MiB]
+    off = 0
+    for o, s in bounds:
+        assert o == off and s % lp.page_bytes() == 0
+        off += s
+    assert off == 27 * MiB
+    p.close()
+
+
+@native
+def test_touch_progress_reaches_every_chunk_in_order() -> None:
+    p = make(capacity=24 * MiB, chunk=4 * MiB, first=MiB, mode="none")
+    assert p.wait_ready(timeout=30)
+    assert p.chunk_states() == [TOUCHED] * len(p.chunk_bounds())
+    s = p.lazy_stats()
+    assert s.touched_bytes == 24 * MiB and s.registered_bytes == 0 and s.first_registered_s is None
+    assert p.stats().reserved_bytes == 24 * MiB and p.stats().pinned_bytes == 0
+    times = p._native.chunk_times()[: s.chunks]  # type: ignore[union-attr]
+    assert all(t >= 0 for t in times) and times == sorted(times)
+    p.close()
+
+
+@native
+def test_fake_registration_pins_every_chunk() -> None:
+    p = make(capacity=16 * MiB, chunk=4 * MiB, first=MiB)
+    b = p.alloc(1000)
+    assert p.wait_pinned(b, timeout=30) and b.pinned
+    assert p.wait_ready(timeout=30)
+    assert p.chunk_states() == [REGISTERED] * len(p.chunk_bounds())
+    st = p.stats()
+    assert st.pinned_bytes == 16 * MiB and st.in_use_bytes == _round(1000)
+    ls = p.lazy_stats()
+    assert ls.registered_chunks == ls.chunks and ls.failed_chunks == 0 and ls.errors == ()
+    assert ls.first_registered_s is not None and ls.all_registered_s is not None
+    assert ls.first_registered_s <= ls.all_registered_s
+    p.free(b)
+    assert p.stats().in_use_bytes == 0
+    p.close()
+
+
+def _round(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+@native
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3 * MiB), st.booleans()), min_size=1, max_size=30))
+def test_blocks_never_straddle_chunks(ops: list[tuple[int, bool]]) -> None:
+    p = make(capacity=24 * MiB, chunk=4 * MiB, first=MiB, mode="none")
+    bounds = p.chunk_bounds()
+    base = p._base.data_ptr()  # type: ignore[union-attr]
+    live = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the cap may be reached: pageable blocks
+        for i, (n, free_one) in enumerate(ops):
+            b = p.alloc(n)
+            assert b.tensor.numel() == n
+            if b.chunk >= 0:
+                o, s = bounds[b.chunk]
+                assert b.offset % ALIGN == 0 and b.offset + b.nbytes <= s, "block straddles a chunk"
+                assert b.tensor.data_ptr() == base + o + b.offset
+            b.tensor.fill_(i % 251)
+            live.append((b, i % 251))
+            if free_one and len(live) > 1:
+                p.free(live.pop(len(live) // 2)[0])
+    spans = sorted((b.chunk, b.offset, b.offset + b.nbytes) for b, _ in live if b.chunk >= 0)
+    for (c1, _, e1), (c2, s2, _) in zip(spans, spans[1:]):
+        assert c1 != c2 or e1 <= s2, "blocks overlap"
+    for b, v in live:
+        assert bool((b.tensor == v).all())
+    for b, _ in live:
+        p.free(b)
+    s = p.stats()
+    assert s.in_use_bytes == 0 and s.pageable_in_use_bytes == 0
+    for c in p._chunks:
+        assert c.free == [(0, c.size)]
+    p.close()
+
+
+@native
+def test_registration_failure_warns_once_and_stays_pageable() -> None:
+    p = make(capacity=8 * MiB, chunk=4 * MiB, first=MiB, mode="fake_fail")
+    assert p.wait_ready(timeout=30)
+    assert p.chunk_states() == [FAILED] * len(p.chunk_bounds())
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        blocks = [p.alloc(MiB // 2) for _ in range(4)]
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1 and msgs[0].startswith("torchckpt:") and "pageable" in msgs[0]
+    for i, b in enumerate(blocks):
+        assert not b.pinned
+        b.tensor.fill_(i + 1)
+    assert [int(b.tensor[-1]) for b in blocks] == [1, 2, 3, 4]
+    assert p.stats().pinned_bytes == 0 and p.lazy_stats().failed_chunks == len(p.chunk_bounds())
+    p.close()
+
+
+@native
+def test_whole_strategy_touches_everything_before_one_registration() -> None:
+    p = make(capacity=12 * MiB, chunk=4 * MiB, first=MiB, strategy="whole")
+    assert p.wait_ready(timeout=30)
+    n = len(p.chunk_bounds())
+    assert p.chunk_states() == [REGISTERED] * n
+    times = p._native.chunk_times()  # type: ignore[union-attr]
+    assert max(times[:n]) <= min(times[n:])
+    assert p._native.stats()["registrations"] == 1  # type: ignore[union-attr]
+    p.close()
+
+
+@native
+def test_ahead_bytes_bounds_the_worker_and_alloc_moves_it() -> None:
+    p = make(capacity=32 * MiB, chunk=4 * MiB, first=MiB, mode="none", ahead_bytes=0)
+    assert wait_until(lambda: p.chunk_states()[0] == TOUCHED)
+    time.sleep(0.1)
+    assert p.chunk_states()[1:] == [UNTOUCHED] * (len(p.chunk_bounds()) - 1)  # limit = first chunk
+    blocks = [p.alloc(3 * MiB) for _ in range(3)]  # chunks 2 (4 MiB), 3, 4
+    assert [b.chunk for b in blocks] == [2, 3, 4]
+    assert wait_until(lambda: all(s == TOUCHED for s in p.chunk_states()[:5]))
+    assert p.chunk_states()[5:] == [UNTOUCHED] * (len(p.chunk_bounds()) - 5)
+    p.close()
+
+
+@native
+def test_sequential_touches_only_while_no_copy_runs() -> None:
+    p = make(capacity=32 * MiB, chunk=4 * MiB, first=MiB, mode="none", strategy="sequential", ahead_bytes=0)
+    assert wait_until(lambda: p.chunk_states()[0] == TOUCHED)
+    p.begin_copy()
+    p._native.set_touch_limit(-1)  # type: ignore[union-attr]  # everything may be touched now...
+    time.sleep(0.2)
+    assert p.chunk_states()[1:] == [UNTOUCHED] * (len(p.chunk_bounds()) - 1)  # ...but a copy is in flight
+    p.end_copy()
+    assert p.wait_ready(timeout=30) and p.chunk_states() == [TOUCHED] * len(p.chunk_bounds())
+    assert p.lazy_stats().paused_s > 0.1
+    p.close()
+
+
+@native
+def test_close_joins_the_worker_and_keeps_held_blocks_valid() -> None:
+    # 1 ms per fake registration of 256 chunks: the worker is still busy when close() comes.
+    p = make(capacity=256 * MiB, chunk=MiB, first=MiB, mode="fake")
+    b = p.alloc(4096)
+    b.tensor.fill_(7)
+    t = time.perf_counter()
+    p.close()
+    assert time.perf_counter() - t < 5.0
+    assert p._native is None and p.stats().in_use_bytes == 0
+    with pytest.raises(CheckpointError, match="^torchckpt: LazyHostPool.alloc after close"):
+        p.alloc(10)
+    assert int(b.tensor.sum()) == 7 * 4096  # still mapped: the tensor holds the native pool
+    p.close()  # idempotent
+
+
+@native
+def test_parked_blocks_are_waited_for_not_grown() -> None:
+    p = make(capacity=2 * MiB, chunk=MiB, first=MiB, mode="none")
+    blocks = [p.alloc(MiB), p.alloc(MiB)]
+    evs = [FakeEvent(), FakeEvent()]
+    for b, e in zip(blocks, evs):
+        p.free(b, e)
+    assert p.stats().in_use_bytes == 2 * MiB  # parked
+    b = p.alloc(MiB)
+    assert b.chunk == 0 and evs[0].syncs == 1 and evs[1].syncs == 0
+    p.free(b)
+    p.close()
+    assert evs[1].syncs == 1  # close waited for the last parked copy
+
+
+@native
+def test_oversize_and_overflow_go_pageable_with_one_warning() -> None:
+    p = make(capacity=4 * MiB, chunk=2 * MiB, first=2 * MiB, mode="none")
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        big = p.alloc(3 * MiB)  # larger than any chunk
+        inside = [p.alloc(2 * MiB), p.alloc(2 * MiB)]
+        over = p.alloc(MiB)  # the pool is full
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1 and msgs[0].startswith("torchckpt:") and "largest chunk" in msgs[0]
+    assert big.chunk == -1 and over.chunk == -1 and [b.chunk for b in inside] == [0, 1]
+    assert p.stats().pageable_fallbacks == 2 and p.stats().pageable_in_use_bytes == 4 * MiB
+    for b in [big, over, *inside]:
+        p.free(b)
+    assert p.stats().pageable_in_use_bytes == 0 and p.stats().in_use_bytes == 0
+    p.close()
+
+
+@native
+def test_bad_input_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    page = lp.page_bytes()
+    with pytest.raises(ValueError, match="^torchckpt: .*chunk_bytes must be a positive multiple"):
+        make(chunk=4 * MiB + 1)
+    with pytest.raises(ValueError, match="^torchckpt: .*first_chunk_bytes must be a positive multiple"):
+        make(first=page + page // 2)
+    with pytest.raises(ValueError, match="^torchckpt: .*strategy"):
+        make(strategy="eager")
+    with pytest.raises(ValueError, match="^torchckpt: .*ahead_bytes=None"):
+        make(strategy="whole", ahead_bytes=MiB)
+    with pytest.raises(CheckpointError, match="^torchckpt: .*does not fit this host"):
+        make(capacity=2 * lp.physical_memory_bytes() + MiB, ahead_bytes=MiB)
+    monkeypatch.setattr(lp, "available_memory_bytes", lambda: 8 * MiB)
+    with pytest.raises(CheckpointError, match="^torchckpt: .*does not fit this host"):
+        make(capacity=16 * MiB)  # would touch 16 MiB with only 8 available
+    p = make(capacity=16 * MiB, ahead_bytes=MiB)  # touches only what is used: fine
+    p.close()
+    if not torch.cuda.is_available():
+        with pytest.raises(CheckpointError, match="^torchckpt: .*pin=False"):
+            LazyHostPool(capacity_bytes=8 * MiB, pin=True)
+
+
+@native
+def test_lazy_pool_serves_a_snapshot_store() -> None:
+    from torchckpt.adjoint import run_schedule
+    from torchckpt.schedules import Revolve, Tier
+    from torchckpt.store.snapshots import SnapshotStore
+
+    host = make(capacity=8 * MiB, chunk=MiB, first=MiB, mode="fake")
+    assert isinstance(host, HostPool)
+    x, log = [torch.tensor([1.0])], []
+    run_schedule(
+        Revolve(6, 2, tier=Tier.HOST),
+        forward=lambda n0, n1: x.__setitem__(0, x[0] * 2 ** (n1 - n0)),
+        save=lambda n: x[0],
+        restore=lambda n, t: x.__setitem__(0, t[0].clone()),
+        backward=lambda n: log.append((n, x[0].item())),
+        store=SnapshotStore("cpu", slots=2, host=host),
+    )
+    assert log == [(n, float(2**n)) for n in range(5, -1, -1)]
+    host.close()
+
+
+@native
+def test_factory_env_lazy_forces_the_native_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCHCKPT_HOST_POOL", "lazy")
+    p = make_host_pool(pin=False, capacity_bytes=8 * MiB, chunk_bytes=MiB)
+    assert isinstance(p, LazyHostPool) and not p.pin and p.ahead_bytes is None
+    assert p.chunk_bounds()[0] == (0, MiB)
+    p.close()

@@ -1,0 +1,688 @@
+"""A lazily pinned host pool: one mmap, touched and registered chunk by chunk in the background.
+
+Pinning a large host buffer up front costs seconds (``cudaHostAlloc`` of 16 GiB: 6.1 s on an
+H100 machine). Maurya et al., "Towards Efficient Cache Allocation for High-Frequency
+Checkpointing" (HiPC'22) map the buffer with transparent huge pages instead, let flushes
+write into unpinned pages at once, touch the rest in a background thread and register the
+region once it is touched. ``LazyHostPool`` registers *chunk by chunk* as each becomes touched,
+so the first bytes are pinned within milliseconds and most of the pool reaches pinned bandwidth
+long before all of it is ready. The native part is csrc/host_pool.cpp.
+
+Known gaps (measured on an H100, benchmarks/host_init.py, docs/results/host_init_h100.json):
+with 1 GiB chunks the application's own checkpoint blocking (0.9-1.2 s for a 32 GiB pool)
+is about the worker's total ``cudaHostRegister`` time (1.2 s), although almost every flush
+went to pinned memory: registration seems to hold up the host's CUDA calls. Smaller chunks
+should shorten each stall; that is not measured yet. The sequential strategy needs copies to
+be tracked (``track_copy``), which the store does not do yet.
+
+# NOTE [ Lazy host pool ]
+# 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there):
+#    first-fit over offset-sorted free lists, coalesced on free, ``ALIGN``-aligned, parked
+#    blocks with their events, pageable fallback with one warning past the pool's end.
+# 2. The pool is one anonymous mmap (``MADV_HUGEPAGE``) cut into chunks: the first of
+#    ``first_chunk_bytes``, then doubling up to ``chunk_bytes`` (csrc/host_pool.cpp Rule 1).
+#    A block never straddles two chunks, so a copy never spans two registrations, nor a
+#    registered and an unregistered range. A request larger than the largest chunk is a
+#    pageable fallback block (with the one warning).
+# 3. A block may be handed out from a chunk that is not registered yet: copies into it then
+#    take CUDA's pageable path (staged through the driver's own pinned buffers), which is
+#    correct, only slower. ``HostBlock.pinned`` says whether its chunk is registered *now*.
+#    The chunk may get registered while such a copy runs; the GPU tests check that data
+#    written before, during and after registration reads back bit-exact.
+# 4. Registration failures (``RLIMIT_MEMLOCK``, driver limits) never raise: the chunk stays
+#    pageable (state FAILED) and the pool warns once.
+# 5. ``ahead_bytes`` bounds how far the background thread runs ahead of the highest chunk in
+#    use (``None``: the whole pool is touched and registered at once). The memory a pool will
+#    touch must fit in the host's available memory: a larger request is refused with a clear
+#    error rather than left to the kernel's OOM killer.
+# 6. ``close()`` waits for parked copies and for tracked copies (``track_copy``), stops the
+#    worker, and drops the pool's own references. The memory is unregistered and unmapped when
+#    the last tensor viewing it goes (the native tensor's deleter holds the pool), so a block
+#    still held by the caller never points at unmapped memory.
+#
+# NOTE [ Lazy pool strategy model ]
+# ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
+# bandwidths measured once per process and device (``measure_link``, 16 MiB copies, ~tens of ms,
+# run in a background thread so that creating the pool stays instant; the pool runs
+# "concurrent" until the model has spoken):
+#   b_pin       pinned D2H into a registered chunk, link otherwise idle
+#   b_pin_busy  the same while another thread touches fresh pages (touching competes with the
+#               copy for memory bandwidth and the page-table lock)
+#   b_page      pageable D2H into already touched memory (b_untouched is kept for reports)
+#   r           bytes/s the worker makes ready: 1 / (1/touch_rate + 1/register_rate)
+#   w           the checkpoint write rate: ``write_rate`` if given, else b_pin / 2
+# Concurrent: the ready frontier advances at v_c = r, copies into ready memory run at b_pin_busy.
+# Sequential: the worker touches only while no tracked copy runs, a fraction (1 - d) of the time
+# with duty d = min(1, w / b_pin): v_s = r (1 - d), copies into ready memory run at b_pin.
+# While the pool warms up, a fraction f = min(1, v / w) of the written bytes lands in ready
+# memory and the rest in pageable memory, so the copy time per written byte is
+#   t(v, b) = f / b + (1 - f) / b_page.
+# "auto" picks sequential only when t(v_s, b_pin) < t(v_c, b_pin_busy): a slow write rate and
+# copies that suffer from touching. Sequential needs copies to be tracked (``track_copy``);
+# untracked, it behaves as concurrent.
+"""
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import os
+import threading
+import warnings
+import weakref
+from typing import Any
+
+import torch
+
+from torchckpt._errors import CheckpointError
+from torchckpt._ext import host_pool_available, host_pool_can_register, native_host_pool_class
+from torchckpt.store.host_pool import ALIGN, HostBlock, HostPool, HostPoolStats, _Chunk, _round_up, physical_memory_bytes
+from torchckpt.store.node_lock import default_lock_path
+
+UNTOUCHED, TOUCHED, REGISTERED, FAILED = 0, 1, 2, 3
+STRATEGIES = ("auto", "concurrent", "sequential", "whole")
+_MiB = 1 << 20
+
+
+def page_bytes() -> int:
+    """The host page size in bytes (chunk sizes must be multiples of it)."""
+    return int(os.sysconf("SC_PAGE_SIZE"))
+
+
+def _device_index(device: int | torch.device | None) -> int:
+    if device is None:
+        return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+    if isinstance(device, int):
+        return device
+    if device.index is None:
+        return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
+    return int(device.index)
+
+
+def available_memory_bytes() -> int:
+    """``MemAvailable`` from /proc/meminfo in bytes (physical RAM when unknown)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return physical_memory_bytes()
+
+
+@dataclasses.dataclass(frozen=True)
+class LinkProfile:
+    """Bandwidths (bytes/s) the strategy model uses (NOTE [ Lazy pool strategy model ])."""
+
+    pinned_d2h: float
+    pinned_busy_d2h: float
+    touched_d2h: float
+    untouched_d2h: float
+    touch_rate: float
+    register_rate: float
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            v = getattr(self, f.name)
+            if not v > 0:
+                raise ValueError(f"torchckpt: LinkProfile.{f.name} must be a positive rate in bytes/s, got {v}.")
+
+    @property
+    def ready_rate(self) -> float:
+        """Bytes/s the background worker makes pinned (touch, then register)."""
+        return 1.0 / (1.0 / self.touch_rate + 1.0 / self.register_rate)
+
+
+def choose_strategy(profile: LinkProfile, write_rate: float | None = None) -> str:
+    """The model of NOTE [ Lazy pool strategy model ]: ``"concurrent"`` or ``"sequential"``.
+
+    Args:
+        profile: measured bandwidths (``measure_link``).
+        write_rate: checkpoint bytes written per second (``None``: half the pinned D2H bandwidth).
+
+    Returns:
+        The strategy with the smaller modelled copy time per written byte (ties: concurrent).
+
+    Example::
+
+        >>> G = 1e9
+        >>> choose_strategy(LinkProfile(55 * G, 50 * G, 13 * G, 2 * G, 40 * G, 400 * G))
+        'concurrent'
+        >>> choose_strategy(LinkProfile(55 * G, 10 * G, 13 * G, 2 * G, 40 * G, 400 * G), write_rate=1 * G)
+        'sequential'
+    """
+    w = write_rate if write_rate is not None else profile.pinned_d2h / 2
+    if not w > 0:
+        raise ValueError(f"torchckpt: write_rate must be positive bytes/s, got {write_rate}.")
+    r = profile.ready_rate
+
+    def per_byte(v: float, b: float) -> float:
+        f = min(1.0, v / w)
+        return f / b + (1.0 - f) / profile.touched_d2h
+
+    duty = min(1.0, w / profile.pinned_d2h)
+    t_con = per_byte(r, profile.pinned_busy_d2h)
+    t_seq = per_byte(r * (1.0 - duty), profile.pinned_d2h)
+    return "sequential" if t_seq < t_con else "concurrent"
+
+
+_profiles: dict[int, LinkProfile] = {}
+_profile_lock = threading.Lock()
+
+
+def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _MiB) -> LinkProfile:
+    """Measure the bandwidths of NOTE [ Lazy pool strategy model ] on ``device`` (cached per device).
+
+    Args:
+        device: a CUDA device (``None``: the current one).
+        nbytes: bytes per timed copy.
+
+    Returns:
+        A ``LinkProfile``.
+
+    Example::
+
+        >>> if torch.cuda.is_available() and host_pool_can_register():  # doctest: +SKIP
+        ...     measure_link().pinned_d2h > 0
+        True
+    """
+    if not torch.cuda.is_available():
+        raise CheckpointError("torchckpt: measure_link needs CUDA; torch.cuda.is_available() is False.")
+    idx = _device_index(device)
+    dev = torch.device("cuda", idx)
+    with _profile_lock:
+        if idx in _profiles:
+            return _profiles[idx]
+    native = native_host_pool_class()
+    nbytes = _round_up(nbytes, page_bytes())
+    lock = default_lock_path()
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    stream = torch.cuda.Stream(dev)
+
+    def d2h(dst: torch.Tensor) -> float:
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        with torch.cuda.stream(stream):
+            a.record(stream)
+            dst.copy_(src, non_blocking=True)
+            b.record(stream)
+        b.synchronize()
+        return nbytes / max(a.elapsed_time(b) * 1e-3, 1e-9)
+
+    # A small registered pool: touch and register rates, and pinned D2H into it.
+    pinned = native(2 * nbytes, nbytes, nbytes, "concurrent", "cuda", True, lock, idx, True, 1, True, -1, 0)
+    pinned.wait_done(-1)
+    st = pinned.stats()
+    pt = pinned.tensor()
+    ok = all(s == REGISTERED for s in pinned.states())
+    b_pin = max(d2h(pt[:nbytes]) for _ in range(3)) if ok else 0.0
+    # Untouched, then touched pageable memory (the worker never touches: touch limit 0).
+    cold = native(nbytes, nbytes, nbytes, "concurrent", "none", False, "", idx, True, 1, True, 0, 0)
+    ct = cold.tensor()
+    b_untouched = d2h(ct)
+    b_touched = max(d2h(ct) for _ in range(2))
+    # Pinned D2H while another worker touches fresh pages.
+    busy = native(256 * _MiB, 64 * _MiB, 64 * _MiB, "concurrent", "none", False, "", idx, True, 1, True, -1, 0)
+    b_busy = min(d2h(pt[:nbytes]) for _ in range(3)) if ok else 0.0
+    busy.close()
+    del pt, ct, cold, busy
+    pinned.close()
+    del pinned
+    if not ok:  # registration refused: the model has nothing to choose between
+        b_pin = b_busy = b_touched
+    prof = LinkProfile(
+        pinned_d2h=b_pin,
+        pinned_busy_d2h=b_busy,
+        touched_d2h=b_touched,
+        untouched_d2h=b_untouched,
+        touch_rate=2 * nbytes / max(st["touch_s"], 1e-9),
+        register_rate=2 * nbytes / max(st["register_s"], 1e-9),
+    )
+    with _profile_lock:
+        _profiles[idx] = prof
+    return prof
+
+
+@dataclasses.dataclass(frozen=True)
+class LazyPoolStats:
+    """Progress of a ``LazyHostPool``'s background worker (times in seconds since creation)."""
+
+    capacity_bytes: int
+    chunks: int
+    touched_chunks: int
+    registered_chunks: int
+    failed_chunks: int
+    touched_bytes: int
+    registered_bytes: int
+    strategy: str
+    touch_s: float
+    register_s: float
+    lock_wait_s: float
+    paused_s: float
+    first_registered_s: float | None
+    all_registered_s: float | None
+    huge_pages: bool
+    errors: tuple[str, ...]
+
+
+class _LazyChunk(_Chunk):
+    __slots__ = ("_pool", "_index")
+
+    def __init__(self, buf: torch.Tensor, pool: LazyHostPool, index: int) -> None:
+        self._pool = pool
+        self._index = index
+        super().__init__(buf, False)
+
+    @property  # type: ignore[override]
+    def pinned(self) -> bool:
+        return self._pool._registered(self._index)
+
+    @pinned.setter
+    def pinned(self, value: bool) -> None:
+        pass  # derived from the native chunk state
+
+
+class LazyHostBlock(HostBlock):
+    """A ``HostBlock`` whose ``pinned`` says whether its chunk is registered now (see Rule 3)."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, tensor: torch.Tensor, chunk: int, offset: int, nbytes: int, pool: LazyHostPool) -> None:
+        self._pool = pool
+        super().__init__(tensor, chunk, offset, nbytes, False)
+
+    @property  # type: ignore[override]
+    def pinned(self) -> bool:
+        return self.chunk >= 0 and self._pool._registered(self.chunk)
+
+    @pinned.setter
+    def pinned(self, value: bool) -> None:
+        pass
+
+
+_live: weakref.WeakSet[LazyHostPool] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_pools() -> None:  # stop workers before the CUDA runtime is torn down
+    for p in list(_live):
+        try:
+            p.close()
+        except Exception:
+            pass
+
+
+class LazyHostPool(HostPool):
+    """Host memory in one mmap, pinned chunk by chunk by a background thread (NOTE [ Lazy host pool ]).
+
+    Args:
+        capacity_bytes: size of the pool (rounded up to the page size). ``None``: half of
+            physical RAM, at most the available memory.
+        chunk_bytes: largest chunk (a multiple of the page size).
+        pin: register chunks with CUDA (``None``: when CUDA is available).
+        first_chunk_bytes: size of the first chunk; later chunks double up to ``chunk_bytes``.
+        strategy: ``"auto"``, ``"concurrent"``, ``"sequential"`` or ``"whole"`` (NOTE [ Lazy pool strategy model ]).
+        ahead_bytes: how far the worker may run ahead of the highest chunk in use (``None``: the whole pool).
+        node_lock: serialize registrations across the processes of this node (NOTE [ Node registration lock ]).
+        device: the CUDA device whose context registers (``None``: the current one).
+        touch_threads: threads that touch pages (``None``: up to 8, at most half the CPUs).
+        write_rate: expected checkpoint bytes per second, for ``strategy="auto"``.
+        register_mode: ``None`` (``"cuda"`` when pinning, else ``"none"``); ``"fake"`` and
+            ``"fake_fail"`` stand in for ``cudaHostRegister`` in tests.
+        lock_path: the node lock's file (``None``: ``default_lock_path()``).
+
+    Example::
+
+        >>> pool = LazyHostPool(capacity_bytes=8 << 20, chunk_bytes=4 << 20, first_chunk_bytes=1 << 20, pin=False)
+        >>> block = pool.alloc(1000)
+        >>> block.tensor.numel(), block.chunk
+        (1000, 0)
+        >>> pool.free(block)
+        >>> pool.close()
+    """
+
+    def __init__(
+        self,
+        capacity_bytes: int | None = None,
+        chunk_bytes: int = 256 * _MiB,
+        pin: bool | None = None,
+        *,
+        first_chunk_bytes: int = 64 * _MiB,
+        strategy: str = "auto",
+        ahead_bytes: int | None = None,
+        node_lock: bool = True,
+        device: int | torch.device | None = None,
+        touch_threads: int | None = None,
+        write_rate: float | None = None,
+        register_mode: str | None = None,
+        lock_path: str | None = None,
+    ) -> None:
+        native = native_host_pool_class()
+        page = page_bytes()
+        for name, v in (("chunk_bytes", chunk_bytes), ("first_chunk_bytes", first_chunk_bytes)):
+            if v <= 0 or v % page:
+                raise ValueError(
+                    f"torchckpt: LazyHostPool {name} must be a positive multiple of the {page}-byte page size, got "
+                    f"{v}; pass e.g. {name}={max(1, round(v / _MiB)) if v > 0 else 64} << 20."
+                )
+        if strategy not in STRATEGIES:
+            raise ValueError(f"torchckpt: LazyHostPool strategy must be one of {STRATEGIES}, got {strategy!r}.")
+        if ahead_bytes is not None and ahead_bytes < 0:
+            raise ValueError(f"torchckpt: ahead_bytes must be >= 0 or None, got {ahead_bytes}.")
+        if strategy == "whole" and ahead_bytes is not None:
+            raise ValueError("torchckpt: strategy='whole' registers the whole pool at once; pass ahead_bytes=None.")
+        avail = available_memory_bytes()
+        if capacity_bytes is None:
+            capacity_bytes = min(physical_memory_bytes() // 2 or (8 << 30), int(avail * 0.8))
+        capacity_bytes = _round_up(int(capacity_bytes), page)
+        if capacity_bytes <= 0:
+            raise ValueError(f"torchckpt: LazyHostPool capacity_bytes must be positive, got {capacity_bytes}.")
+        eager = capacity_bytes if ahead_bytes is None else min(capacity_bytes, first_chunk_bytes + ahead_bytes)
+        phys = physical_memory_bytes()
+        if (phys and capacity_bytes > phys) or eager > avail:
+            raise CheckpointError(
+                f"torchckpt: a LazyHostPool of {capacity_bytes / 2**30:.2f} GiB (touching {eager / 2**30:.2f} GiB up "
+                f"front) does not fit this host: {avail / 2**30:.2f} GiB available of {phys / 2**30:.2f} GiB physical "
+                "memory; pass a smaller capacity_bytes, or ahead_bytes=... to touch only what is used."
+            )
+        if pin is None:
+            pin = torch.cuda.is_available()
+        if register_mode is None:
+            register_mode = "cuda" if pin else "none"
+        if register_mode == "cuda":
+            if not torch.cuda.is_available():
+                raise CheckpointError(
+                    "torchckpt: LazyHostPool(pin=True) needs CUDA to pin memory, but torch.cuda.is_available() is "
+                    "False; pass pin=False."
+                )
+            if not host_pool_can_register():
+                raise CheckpointError(
+                    "torchckpt: this build of torchckpt._C has no CUDA runtime, so LazyHostPool cannot pin; rebuild "
+                    "with a CUDA toolkit (`pip install --no-build-isolation -e .`) or pass pin=False."
+                )
+            torch.cuda.init()
+            dev_index = _device_index(device)
+        else:
+            dev_index = 0 if device is None else _device_index(device)
+        if touch_threads is None:
+            touch_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+        self.capacity_bytes = capacity_bytes
+        self.chunk_bytes = int(chunk_bytes)
+        self.first_chunk_bytes = int(first_chunk_bytes)
+        self.pin = register_mode in ("cuda", "fake")
+        self.ahead_bytes = ahead_bytes
+        self.device_index = dev_index
+        self.write_rate = write_rate
+        self.requested_strategy = strategy
+        self._parked: list[tuple[HostBlock, Any]] = []
+        self._lock = threading.Lock()
+        self._in_use = 0
+        self._pageable_in_use = 0
+        self._chunk_allocations = 0
+        self._fallbacks = 0
+        self._warned = False
+        self._warned_errors = False
+        self._closed = False
+        start = "concurrent" if strategy == "auto" else strategy
+        limit = -1 if ahead_bytes is None else first_chunk_bytes + ahead_bytes
+        self._native = native(
+            capacity_bytes, self.chunk_bytes, self.first_chunk_bytes, start, register_mode, bool(node_lock),
+            lock_path if lock_path is not None else default_lock_path(), dev_index, True, int(touch_threads), True,
+            limit, 2000,
+        )
+        self._base: torch.Tensor | None = self._native.tensor()
+        offsets = list(self._native.chunk_offsets())
+        sizes = list(self._native.chunk_sizes())
+        self._reg = [False] * len(offsets)  # registered chunks, cached (states only move forward)
+        self._ends = [o + s for o, s in zip(offsets, sizes)]
+        self._max_chunk = max(sizes)
+        base = self._base
+        self._chunks: list[_Chunk] = [_LazyChunk(base[o : o + s], self, i) for i, (o, s) in enumerate(zip(offsets, sizes))]
+        self._reserved = capacity_bytes
+        self._high_chunk = -1
+        self.profile: LinkProfile | None = None
+        _live.add(self)
+        if strategy == "auto" and register_mode == "cuda":
+            cached = _profiles.get(dev_index)
+            if cached is not None:
+                self._apply_profile(cached)
+            else:
+                threading.Thread(target=self._auto, name="torchckpt-lazy-pool-model", daemon=True).start()
+
+    # -- the strategy model ----------------------------------------------------------------
+    def _auto(self) -> None:
+        try:
+            prof = measure_link(self.device_index)
+        except Exception as e:  # the pool works with either strategy: keep "concurrent"
+            warnings.warn(f"torchckpt: could not measure the host link for strategy='auto' ({e}); using "
+                          "'concurrent'.", RuntimeWarning, stacklevel=2)
+            return
+        self._apply_profile(prof)
+
+    def _apply_profile(self, prof: LinkProfile) -> None:
+        self.profile = prof
+        native = self._native
+        if native is not None and not self._closed:
+            try:
+                native.set_strategy(choose_strategy(prof, self.write_rate))
+            except RuntimeError:
+                pass  # closed meanwhile
+
+    # -- HostPool interface ----------------------------------------------------------------
+    def alloc(self, nbytes: int) -> HostBlock:
+        """A block of ``nbytes`` bytes inside one chunk (pinned once that chunk is registered)."""
+        if nbytes <= 0:
+            raise ValueError(f"torchckpt: LazyHostPool.alloc needs a positive size, got {nbytes}.")
+        need = _round_up(nbytes, ALIGN)
+        self._check_errors()
+        with self._lock:
+            if self._closed:
+                raise CheckpointError("torchckpt: LazyHostPool.alloc after close(); create a new pool.")
+            if need > self._max_chunk:  # Rule 2: no chunk can hold it
+                self._warn(f"a request of {nbytes} bytes exceeds the pool's largest chunk ({self._max_chunk} bytes; "
+                           "pass a larger chunk_bytes)")
+                return self._pageable(nbytes)
+            self._reclaim(block=False)
+            hit = self._take(need)
+            while hit is None and self._parked and sum(b.nbytes for b, _ in self._parked) >= need:
+                blk, ev = self._parked.pop(0)  # NOTE [ Host pool ] Rule 3
+                ev.synchronize()
+                self._release(blk)
+                hit = self._take(need)
+            if hit is None and self._parked:
+                self._reclaim(block=True)
+                hit = self._take(need)
+            if hit is None:
+                return self._pageable(nbytes)
+            ci, off = hit
+            self._in_use += need
+            if ci > self._high_chunk:
+                self._high_chunk = ci
+                if self.ahead_bytes is not None and self._native is not None:
+                    self._native.set_touch_limit(self._ends[ci] + self.ahead_bytes)  # Rule 5
+            return LazyHostBlock(self._chunks[ci].buf[off : off + nbytes], ci, off, need, self)
+
+    def stats(self) -> HostPoolStats:
+        """Current occupancy; ``reserved_bytes`` counts touched memory, ``pinned_bytes`` registered memory."""
+        native = self._native
+        with self._lock:
+            d = native.stats() if native is not None else {}
+            return HostPoolStats(
+                reserved_bytes=int(d.get("touched_bytes", 0)),
+                pinned_bytes=int(d.get("registered_bytes", 0)),
+                in_use_bytes=self._in_use,
+                pageable_in_use_bytes=self._pageable_in_use,
+                chunks=len(self._chunks),
+                chunk_allocations=sum(1 for s in (native.states() if native is not None else []) if s >= TOUCHED),
+                pageable_fallbacks=self._fallbacks,
+            )
+
+    def close(self) -> None:
+        """Wait for parked and tracked copies, stop the worker, drop the pool (Rule 6)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._reclaim(block=True)
+            native = self._native
+            if native is not None and not native.wait_copies(60_000):
+                warnings.warn("torchckpt: LazyHostPool.close() waited 60 s for tracked copies; closing anyway.",
+                              RuntimeWarning, stacklevel=2)
+            self._closed = True
+            self._chunks.clear()
+            self._reserved = 0
+            self._in_use = 0
+            self._base = None
+            if native is not None:
+                native.close()
+            self._native = None
+        _live.discard(self)
+
+    # -- lazy-pool specifics ---------------------------------------------------------------
+    def chunk_states(self) -> list[int]:
+        """Each chunk's state: ``UNTOUCHED``, ``TOUCHED``, ``REGISTERED`` or ``FAILED``."""
+        return list(self._native.states()) if self._native is not None else []
+
+    def chunk_bounds(self) -> list[tuple[int, int]]:
+        """Each chunk's ``(offset, size)`` in bytes."""
+        return [(e - c.size, c.size) for e, c in zip(self._ends, self._chunks)]
+
+    def wait_pinned(self, block: HostBlock, timeout: float | None = None) -> bool:
+        """Wait until ``block``'s chunk is registered (or can no longer be); returns ``block.pinned``."""
+        if block.chunk < 0 or self._native is None:
+            return False
+        if not self._registered(block.chunk):
+            self._native.wait_registered(block.chunk, -1 if timeout is None else int(timeout * 1e3))
+        return self._registered(block.chunk)
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Wait until the worker has finished (every chunk registered, failed or left touched)."""
+        if self._native is None:
+            return True
+        return bool(self._native.wait_done(-1 if timeout is None else int(timeout * 1e3)))
+
+    def track_copy(self, stream: Any = None) -> None:
+        """Count a copy just issued on ``stream`` as in flight until the stream gets past it.
+
+        The sequential strategy touches only while no tracked copy runs, and ``close()`` waits
+        for them (Rule 6). ``stream``: a ``torch.cuda.Stream`` (``None``: the current stream).
+        """
+        if self._native is None:
+            return
+        if stream is None:
+            stream = torch.cuda.current_stream(self.device_index)
+        self._native.track_copy(int(stream.cuda_stream))
+
+    def begin_copy(self) -> None:
+        """Mark a copy as started (pair with ``end_copy``; see ``track_copy``)."""
+        if self._native is not None:
+            self._native.begin_copy()
+
+    def end_copy(self) -> None:
+        """Mark a copy begun with ``begin_copy`` as finished."""
+        if self._native is not None:
+            self._native.end_copy()
+
+    @property
+    def strategy(self) -> str:
+        """The strategy the worker runs now (``"auto"`` resolves to one of the others)."""
+        return str(self._native.strategy()) if self._native is not None else self.requested_strategy
+
+    def lazy_stats(self) -> LazyPoolStats:
+        """Progress of the background worker."""
+        native = self._native
+        if native is None:
+            raise CheckpointError("torchckpt: LazyHostPool.lazy_stats() after close().")
+        d = native.stats()
+        states = list(native.states())
+        times = list(native.chunk_times())
+        reg_t = [t for t in times[len(states) :] if t >= 0]
+        done = all(s >= REGISTERED for s in states)
+        return LazyPoolStats(
+            capacity_bytes=self.capacity_bytes,
+            chunks=len(states),
+            touched_chunks=sum(1 for s in states if s >= TOUCHED),
+            registered_chunks=sum(1 for s in states if s == REGISTERED),
+            failed_chunks=sum(1 for s in states if s == FAILED),
+            touched_bytes=int(d["touched_bytes"]),
+            registered_bytes=int(d["registered_bytes"]),
+            strategy=str(native.strategy()),
+            touch_s=float(d["touch_s"]),
+            register_s=float(d["register_s"]),
+            lock_wait_s=float(d["lock_wait_s"]),
+            paused_s=float(d["paused_s"]),
+            first_registered_s=min(reg_t) / 1e3 if reg_t and any(s == REGISTERED for s in states) else None,
+            all_registered_s=max(reg_t) / 1e3 if done and reg_t else None,
+            huge_pages=bool(native.huge_pages()),
+            errors=tuple(native.errors()),
+        )
+
+    # -- internals -------------------------------------------------------------------------
+    def _registered(self, i: int) -> bool:
+        if self._reg[i]:
+            return True
+        native = self._native
+        if native is not None and native.state(i) == REGISTERED:
+            self._reg[i] = True
+            return True
+        return False
+
+    def _grow(self, need: int) -> None:  # the pool never grows: it is one mapping
+        return None
+
+    def _grow_size(self, need: int) -> int:
+        return self.capacity_bytes + 1
+
+    def _check_errors(self) -> None:
+        if self._warned_errors or self._native is None:
+            return
+        errs = list(self._native.errors())
+        if errs:
+            self._warned_errors = True
+            warnings.warn(
+                f"torchckpt: LazyHostPool: {errs[0]}. Copies into those chunks use pageable memory (slower, same "
+                "results). Raise the locked-memory limit (`ulimit -l`, RLIMIT_MEMLOCK) or use a smaller pool.",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+
+def make_host_pool(
+    pin: bool | None = None,
+    *,
+    capacity_bytes: int | None = None,
+    chunk_bytes: int = 256 * _MiB,
+    **lazy_kw: Any,
+) -> HostPool:
+    """The host pool the store should use: ``LazyHostPool`` when it can pin, else ``HostPool``.
+
+    ``TORCHCKPT_HOST_POOL=python`` forces ``HostPool``; ``=lazy`` forces ``LazyHostPool``
+    (an error when the native pool is not built).
+
+    Args:
+        pin: pin host memory (``None``: when CUDA is available).
+        capacity_bytes: the pool's cap (``None``: each class's default; the lazy pool then
+            touches only ``ahead_bytes`` = 256 MiB beyond what is used unless told otherwise).
+        chunk_bytes: chunk size (``HostPool`` needs a power of two of at least 1 MiB).
+        **lazy_kw: further ``LazyHostPool`` arguments (ignored by ``HostPool``).
+
+    Returns:
+        A ``HostPool`` (a ``LazyHostPool`` is one).
+
+    Example::
+
+        >>> pool = make_host_pool(pin=False, capacity_bytes=8 << 20, chunk_bytes=1 << 20)
+        >>> type(pool).__name__
+        'HostPool'
+    """
+    mode = os.environ.get("TORCHCKPT_HOST_POOL", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "python", "lazy"):
+        raise ValueError(f"torchckpt: TORCHCKPT_HOST_POOL must be 'python' or 'lazy', got {mode!r}.")
+    if pin is None:
+        pin = torch.cuda.is_available()
+    lazy_ok = host_pool_available() and (not pin or (torch.cuda.is_available() and host_pool_can_register()))
+    use_lazy = mode == "lazy" or (mode == "auto" and pin and lazy_ok)
+    if use_lazy:
+        if capacity_bytes is None:
+            lazy_kw.setdefault("ahead_bytes", 256 * _MiB)  # a store's default pool: pin what is used, a bit ahead
+        lazy_kw.setdefault("first_chunk_bytes", min(64 * _MiB, chunk_bytes))
+        return LazyHostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin, **lazy_kw)
+    return HostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin)
