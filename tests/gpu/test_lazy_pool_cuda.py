@@ -82,6 +82,7 @@ def test_concurrent_allocations_from_threads() -> None:
                 with torch.cuda.stream(stream):
                     stream.wait_stream(torch.cuda.default_stream())
                     b.tensor.copy_(src, non_blocking=True)
+                    src.record_stream(stream)  # src is freed next iteration: not before this copy read it
                     ev = torch.cuda.Event()
                     ev.record(stream)
                 live.append((b, (t * 61 + k) % 256, ev))
