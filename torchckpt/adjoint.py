@@ -41,7 +41,9 @@ from torchckpt.schedules import (
     plan_prefetch,
 )
 from torchckpt.schedules.schedule import Schedule
+from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
+from torchckpt.store.blob import Blob
 from torchckpt.store.host_pool import HostPool
 from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
@@ -219,6 +221,19 @@ def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -
     return SnapshotStore(dev, slots=slots, host=host, codec=codec)
 
 
+def _snapshot_bytes(flat: list[torch.Tensor], codec: Codec | None, margin: float = 0.25) -> int:
+    """Bytes one snapshot of ``flat`` takes: as it is, or compressed by ``codec`` (with a margin).
+
+    With a codec the estimate comes from compressing the initial state once: a variable-rate
+    codec's later states may compress worse (NOTE [ Snapshot store ] Rule 9), hence the margin.
+    """
+    if codec is None:
+        return sum(t.numel() * t.element_size() for t in flat)
+    with torch.no_grad():
+        packs = [codec.compress(t.detach()) for t in flat]
+    return int(Blob(packs).nbytes * (1.0 + margin))
+
+
 def _check_structure(took: Any, returned: Any) -> None:
     if returned != took:
         raise CheckpointError(
@@ -387,7 +402,9 @@ def checkpointed_loop(
         state: the initial state.
         n_steps: number of steps (>= 1).
         schedule: a schedule for ``n_steps`` (``Revolve``, ``ZCut``, ``Uniform``, ``Multistage``)
-            or ``"auto"``: Revolve over as many snapshots as ``store``'s budgets hold.
+            or ``"auto"``: Revolve over as many snapshots as ``store``'s budgets hold (with a
+            ``Store(codec=...)``, counted at the compressed size of the initial state plus 25%:
+            compression buys snapshots, hence less recomputation).
         store: supplies the device, the GPU budget and the host pool (``None``: the default store).
         slots: GPU cache slots in front of host snapshots.
         prefetch: prefetch host snapshots ahead of their restores.
@@ -423,7 +440,7 @@ def checkpointed_loop(
     if isinstance(schedule, str):
         if schedule != "auto":
             raise ValueError(f"torchckpt: schedule must be a schedule object or 'auto', got {schedule!r}.")
-        nbytes = sum(t.numel() * t.element_size() for t in flat)
+        nbytes = _snapshot_bytes(flat, store.codec)
         schedule = auto_schedule(n_steps, nbytes, store.cache.budget_bytes, store.host.capacity_bytes, slots)
     sched_n = getattr(schedule, "n_steps", n_steps)
     if sched_n != n_steps:
@@ -431,7 +448,7 @@ def checkpointed_loop(
     st = store
 
     def factory(device: torch.device) -> SnapshotStore:
-        return SnapshotStore(st.device, slots=slots, host=st.host)
+        return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec)
 
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*flat, *params]):
         with torch.no_grad():  # nothing to differentiate: no snapshots at all

@@ -297,3 +297,35 @@ def test_zfp_snapshots_fixed_rate() -> None:
     assert snap.nslots == (1 << 15) // snap.slot_bytes and st.slot_grows == 0  # fixed rate: sizes never change
     err = max((v - ref[n]).abs().max().item() for n, v in log)
     assert 0 < err < 1e-2  # no bound is promised at a fixed rate; on this smooth 1D field it is small
+
+
+def test_checkpointed_loop_store_codec_is_used_and_buys_snapshots() -> None:
+    from torchckpt.adjoint import _snapshot_bytes, auto_schedule
+
+    torch.manual_seed(5)
+    w = torch.tensor(0.7, requires_grad=True)
+    x0 = torch.randn(4096, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(w * x + 0.05)
+
+    y = x0
+    for _ in range(30):
+        y = step(y)
+    y.square().sum().backward()
+    gx = x0.grad.clone()
+    x0.grad = None
+    w.grad = None
+    lossy = TritonQuant(bits=8, mode="rel", bound=1e-2)
+    store = Store("cpu", min_bytes=0, host=_pool(), codec=lossy)
+    out = checkpointed_loop(step, x0, 30, schedule=Revolve(30, 4, tier=Tier.HOST), params=[w], store=store)
+    out.square().sum().backward()
+    rel = ((x0.grad - gx).norm() / gx.norm()).item()
+    assert 0 < rel < 0.05  # the snapshots went through the lossy codec: close, not exact
+    # "auto" counts compressed snapshots: the same budget holds more of them
+    raw = _snapshot_bytes([x0], None)
+    packed = _snapshot_bytes([x0], lossy)
+    assert raw / packed > 3.0
+    few = auto_schedule(1000, raw, gpu_bytes=20 * raw, host_bytes=0, slots=4)
+    many = auto_schedule(1000, packed, gpu_bytes=20 * raw, host_bytes=0, slots=4)
+    assert many.snapshots > few.snapshots  # type: ignore[attr-defined]
