@@ -101,6 +101,44 @@ def train_loss(codec, args, cuda: bool, data: list[torch.Tensor]) -> list[float]
     return losses
 
 
+def plot(res: dict, path: str) -> None:
+    """Step times, loss curves, and each lossy curve's difference to the lossless one."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    runs, curves = res["speed"], res["loss"]["curves"]
+    fig, ax = plt.subplots(1, 3, figsize=(15, 4))
+    labels = list(runs)
+    ax[0].bar(labels, [runs[k]["step_ms"] for k in labels])
+    ax[0].set_ylabel("step time (ms)")
+    sh = res["shape"]
+    ax[0].set_title(f"{res['device']}: GPT D,H,S,B,L={list(sh.values())}, cache {res['gpu_bytes'] >> 20} MiB", fontsize=9)
+    for k, v in curves.items():
+        ax[1].plot(v, label=k, lw=1)
+    ax[1].set_xlabel("step")
+    ax[1].set_ylabel("training loss")
+    ax[1].legend()
+    ax[1].set_title("loss: lossless vs lossy offload", fontsize=9)
+    base = curves["lossless"]
+    for k, v in curves.items():
+        if k != "lossless":
+            ax[2].plot([a - b for a, b in zip(v, base)], label=f"{k} - lossless", lw=1)
+    ax[2].axhline(0.0, color="k", lw=0.5)
+    ax[2].set_xlabel("step")
+    ax[2].set_ylabel("loss difference")
+    ax[2].legend()
+    ax[2].set_title("difference to lossless (same init, same batches)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", help="D,H,S,B,L (default 2048,16,2048,8,16 on CUDA, 64,4,32,2,4 on CPU)")
@@ -110,7 +148,14 @@ def main() -> int:
     p.add_argument("--codecs", default="q8,q4")
     p.add_argument("--loss-steps", type=int)
     p.add_argument("--out")
+    p.add_argument("--replot", metavar="JSON", help="redraw the PNG from a train_codecs JSON; measure nothing")
     args = p.parse_args()
+    if args.replot:
+        import json
+
+        with open(args.replot) as f:
+            plot(json.load(f), os.path.splitext(args.replot)[0] + ".png")
+        return 0
     cuda = torch.cuda.is_available()
     args.shape = [int(v) for v in (args.shape or ("2048,16,2048,8,16" if cuda else "64,4,32,2,4")).split(",")]
     args.gpu_bytes = args.gpu_bytes if args.gpu_bytes is not None else (256 << 20 if cuda else 128 << 10)
@@ -167,28 +212,7 @@ def main() -> int:
               f"gap to lossless {final[k] - final['lossless']:+.4f}", flush=True)
     res["loss"] = dict(steps=args.loss_steps, lm_shape=args.lm_shape, vocab=args.vocab, curves=curves, final=final)
     write_json(os.path.join(out, "train_codecs.json"), res)
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
-        labels = list(runs)
-        ax[0].bar(labels, [runs[k]["step_ms"] for k in labels])
-        ax[0].set_ylabel("step time (ms)")
-        ax[0].set_title(f"{device}: GPT {args.shape}, cache {args.gpu_bytes >> 20} MiB", fontsize=9)
-        for k, v in curves.items():
-            ax[1].plot(v, label=k, lw=1)
-        ax[1].set_xlabel("step")
-        ax[1].set_ylabel("training loss")
-        ax[1].legend()
-        ax[1].set_title("loss: lossless vs lossy offload", fontsize=9)
-        fig.tight_layout()
-        fig.savefig(os.path.join(out, "train_codecs.png"), dpi=120)
-        print(f"wrote {os.path.join(out, 'train_codecs.png')}")
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plot(res, os.path.join(out, "train_codecs.png"))
     return 0
 
 
