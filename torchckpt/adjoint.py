@@ -285,7 +285,10 @@ class _LoopRun:
 
     def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
         assert self.snaps is not None
-        x = [v.clone() for v in self.snaps.restore(n, tier)]
+        got = self.snaps.restore(n, tier)
+        # With a codec the store decompresses into fresh tensors (NOTE [ Snapshot store ] Rule 8):
+        # they are ours already; otherwise they are views of a slot or of the stored snapshot.
+        x = list(got) if self.snaps.codec is not None else [v.clone() for v in got]
         self.snaps.after_use()
         return x
 
