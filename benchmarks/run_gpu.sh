@@ -3,7 +3,8 @@
 #   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims);
 # memory: host_init.py and device_cache_init.py (the native memory engine). `all` runs everything.
-# nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it.
+# nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it;
+# carry .deps/ (zfp sources fetched by tools/fetch_zfp.py) and it builds the ZFP codec too.
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
 set -euo pipefail
 export PYTHONUNBUFFERED=1
@@ -21,6 +22,8 @@ python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.versio
 
 echo "== install"
 if ls .whl/*.whl >/dev/null 2>&1; then python3 -m pip install -q --no-deps .whl/*.whl || echo "nvCOMP wheel install failed"; fi
+# ZFP: the GPU machine has no internet; carry the fetched sources (.deps/, from tools/fetch_zfp.py) to build it.
+if [[ -d .deps/zfp-1.0.1 ]]; then export TORCHCKPT_BUILD_ZFP=1; else echo "no .deps/zfp-1.0.1: ZFP not built (carry .deps)"; fi
 if python3 -m pip install --no-build-isolation --no-deps -e . -q; then
   echo "installed torchckpt (editable)"
 else
