@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchckpt._errors import CheckpointError
 from torchckpt.schedules import (
-    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, plan_flushes,
+    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, Uniform, plan_flushes,
     plan_prefetch,
 )
 from torchckpt.schedules.schedule import Schedule
@@ -51,11 +51,14 @@ from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 __all__ = ["checkpointed_loop", "run_schedule", "auto_schedule"]
 
 
-def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: int, slots: int = 4) -> Schedule:
+def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: int, slots: int = 4,
+                  kind: type[Revolve] | type[Uniform] = Revolve) -> Schedule:
     """The schedule ``schedule="auto"`` picks: Revolve over as many snapshots as the budgets hold.
 
     GPU snapshots get what the GPU budget holds beyond ``slots`` cache slots; host snapshots
     what the host budget holds. With room for every step on the GPU nothing is recomputed.
+    ``kind=Uniform`` sizes a ``Uniform`` schedule instead (``checkpointed_loop(schedule=Uniform)``):
+    as many snapshots as the tier with more room holds (GPUZIP: Uniform gains from more snapshots).
 
     Args:
         n_steps: loop length.
@@ -63,14 +66,25 @@ def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes:
         gpu_bytes: GPU memory the snapshots may use (cache slots included).
         host_bytes: host memory the snapshots may use.
         slots: GPU cache slots in front of the host tier.
+        kind: ``Revolve`` (default) or ``Uniform``.
 
     Returns:
-        ``Revolve`` (one tier) or ``Multistage`` (GPU and host).
+        ``Revolve`` (one tier), ``Multistage`` (GPU and host) or, with ``kind=Uniform``, ``Uniform``.
     """
     if snapshot_bytes <= 0:
         raise ValueError(f"torchckpt: snapshot_bytes must be > 0, got {snapshot_bytes}.")
+    if kind not in (Revolve, Uniform):
+        raise TypeError(f"torchckpt: auto_schedule(kind=...) takes Revolve or Uniform, got {kind!r}.")
     gpu = max(0, gpu_bytes // snapshot_bytes - slots)
     host = host_bytes // snapshot_bytes
+    if kind is Uniform:
+        if gpu == 0 and host == 0:
+            raise CheckpointError(
+                f"torchckpt: no room for even one snapshot of {snapshot_bytes} bytes (GPU budget {gpu_bytes}, "
+                f"host budget {host_bytes}); give the Store a larger gpu_bytes or HostPool capacity."
+            )
+        tier = Tier.GPU if gpu >= min(host, n_steps) else Tier.HOST
+        return Uniform(n_steps, min(n_steps, gpu if tier is Tier.GPU else host), tier=tier)
     if gpu >= n_steps:
         return Revolve(n_steps, n_steps, tier=Tier.GPU)
     if host == 0:
@@ -386,7 +400,7 @@ def checkpointed_loop(
     state: Any,
     n_steps: int,
     *,
-    schedule: Schedule | Iterable[Any] | str = "auto",
+    schedule: Schedule | Iterable[Any] | str | type[Revolve] | type[Uniform] = "auto",
     store: Store | None = None,
     slots: int = 4,
     prefetch: bool = True,
@@ -407,7 +421,8 @@ def checkpointed_loop(
         schedule: a schedule for ``n_steps`` (``Revolve``, ``ZCut``, ``Uniform``, ``Multistage``)
             or ``"auto"``: Revolve over as many snapshots as ``store``'s budgets hold (with a
             ``Store(codec=...)``, counted at the compressed size of the initial state plus 25%:
-            compression buys snapshots, hence less recomputation).
+            compression buys snapshots, hence less recomputation); the class ``Uniform`` (not an
+            instance): a ``Uniform`` schedule sized the same way.
         store: supplies the device, the GPU budget and the host pool (``None``: the default store).
         slots: GPU cache slots in front of host snapshots.
         prefetch: prefetch host snapshots ahead of their restores.
@@ -440,11 +455,17 @@ def checkpointed_loop(
         from torchckpt.api import default_store
 
         store = default_store(flat[0].device)
-    if isinstance(schedule, str):
-        if schedule != "auto":
-            raise ValueError(f"torchckpt: schedule must be a schedule object or 'auto', got {schedule!r}.")
+    if isinstance(schedule, str) or schedule in (Revolve, Uniform):
+        if isinstance(schedule, str) and schedule != "auto":
+            raise ValueError(f"torchckpt: schedule must be a schedule object, 'auto', Revolve or Uniform, got {schedule!r}.")
         nbytes = _snapshot_bytes(flat, store.codec)
-        schedule = auto_schedule(n_steps, nbytes, store.cache.budget_bytes, store.host.capacity_bytes, slots)
+        kind = Uniform if schedule is Uniform else Revolve
+        schedule = auto_schedule(n_steps, nbytes, store.cache.budget_bytes, store.host.capacity_bytes, slots, kind=kind)
+    if isinstance(schedule, (str, type)):
+        raise TypeError(
+            f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), 'auto', Revolve or Uniform; "
+            f"got {schedule!r}. Only Revolve and Uniform can be sized from the budgets: build other schedules yourself."
+        )
     sched_n = getattr(schedule, "n_steps", n_steps)
     if sched_n != n_steps:
         raise ValueError(f"torchckpt: the schedule is for {sched_n} steps but n_steps={n_steps}; build it with n_steps.")

@@ -329,3 +329,37 @@ def test_checkpointed_loop_store_codec_is_used_and_buys_snapshots() -> None:
     few = auto_schedule(1000, raw, gpu_bytes=20 * raw, host_bytes=0, slots=4)
     many = auto_schedule(1000, packed, gpu_bytes=20 * raw, host_bytes=0, slots=4)
     assert many.snapshots > few.snapshots  # type: ignore[attr-defined]
+
+
+def test_uniform_sized_by_the_budget_uses_the_room_a_codec_makes() -> None:
+    from torchckpt.adjoint import auto_schedule
+    from torchckpt.schedules import Uniform
+
+    raw, packed = 1000, 250
+    u_raw = auto_schedule(500, raw, gpu_bytes=40 * raw, host_bytes=0, slots=4, kind=Uniform)
+    u_packed = auto_schedule(500, packed, gpu_bytes=40 * raw, host_bytes=0, slots=4, kind=Uniform)
+    assert isinstance(u_raw, Uniform) and u_raw.snapshots == 36 and u_raw.tier is Tier.GPU
+    assert u_packed.snapshots == 156  # 4x smaller snapshots: 160 fit, minus 4 cache slots
+    with pytest.raises(TypeError, match="Revolve or Uniform"):
+        auto_schedule(10, raw, 10 * raw, 0, kind=int)  # type: ignore[arg-type]
+
+    torch.manual_seed(6)
+    x0 = torch.randn(2048, requires_grad=True)
+    w = torch.tensor(0.8, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(w * x)
+
+    y = x0
+    for _ in range(25):
+        y = step(y)
+    y.sum().backward()
+    gx = x0.grad.clone()
+    x0.grad = None
+    store = Store("cpu", gpu_bytes=8 * 2048 * 4, min_bytes=0, host=_pool(), codec=Identity())
+    checkpointed_loop(step, x0, 25, schedule=Uniform, params=[w], store=store).sum().backward()
+    assert torch.equal(x0.grad, gx)
+    from torchckpt.schedules import ZCut
+
+    with pytest.raises(TypeError, match="Only Revolve and Uniform can be sized"):
+        checkpointed_loop(step, x0, 25, schedule=ZCut, params=[w], store=store)  # type: ignore[arg-type]
