@@ -73,6 +73,7 @@ run_part() {  # name, script args...: run one benchmark script into $OUT, log it
 }
 if [[ $PART == all || $PART == codecs ]]; then
   run_part codecs benchmarks/codecs.py
+  echo "== quant_throughput"; python3 benchmarks/quant_throughput.py 2>&1 | tee "$OUT/quant_throughput.log" || true
   run_part codec_quality benchmarks/codec_quality.py
   run_part adjoint_codecs benchmarks/adjoint_codecs.py
   run_part train_codecs benchmarks/train_codecs.py
