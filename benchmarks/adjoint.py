@@ -52,7 +52,7 @@ import torchckpt  # noqa: E402
 from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
 from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.schedules import (  # noqa: E402
-    Adjoint, Advance, End, EndForward, Free, Restore, Revolve, Save, Tier, Uniform, simulate,
+    Adjoint, Advance, End, EndForward, Free, Restore, Revolve, Save, Tier, simulate,
 )
 from torchckpt.store import HostPool, SnapshotStore  # noqa: E402
 from wave import (  # noqa: E402

@@ -38,7 +38,6 @@ sys.path.insert(2, os.path.join(os.path.dirname(HERE), "examples"))
 
 import torch  # noqa: E402
 
-import torchckpt  # noqa: E402
 from adjoint import Bench, stats_dict  # noqa: E402
 from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
 from torchckpt.adjoint import run_schedule  # noqa: E402

@@ -312,7 +312,7 @@ class Harness:
         self.sleeper = Sleeper(self.comp)
 
     def run(self, ap: Approach, interval: float) -> dict[str, Any]:
-        args, K, N = self.args, self.args.slots, self.args.count
+        K, N = self.args.slots, self.args.count
         slots, act, comp, d2h, h2d = self.slots, self.act, self.comp, self.d2h, self.h2d
         torch.cuda.synchronize()
         t0 = time.perf_counter()

@@ -44,7 +44,7 @@ from torchckpt.schedules.schedule import Schedule
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
 from torchckpt.store.blob import Blob
-from torchckpt.store.host_pool import HostPool
+from torchckpt.store.host_pool import HostPool  # noqa: F401  (run_schedule's docstring example uses it)
 from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 

@@ -30,17 +30,21 @@ def adversarial(n: int, dtype: torch.dtype) -> torch.Tensor:
     return x.to(dtype)
 
 
-def same_bytes(t: TritonQuant, r: TritonQuant, x: torch.Tensor) -> Packed:
-    """Triton and reference give the same packed bytes and the same decoded bits; returns the Triton form."""
+def compare(t: TritonQuant, r: TritonQuant, x: torch.Tensor) -> tuple[list[str], Packed]:
+    """How Triton and reference differ (packed bytes, decoded bits, CPU decode of GPU bytes); the Triton form."""
     pt, pr = t.compress(x), r.compress(x)
-    assert pt.meta == pr.meta
-    for a, b in zip(pt.buffers, pr.buffers):
-        assert a.shape == b.shape and torch.equal(a, b)
+    diffs = [] if pt.meta == pr.meta else [f"meta {pt.meta} != {pr.meta}"]
+    for i, (a, b) in enumerate(zip(pt.buffers, pr.buffers)):
+        if a.shape != b.shape or not torch.equal(a, b):
+            diffs.append(f"packed buffer {i} differs")
+    it = ity(x.dtype)
     yt, yr = t.decompress(pt), r.decompress(pr)
-    assert torch.equal(yt.view(ity(x.dtype)), yr.view(ity(x.dtype)))
-    assert torch.equal(r.decompress(Packed(tuple(b.cpu() for b in pr.buffers), pr.meta)).view(ity(x.dtype)),
-                       yt.cpu().view(ity(x.dtype)))  # the CPU reference decodes the GPU's bytes the same
-    return pt
+    if not torch.equal(yt.view(it), yr.view(it)):
+        diffs.append("decoded bits differ")
+    cpu = r.decompress(Packed(tuple(b.cpu() for b in pr.buffers), pr.meta)).view(it)
+    if not torch.equal(cpu, yt.cpu().view(it)):  # the CPU reference decodes the GPU's bytes the same
+        diffs.append("CPU decode of the bytes differs")
+    return diffs, pt
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -50,8 +54,9 @@ def same_bytes(t: TritonQuant, r: TritonQuant, x: torch.Tensor) -> Packed:
 def test_triton_matches_reference_bits(dtype: torch.dtype, bits: int, fmt: str, mode: str, bound: float,
                                        n: int) -> None:
     x = adversarial(max(n, 3200), dtype)[:n]
-    same_bytes(TritonQuant(bits, mode, bound, use_triton=True, fmt=fmt),
-               TritonQuant(bits, mode, bound, use_triton=False, fmt=fmt), x)
+    diffs, _ = compare(TritonQuant(bits, mode, bound, use_triton=True, fmt=fmt),
+                       TritonQuant(bits, mode, bound, use_triton=False, fmt=fmt), x)
+    assert not diffs, diffs
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -61,8 +66,9 @@ def test_triton_matches_reference_smooth_data(dtype: torch.dtype, bits: int, fmt
     g = torch.Generator(device="cuda").manual_seed(1)
     x = torch.randn(1 << 20 | 77, device="cuda", generator=g).to(dtype)
     for mode, bound in (("rel", 0.1), ("abs", 0.2), ("rel", 0.02)):
-        p = same_bytes(TritonQuant(bits, mode, bound, use_triton=True, fmt=fmt),
-                       TritonQuant(bits, mode, bound, use_triton=False, fmt=fmt), x)
+        diffs, p = compare(TritonQuant(bits, mode, bound, use_triton=True, fmt=fmt),
+                           TritonQuant(bits, mode, bound, use_triton=False, fmt=fmt), x)
+        assert not diffs, (mode, bound, diffs)
         if (mode, bound) == ("rel", 0.1):
             assert p.meta.params["raw_blocks"] == 0
 
@@ -82,8 +88,9 @@ def test_e4m3_rounding_ties_match(dtype: torch.dtype) -> None:
     x = torch.cat([torch.full((nblk, 1), 448.0), v], 1).reshape(-1)  # max|x| = 448: scale 1, inv 1
     for scale in (1.0, 2.0**-10, 3.0):  # 3.0: inv is not a power of two
         xs = (x * scale).to(dtype).cuda()
-        same_bytes(TritonQuant(8, "abs", 1e3, use_triton=True, fmt="e4m3"),
-                   TritonQuant(8, "abs", 1e3, use_triton=False, fmt="e4m3"), xs)
+        diffs, _ = compare(TritonQuant(8, "abs", 1e3, use_triton=True, fmt="e4m3"),
+                           TritonQuant(8, "abs", 1e3, use_triton=False, fmt="e4m3"), xs)
+        assert not diffs, (scale, diffs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

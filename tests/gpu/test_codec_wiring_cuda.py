@@ -13,8 +13,7 @@ import pytest
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-import torchckpt
-from ckpt_models import assert_same_grads, clone
+from ckpt_models import Echo, assert_same_grads, clone
 from test_gpu import ACT, B, D, T, apply, host_in_use, run_step, stack, store
 from torchckpt import Offload, Recompute
 from torchckpt.adjoint import run_schedule
@@ -78,18 +77,6 @@ def test_lossy_codec_gradients_close_and_fewer_bytes(dtype: torch.dtype) -> None
     assert st.compressed_bytes < 0.7 * st.offloaded_bytes
 
 
-class _Echo(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, a):  # type: ignore[override]
-        ctx.save_for_backward(a)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        (a,) = ctx.saved_tensors
-        return a.clone(), None
-
-
 @pytest.mark.parametrize("budget", [0, 1 << 30])
 def test_saved_tensor_within_abs_bound_on_cuda(budget: int) -> None:
     bound = 5e-2
@@ -97,7 +84,7 @@ def test_saved_tensor_within_abs_bound_on_cuda(budget: int) -> None:
     a = torch.randn(1 << 20, device="cuda") * 0.5
     x = torch.zeros_like(a, requires_grad=True)
     with s.hooks():
-        y = _Echo.apply(x, a * 1.0)
+        y = Echo.apply(x, a * 1.0)
     y.sum().backward()
     err = (x.grad - a).abs().max().item()
     assert 0 < err <= bound if budget == 0 else err == 0  # resident in the cache: never compressed

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import torchckpt
+from ckpt_models import Echo
 from torchckpt.adjoint import checkpointed_loop, run_schedule
 from torchckpt.codecs import Identity, TritonQuant
 from torchckpt.schedules import Revolve, Tier
@@ -17,24 +18,10 @@ def _pool() -> HostPool:
     return HostPool(chunk_bytes=1 << 20, pin=False)
 
 
-class _Echo(torch.autograd.Function):
-    """Saves ``a`` and returns it as the gradient of ``x``: the saved tensor as the store gives it back."""
-
-    @staticmethod
-    def forward(ctx, x, a):  # type: ignore[override]
-        ctx.save_for_backward(a)
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, g):  # type: ignore[override]
-        (a,) = ctx.saved_tensors
-        return a.clone(), None
-
-
 def _echo(store: Store, a: torch.Tensor, codec=None) -> torch.Tensor:
     x = torch.zeros_like(a, requires_grad=True)
     with store.hooks(codec=codec):
-        y = _Echo.apply(x, a)
+        y = Echo.apply(x, a)
     y.sum().backward()
     return x.grad
 
@@ -68,7 +55,7 @@ def test_unsupported_dtype_goes_uncompressed() -> None:
     a = torch.arange(5000, dtype=torch.int64)
     x = torch.zeros(5000, requires_grad=True)
     with store.hooks():
-        y = _Echo.apply(x, a.float())  # float entry: compressed
+        y = Echo.apply(x, a.float())  # float entry: compressed
     y.sum().backward()
     assert store.stats().compressed == 1
 
@@ -233,6 +220,18 @@ def test_snapshot_slot_grows_when_a_blob_does_not_fit() -> None:
     assert all(torch.equal(v, ref[n]) for n, v in log)
 
 
+def _unrolled_grads(step, x0: torch.Tensor, w: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gradients of ``step`` applied ``n`` times by plain autograd, wrt (w, x0); leaves the .grads cleared."""
+    y = x0
+    for _ in range(n):
+        y = step(y)
+    y.square().sum().backward()
+    gw, gx = w.grad.clone(), x0.grad.clone()
+    w.grad = None
+    x0.grad = None
+    return gw, gx
+
+
 def test_checkpointed_loop_with_a_store_codec() -> None:
     torch.manual_seed(3)
     w = torch.tensor(0.7, requires_grad=True)
@@ -241,13 +240,7 @@ def test_checkpointed_loop_with_a_store_codec() -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(w * x + 0.05)
 
-    y = x0
-    for _ in range(40):
-        y = step(y)
-    y.square().sum().backward()
-    gw, gx = w.grad.clone(), x0.grad.clone()
-    w.grad = None
-    x0.grad = None
+    gw, gx = _unrolled_grads(step, x0, w, 40)
     store = Store("cpu", min_bytes=0, host=_pool(), codec=Identity())
     out = checkpointed_loop(step, x0, 40, schedule=Revolve(40, 4, tier=Tier.HOST), params=[w], store=store)
     out.square().sum().backward()
@@ -309,13 +302,7 @@ def test_checkpointed_loop_store_codec_is_used_and_buys_snapshots() -> None:
     def step(x: torch.Tensor) -> torch.Tensor:
         return torch.tanh(w * x + 0.05)
 
-    y = x0
-    for _ in range(30):
-        y = step(y)
-    y.square().sum().backward()
-    gx = x0.grad.clone()
-    x0.grad = None
-    w.grad = None
+    _, gx = _unrolled_grads(step, x0, w, 30)
     lossy = TritonQuant(bits=8, mode="rel", bound=1e-2)
     store = Store("cpu", min_bytes=0, host=_pool(), codec=lossy)
     out = checkpointed_loop(step, x0, 30, schedule=Revolve(30, 4, tier=Tier.HOST), params=[w], store=store)

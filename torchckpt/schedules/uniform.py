@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.plan import Plan, PlanBuilder
-from torchckpt.schedules.schedule import check_steps_snapshots_tier, Schedule, check_int
+from torchckpt.schedules.schedule import check_steps_snapshots_tier, Schedule
 
 __all__ = ["Uniform"]
 
