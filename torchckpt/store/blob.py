@@ -46,11 +46,12 @@ class Blob:
             self.spans.append(sp)
         self.nbytes = max(off, _ALIGN)
 
-    def write(self, flat: torch.Tensor, packs: Sequence[Packed]) -> None:
+    def write(self, flat: torch.Tensor, packs: Sequence[Packed], non_blocking: bool = False) -> None:
+        """Copy the buffers of ``packs`` to their places in ``flat`` (which may be on another device)."""
         for p, sp in zip(packs, self.spans):
             for b, (off, n) in zip(p.buffers, sp):
                 if n:
-                    flat[off : off + n].copy_(b.reshape(-1).view(torch.uint8))
+                    flat[off : off + n].copy_(b.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
 
     def read(self, flat: torch.Tensor) -> list[Packed]:
         out = []

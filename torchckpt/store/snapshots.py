@@ -63,6 +63,7 @@ from torchckpt.schedules.prefetch import _Cache
 from torchckpt.store.blob import Blob
 from torchckpt.store.device_arena import ArenaSlots, DeviceArena, arena_slots
 from torchckpt.store.host_pool import HostBlock, HostPool
+from torchckpt.store.stats import timed_wait
 from torchckpt.store.lazy_pool import make_host_pool
 
 _ALIGN = 256
@@ -613,10 +614,4 @@ class SnapshotStore:
         """The compute stream waits on ``ev``; returns a timing event marking when it started to."""
         if not self.cuda or ev is None:
             return None
-        cur = torch.cuda.current_stream(self.device)
-        need = None
-        if self.timing:
-            need = torch.cuda.Event(enable_timing=True)
-            need.record(cur)
-        cur.wait_event(ev)
-        return need
+        return timed_wait(torch.cuda.current_stream(self.device), ev, self.timing)

@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
+
+import torch
 
 from torchckpt.store.host_pool import HostPoolStats
 
@@ -85,3 +88,15 @@ class Stats:
             f"{self.misses} misses ({self.miss_wait_s * 1e3:.1f} ms); exposed transfer "
             f"{self.exposed_transfer_s * 1e3:.1f} ms"
         )
+
+
+def timed_wait(stream: Any, done: Any, timing: bool) -> Any:
+    """Make ``stream`` wait for the event ``done`` (GPU-side); with ``timing``, return an event
+    recorded on ``stream`` just before the wait, so that ``need.elapsed_time(done)`` is how late
+    ``done`` was (the lateness figures of ``Stats`` and ``SnapshotStats``)."""
+    need = None
+    if timing:
+        need = torch.cuda.Event(enable_timing=True)
+        need.record(stream)
+    stream.wait_event(done)
+    return need

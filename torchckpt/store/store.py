@@ -66,7 +66,7 @@ from torchckpt.store.gpu_cache import GpuCache
 from torchckpt.store.host_pool import HostBlock, HostPool
 from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
-from torchckpt.store.stats import Stats
+from torchckpt.store.stats import Stats, timed_wait
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -150,7 +150,11 @@ class _CudaMover:
         return ev
 
     def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], HostBlock]) -> tuple[HostBlock, Blob, Any]:
-        """Compress ``x`` on the offload stream and copy the result to a new host block (Rule 9)."""
+        """Compress ``x`` on the offload stream and copy the result into a new host block (Rule 9).
+
+        Each packed buffer is copied straight to its place in the block; the buffers were
+        allocated on the offload stream, so their memory is reused only after these copies.
+        """
         s = self.offload
         s.wait_stream(self.current())
         with torch.cuda.stream(s), nvtx_range("torchckpt.compress+d2h"):
@@ -158,30 +162,21 @@ class _CudaMover:
                 self.delay("d2h", s)
             p = codec.compress(x, stream=s)
             blob = Blob([p])
-            flat = torch.empty(blob.nbytes, dtype=torch.uint8, device=self.device)
-            blob.write(flat, [p])
             block = alloc(blob.nbytes)
-            block.tensor.copy_(flat, non_blocking=True)
+            blob.write(block.tensor, [p], non_blocking=True)
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(s)
         return block, blob, ev
 
     def to_device_packed(self, codec: Codec, blob: Blob, src: torch.Tensor, nbytes: int, dtype: torch.dtype,
                          after: Any) -> tuple[torch.Tensor, Any, Any]:
-        """Copy a compressed entry back and decompress it on the prefetch stream (Rule 9)."""
-        cur = self.current()
-        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur: Rule 5
-        staged = torch.empty(src.numel(), dtype=torch.uint8, device=self.device)
+        """Copy a compressed entry back (``to_device``) and decompress it on the prefetch stream (Rule 9)."""
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur, before to_device's wait: Rule 5
+        staged, _, cur = self.to_device(src, src.numel(), after)
         s = self.prefetch
-        s.wait_stream(cur)
-        if after is not None:
-            s.wait_event(after)
-        with torch.cuda.stream(s), nvtx_range("torchckpt.h2d+decompress"):
-            if self.delay is not None:
-                self.delay("h2d", s)
-            staged.copy_(src, non_blocking=True)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.decompress"):
             codec.decompress(blob.read(staged)[0], out=out.view(dtype), stream=s)
-            staged.record_stream(s)
+            staged.record_stream(s)  # allocated on cur, read here
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(s)
         return out, ev, cur
@@ -203,13 +198,7 @@ class _CudaMover:
 
     def use(self, done: Any) -> Any:
         """Make the compute stream wait for ``done``; return a timing event for Stats."""
-        cur = self.current()
-        need = None
-        if self.timing:
-            need = torch.cuda.Event(enable_timing=True)
-            need.record(cur)
-        cur.wait_event(done)
-        return need
+        return timed_wait(self.current(), done, self.timing)
 
 
 
