@@ -29,6 +29,7 @@ Approaches, in one run:
               (``LazyHostPool(strategy="whole")``).
   chunked     torchckpt: ``LazyHostPool`` registering chunk by chunk (first 128 MiB, doubling up
               to ``--chunk``), strategy ``--strategy`` (auto: NOTE [ Lazy pool strategy model ]).
+  chunked@S   the same with chunks of S bytes (e.g. ``chunked@256M``): chunk sizes compared in one run.
 
 Also reported: the application's slowdown (pool creation plus forward and restore wall time beyond
 their compute), which catches costs that do not show as blocking (unified memory's page faults
@@ -242,15 +243,17 @@ class Memset(Approach):
 
 
 class Lazy(Approach):
-    def __init__(self, count: int, ckpt: int, args: argparse.Namespace, strategy: str, node_lock: bool = True) -> None:
+    def __init__(self, count: int, ckpt: int, args: argparse.Namespace, strategy: str, node_lock: bool = True,
+                 chunk: int | None = None, name: str | None = None) -> None:
         super().__init__(count, ckpt, args)
         self.strategy = strategy
         self.node_lock = node_lock
-        self.name = "whole" if strategy == "whole" else "chunked"
+        self.chunk = args.chunk if chunk is None else chunk
+        self.name = name or ("whole" if strategy == "whole" else "chunked")
         self.blocks: dict[int, Any] = {}
 
     def create(self) -> None:
-        chunk = self.args.chunk
+        chunk = self.chunk
         first = self.ckpt if self.strategy != "whole" else chunk
         self.pool = LazyHostPool(capacity_bytes=self.count * self.ckpt, chunk_bytes=chunk, first_chunk_bytes=first,
                                  strategy=self.strategy, node_lock=self.node_lock, pin=True)
@@ -295,6 +298,8 @@ def make_approach(name: str, args: argparse.Namespace, node_lock: bool = True) -
         return Lazy(args.count, args.ckpt, args, "whole", node_lock)
     if name == "chunked":
         return Lazy(args.count, args.ckpt, args, args.strategy, node_lock)
+    if name.startswith("chunked@"):  # another chunk size, e.g. chunked@256M
+        return Lazy(args.count, args.ckpt, args, args.strategy, node_lock, chunk=parse_bytes(name[8:]), name=name)
     raise SystemExit(f"unknown approach {name!r}; choose from {APPROACHES}")
 
 
@@ -496,16 +501,18 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any], out: str, tag: s
         print_table(["approach", "create s", "ckpt block s", "ckpt+restore s", "ckpt x", "total x", "slowdown s",
                      "pinned flushes",
                      "strategy", "all reg s"], table)
-        ch = next((r for r in rows if r["approach"] == "chunked"), None)
         wh = next((r for r in rows if r["approach"] == "whole"), None)
-        if ch and base:
-            t = {"interval_ms": iv, "ckpt_12x": ch["ckpt_ratio_vs_direct_pin"] >= 12,
+        for ch in [r for r in rows if r["approach"].startswith("chunked")]:
+            if not base:
+                break
+            t = {"interval_ms": iv, "approach": ch["approach"], "ckpt_12x": ch["ckpt_ratio_vs_direct_pin"] >= 12,
                  "total_8x": ch["total_ratio_vs_direct_pin"] >= 8}
             if wh:
                 t["below_whole"] = (ch["ckpt_blocking_s"] < wh["ckpt_blocking_s"]
                                     and ch["total_blocking_s"] < wh["total_blocking_s"])
             targets.append(t)
-            print("targets:", " ".join(f"{k}={'PASS' if v else 'FAIL'}" for k, v in t.items() if k != "interval_ms"))
+            print(f"targets ({ch['approach']}):",
+                  " ".join(f"{k}={'PASS' if v else 'FAIL'}" for k, v in t.items() if k not in ("interval_ms", "approach")))
     for r in results:
         if r["wrong_bytes_sampled"]:
             print(f"WRONG DATA: {r['approach']} at {r['interval_ms']} ms: {r['wrong_bytes_sampled']} sampled bytes differ")
@@ -531,7 +538,7 @@ def plot(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None
         print(f"matplotlib not importable: skipping {path}")
         return
     ivs = sorted({r["interval_ms"] for r in results})
-    names = [a for a in APPROACHES if any(r["approach"] == a for r in results)]
+    names = list(dict.fromkeys(r["approach"] for r in results))
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     w = 0.8 / max(1, len(names))
     for ax, key, title in ((axes[0], "ckpt_blocking_s", "checkpoint blocking"),

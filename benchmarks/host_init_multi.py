@@ -83,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", default="auto", choices=("auto", "concurrent", "sequential"))
     ap.add_argument("--approaches", default="chunked,whole")
     ap.add_argument("--modes", default="serialized,parallel")
+    ap.add_argument("--reps", type=int, default=1,
+                    help="repeat every group; odd repetitions run the modes in reverse order (no order bias)")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -102,22 +104,26 @@ def main(argv: list[str] | None = None) -> int:
           f"interval {args.interval:g} ms", flush=True)
     results: list[dict[str, Any]] = []
     ok = True
-    for approach in [a for a in args.approaches.split(",") if a]:
-        for mode in [m for m in args.modes.split(",") if m]:
-            rs = run_group(args, approach, mode)
-            for r in rs:
-                if "error" in r:
-                    print(f"rank {r['rank']} {approach}/{mode} failed: {r['error']}")
-                    ok = False
-                elif r.get("wrong_bytes_sampled"):
-                    print(f"WRONG DATA rank {r['rank']} {approach}/{mode}")
-                    ok = False
-            results += rs
-            good = [r for r in rs if "error" not in r]
-            print(f"{approach}/{mode}: " + "; ".join(
-                f"rank {r['rank']} registered in {fmt(r.get('all_registered_s'), '.2f')} s, ckpt block "
-                f"{r['ckpt_blocking_s']:.3f} s, +restore {r['total_blocking_s']:.3f} s, lock wait "
-                f"{fmt(r.get('lock_wait_s'), '.2f')} s" for r in good), flush=True)
+    modes = [m for m in args.modes.split(",") if m]
+    groups = [(rep, approach, mode) for rep in range(args.reps) for approach in [a for a in args.approaches.split(",") if a]
+              for mode in (modes if rep % 2 == 0 else modes[::-1])]
+    for rep, approach, mode in groups:
+        rs = run_group(args, approach, mode)
+        for r in rs:
+            r["rep"] = rep
+        for r in rs:
+            if "error" in r:
+                print(f"rank {r['rank']} {approach}/{mode} failed: {r['error']}")
+                ok = False
+            elif r.get("wrong_bytes_sampled"):
+                print(f"WRONG DATA rank {r['rank']} {approach}/{mode}")
+                ok = False
+        results += rs
+        good = [r for r in rs if "error" not in r]
+        print(f"rep {rep} {approach}/{mode}: " + "; ".join(
+            f"rank {r['rank']} registered in {fmt(r.get('all_registered_s'), '.2f')} s, ckpt block "
+            f"{r['ckpt_blocking_s']:.3f} s, +restore {r['total_blocking_s']:.3f} s, lock wait "
+            f"{fmt(r.get('lock_wait_s'), '.2f')} s" for r in good), flush=True)
     rows, summary = [], []
     for approach in dict.fromkeys(r["approach"] for r in results if "error" not in r):
         per_mode = {}
@@ -126,7 +132,10 @@ def main(argv: list[str] | None = None) -> int:
             if not rs:
                 continue
             reg = [r["all_registered_s"] for r in rs if r.get("all_registered_s") is not None]
-            s = {"approach": approach, "mode": mode, "max_all_registered_s": max(reg) if reg else None,
+            per_rep = [max(r["all_registered_s"] for r in rs if r.get("rep") == k and r.get("all_registered_s") is not None)
+                       for k in sorted({r.get("rep", 0) for r in rs if r.get("all_registered_s") is not None})]
+            s = {"approach": approach, "mode": mode, "max_all_registered_s": statistics.mean(per_rep) if per_rep else None,
+                 "per_rep_max_all_registered_s": per_rep,
                  "mean_all_registered_s": statistics.mean(reg) if reg else None,
                  "mean_ckpt_blocking_s": statistics.mean(r["ckpt_blocking_s"] for r in rs),
                  "mean_total_blocking_s": statistics.mean(r["total_blocking_s"] for r in rs),
@@ -141,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
             if a["max_all_registered_s"] and b["max_all_registered_s"]:
                 a["parallel_over_serialized_registration"] = b["max_all_registered_s"] / a["max_all_registered_s"]
     print()
-    print_table(["approach", "registration", "all registered (max) s", "(mean) s", "ckpt block s", "ckpt+restore s",
+    print_table(["approach", "registration", "all registered (max over ranks, mean over reps) s", "(mean) s", "ckpt block s", "ckpt+restore s",
                  "lock wait s"], rows)
     for s in summary:
         if "parallel_over_serialized_registration" in s:

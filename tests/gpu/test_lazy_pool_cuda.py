@@ -246,3 +246,41 @@ def test_low_memlock_limit_never_crashes() -> None:
     r = subprocess.run([sys.executable, "-c", LOW_MEMLOCK], capture_output=True, text=True, timeout=300)
     print(r.stdout[-2000:], r.stderr[-2000:])
     assert r.returncode == 0 and "ok" in r.stdout
+
+
+@pytest.mark.parametrize("strategy", ["sequential", "concurrent"])
+def test_store_reports_its_copies_to_the_pool(strategy: str) -> None:
+    """NOTE [ Lazy host pool ] Rule 7: under "sequential" the store's copies are tracked (the
+    worker pauses for them); under "concurrent" they are not (no host function per copy)."""
+    import torchckpt
+
+    # ahead_bytes=0 keeps the worker alive (it waits for use), so tracking stays on.
+    pool = LazyHostPool(capacity_bytes=1 << 30, chunk_bytes=64 * MiB, first_chunk_bytes=16 * MiB, strategy=strategy,
+                        ahead_bytes=0)
+    store = torchckpt.Store(gpu_bytes=8 * MiB, host=pool, min_bytes=1)
+    store._mover.delay = lambda kind, s: torch.cuda._sleep(20_000_000)  # copies stay queued a while
+    x = torch.randn(1 << 20, device="cuda", requires_grad=True)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        y = x
+        for _ in range(8):
+            y = torch.sin(y) * 1.01
+        return y.square().sum()
+
+    with torchckpt.offload(store):
+        loss = f(x)
+    in_flight = pool._native.copies_in_flight()
+    (g,) = torch.autograd.grad(loss, x)
+    (ref,) = torch.autograd.grad(f(x), x)
+    torch.cuda.synchronize()
+    assert torch.equal(g, ref)
+    assert store.stats().offloaded > 0
+    if strategy == "sequential":
+        assert in_flight > 0, "the store's copies were not tracked"
+        end = time.monotonic() + 10
+        while pool._native.copies_in_flight() > 0 and time.monotonic() < end:
+            time.sleep(0.01)
+        assert pool._native.copies_in_flight() == 0
+    else:
+        assert in_flight == 0
+    pool.close()

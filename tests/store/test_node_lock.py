@@ -28,6 +28,21 @@ print("locked", flush=True)
 time.sleep(120)
 """
 
+HOG = """
+import importlib.util, sys, time
+spec = importlib.util.spec_from_file_location("node_lock", sys.argv[2])
+mod = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(mod)
+lock = mod.NodeLock(sys.argv[1])
+lock.acquire()
+print("locked", flush=True)
+end = time.monotonic() + 60
+while time.monotonic() < end:  # release and re-take at once, as a registrar does chunk after chunk
+    time.sleep(0.002)
+    lock.release()
+    lock.acquire()
+"""
+
 
 @pytest.fixture
 def lock_path(tmp_path: object) -> str:
@@ -71,6 +86,28 @@ def test_two_locks_in_one_process_exclude_each_other(lock_path: str) -> None:
     a.close()
 
 
+def test_lock_is_fair_to_a_waiter_while_another_process_re_takes_it(lock_path: str) -> None:
+    """Rule 5: a process that releases and at once re-takes the lock cannot keep a waiter out."""
+    p = subprocess.Popen([sys.executable, "-c", HOG, lock_path, node_lock_module.__file__], stdout=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == "locked"
+        waits = []
+        lock = NodeLock(lock_path)
+        for _ in range(5):
+            t = time.monotonic()
+            got = lock.acquire(timeout=3.0)
+            waits.append(time.monotonic() - t)
+            assert got, f"waited 3 s for a lock the other process held for 2 ms at a time (waits {waits})"
+            lock.release()
+            time.sleep(0.01)
+        assert max(waits) < 1.0, waits
+        assert p.poll() is None, "the other process died"
+        lock.close()
+    finally:
+        p.kill()
+        p.wait(timeout=10)
+
+
 def test_disabled_lock_never_waits(lock_path: str, holder: subprocess.Popen[str]) -> None:
     assert NodeLock(lock_path, enabled=False).acquire(timeout=0.0)
 
@@ -112,3 +149,4 @@ def test_native_registration_waits_for_the_node_lock(
     s = p.lazy_stats()
     assert (s.lock_wait_s >= 0.25) == serialized
     p.close()
+

@@ -233,6 +233,10 @@ class HostPool:
                 pageable_fallbacks=self._fallbacks,
             )
 
+    def note_copy(self, stream: Any) -> None:
+        """Hear of a copy just issued on ``stream`` to or from this pool (``LazyHostPool`` uses it)."""
+        return None
+
     def close(self) -> None:
         """Wait for parked copies and drop every chunk (blocks handed out become invalid)."""
         with self._lock:

@@ -12,8 +12,7 @@ Known gaps (measured on an H100, benchmarks/host_init.py, docs/results/host_init
 with 1 GiB chunks the application's own checkpoint blocking (0.9-1.2 s for a 32 GiB pool)
 is about the worker's total ``cudaHostRegister`` time (1.2 s), although almost every flush
 went to pinned memory: registration seems to hold up the host's CUDA calls. Smaller chunks
-should shorten each stall; that is not measured yet. The sequential strategy needs copies to
-be tracked (``track_copy``), which the store does not do yet.
+should shorten each stall; that is not measured yet.
 
 # NOTE [ Lazy host pool ]
 # 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there):
@@ -39,6 +38,8 @@ be tracked (``track_copy``), which the store does not do yet.
 #    worker, and drops the pool's own references. The memory is unregistered and unmapped when
 #    the last tensor viewing it goes (the native tensor's deleter holds the pool), so a block
 #    still held by the caller never points at unmapped memory.
+# 7. The stores report every copy to or from the pool (``note_copy``); while the worker runs the
+#    sequential strategy, each one is tracked (``track_copy``) so that touching pauses for it.
 #
 # NOTE [ Lazy pool strategy model ]
 # ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
@@ -58,8 +59,8 @@ be tracked (``track_copy``), which the store does not do yet.
 # memory and the rest in pageable memory, so the copy time per written byte is
 #   t(v, b) = f / b + (1 - f) / b_page.
 # "auto" picks sequential only when t(v_s, b_pin) < t(v_c, b_pin_busy): a slow write rate and
-# copies that suffer from touching. Sequential needs copies to be tracked (``track_copy``);
-# untracked, it behaves as concurrent.
+# copies that suffer from touching. Sequential needs copies to be tracked (``track_copy``;
+# the stores do it, Rule 7); untracked, it behaves as concurrent.
 """
 from __future__ import annotations
 
@@ -422,6 +423,7 @@ class LazyHostPool(HostPool):
         self._warned = False
         self._warned_errors = False
         self._closed = False
+        self._tracking_over = False  # note_copy: the worker is done, no copy needs tracking
         start = "concurrent" if strategy == "auto" else strategy
         limit = -1 if ahead_bytes is None else first_chunk_bytes + ahead_bytes
         self._native = native(
@@ -570,6 +572,21 @@ class LazyHostPool(HostPool):
         if stream is None:
             stream = torch.cuda.current_stream(self.device_index)
         self._native.track_copy(int(stream.cuda_stream))
+
+    def note_copy(self, stream: Any) -> None:
+        """Track a copy just issued on ``stream`` while the sequential strategy needs it (Rule 7).
+
+        The stores call this after every copy to or from the pool. Tracking costs a host
+        function on the stream, so it happens only while the worker runs "sequential"; once the
+        worker is done this is one attribute test.
+        """
+        native = self._native
+        if native is None or self._tracking_over:
+            return
+        if native.done():
+            self._tracking_over = True
+        elif native.strategy() == "sequential":
+            native.track_copy(int(stream.cuda_stream))
 
     def begin_copy(self) -> None:
         """Mark a copy as started (pair with ``end_copy``; see ``track_copy``)."""

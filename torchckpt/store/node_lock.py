@@ -13,6 +13,12 @@
 #    registration; this Python class is the same lock for Python code and for tests.
 # 4. flock locks belong to an open file description: two ``NodeLock`` objects exclude each
 #    other even inside one process; one object is not re-entrant.
+# 5. Fairness: flock alone lets a process that releases and at once re-takes the lock keep it
+#    while another waits (on 2 x H200 one rank waited 17 s while the other registered chunk
+#    after chunk). A turnstile makes it fair: take ``<path>.gate``, then ``<path>``, then drop
+#    the gate. While one process holds the lock the next waiter holds the gate, so the holder
+#    cannot take the lock again before that waiter had it. The gate is a flock too, so a dead
+#    holder never wedges it.
 """
 from __future__ import annotations
 
@@ -67,24 +73,47 @@ class NodeLock:
         self.path = path if path is not None else default_lock_path()
         self.enabled = bool(enabled)
         self._fd: int | None = None
+        self._gate: int | None = None
         self.locked = False
 
-    def _open(self) -> int:
+    @staticmethod
+    def _open_file(path: str) -> int:
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"torchckpt: could not open the node registration lock {path!r} ({e.strerror}); set "
+                "TORCHCKPT_REGISTER_LOCK to a writable file, or pass node_lock=False.",
+            ) from e
+        try:
+            os.fchmod(fd, 0o666)  # best effort: other users of the node may share it
+        except OSError:
+            pass
+        return fd
+
+    def _open(self) -> tuple[int, int]:
         if self._fd is None:
+            self._fd = self._open_file(self.path)
+        if self._gate is None:
+            self._gate = self._open_file(self.path + ".gate")
+        return self._fd, self._gate
+
+    @staticmethod
+    def _take(fd: int, deadline: float | None) -> bool:
+        if deadline is None:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # releases the GIL while it waits
+            return True
+        while True:
             try:
-                fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o666)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return True
             except OSError as e:
-                raise OSError(
-                    e.errno,
-                    f"torchckpt: could not open the node registration lock {self.path!r} ({e.strerror}); set "
-                    "TORCHCKPT_REGISTER_LOCK to a writable file, or pass node_lock=False.",
-                ) from e
-            try:
-                os.fchmod(fd, 0o666)  # best effort: other users of the node may share it
-            except OSError:
-                pass
-            self._fd = fd
-        return self._fd
+                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
+                    raise
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.001)
 
     def acquire(self, timeout: float | None = None) -> bool:
         """Take the lock; ``timeout`` seconds at most (``None``: wait as long as it takes).
@@ -96,23 +125,17 @@ class NodeLock:
             return True
         if self.locked:
             raise RuntimeError("torchckpt: NodeLock is not re-entrant; release it before acquiring it again.")
-        fd = self._open()
-        if timeout is None:
-            fcntl.flock(fd, fcntl.LOCK_EX)  # releases the GIL while it waits
+        fd, gate = self._open()
+        deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
+        if not self._take(gate, deadline):  # Rule 5: the turnstile
+            return False
+        try:
+            if not self._take(fd, deadline):
+                return False
             self.locked = True
             return True
-        deadline = time.monotonic() + max(0.0, timeout)
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                self.locked = True
-                return True
-            except OSError as e:
-                if e.errno not in (errno.EAGAIN, errno.EACCES, errno.EWOULDBLOCK):
-                    raise
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.001)
+        finally:
+            fcntl.flock(gate, fcntl.LOCK_UN)
 
     def release(self) -> None:
         """Drop the lock (a no-op when not held)."""
@@ -123,9 +146,10 @@ class NodeLock:
     def close(self) -> None:
         """Release the lock and close its file."""
         self.release()
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
+        for fd in (self._fd, self._gate):
+            if fd is not None:
+                os.close(fd)
+        self._fd = self._gate = None
 
     def __enter__(self) -> NodeLock:
         self.acquire()

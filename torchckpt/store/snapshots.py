@@ -586,6 +586,7 @@ class SnapshotStore:
             slot[: block.tensor.numel()].copy_(block.tensor, non_blocking=True)
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(p)
+        self.host.note_copy(p)  # NOTE [ Lazy host pool ], Rule 7
         self._fill_ev[s] = ev
         self._fill_of[s] = n
         return ev
@@ -601,6 +602,7 @@ class SnapshotStore:
             dst.copy_(src[: dst.numel()], non_blocking=True)
             ev = torch.cuda.Event(enable_timing=self.timing)
             ev.record(o)
+        self.host.note_copy(o)  # NOTE [ Lazy host pool ], Rule 7
         return ev
 
     def _record(self) -> Any:

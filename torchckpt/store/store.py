@@ -479,6 +479,7 @@ class Store:
         else:
             e.host = self.host.alloc(e.nbytes)
             e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)
+        self._note_copy(getattr(self._mover, "offload", None))
         self._c["offloaded"] += 1
         self._c["offloaded_bytes"] += e.nbytes
 
@@ -488,12 +489,19 @@ class Store:
         if e.codec is not None and e.blob is not None:
             buf, ev, stream = self._mover.to_device_packed(e.codec, e.blob, e.host.tensor, e.nbytes, e.dtype, e.d2h)
             e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
+            self._note_copy(getattr(self._mover, "prefetch", None))
             self._c["loaded_bytes"] += e.host.tensor.numel()
             return buf
         buf, ev, stream = self._mover.to_device(e.host.tensor, e.nbytes, e.d2h)
         e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
+        self._note_copy(getattr(self._mover, "prefetch", None))
         self._c["loaded_bytes"] += e.nbytes
         return buf
+
+    def _note_copy(self, stream: Any) -> None:
+        """Tell the host pool of a copy just issued on ``stream`` (NOTE [ Lazy host pool ], Rule 7)."""
+        if stream is not None:
+            self.host.note_copy(stream)
 
     def _run_actions(self, pos: int) -> None:
         plan = self._plan
