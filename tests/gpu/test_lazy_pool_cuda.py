@@ -98,12 +98,17 @@ def test_concurrent_allocations_from_threads() -> None:
                 ev.synchronize()
                 if not bool((b.tensor == v).all()):
                     errors.append(f"thread {t}: block {b} lost its data")
+            # Every thread's last blocks are held until all have recorded theirs, so the spans
+            # compared below were all live at one moment (freed earlier, a block may be reused).
+            barrier.wait(timeout=120)
         except Exception as e:  # pragma: no cover - reported below
             errors.append(repr(e))
+            barrier.abort()
         finally:
             for b, _, ev in live:
                 pool.free(b, ev)
 
+    barrier = threading.Barrier(8)
     threads = [threading.Thread(target=worker, args=(t,)) for t in range(8)]
     for th in threads:
         th.start()
