@@ -586,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--approaches", default=",".join(APPROACHES))
     ap.add_argument("--strategy", default="auto", choices=("auto", "concurrent", "sequential"))
     ap.add_argument("--no-first-pinned", action="store_true", help="skip the time-to-first-pinned measurement")
+    ap.add_argument("--first-pinned-reps", type=int, default=1,
+                    help="repeat the time-to-first-pinned measurement (the first may pay a fresh machine's first touch)")
     ap.add_argument("--tag", default="run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--merge", nargs="+", default=None, help="JSON files of earlier runs to join into one report")
@@ -610,8 +612,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{meta['gpu']}: {args.count} x {args.ckpt >> 20} MiB checkpoints ({args.count * args.ckpt / GiB:.1f} GiB "
           f"host pool), {args.slots} GPU cache slots, intervals {intervals} ms, THP {meta['thp']}", flush=True)
     if not args.no_first_pinned:
-        meta["first_pinned"] = first_pinned(args)
-        print("first pinned:", meta["first_pinned"], flush=True)
+        reps = [first_pinned(args) for _ in range(max(1, args.first_pinned_reps))]
+        meta["first_pinned"] = reps[0]
+        if len(reps) > 1:
+            meta["first_pinned_reps"] = reps
+        for r in reps:
+            print("first pinned:", r, flush=True)
     results = []
     for name in names:
         for iv in intervals:

@@ -83,6 +83,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strategy", default="auto", choices=("auto", "concurrent", "sequential"))
     ap.add_argument("--approaches", default="chunked,whole")
     ap.add_argument("--modes", default="serialized,parallel")
+    ap.add_argument("--warmup", action="store_true",
+                    help="first run one untimed group (chunked, parallel): the first touch of a fresh machine's memory "
+                         "is several times slower (measured on 2 x H200) and would bias whichever group runs first")
     ap.add_argument("--reps", type=int, default=1,
                     help="repeat every group; odd repetitions run the modes in reverse order (no order bias)")
     ap.add_argument("--tag", default="run")
@@ -107,6 +110,12 @@ def main(argv: list[str] | None = None) -> int:
     modes = [m for m in args.modes.split(",") if m]
     groups = [(rep, approach, mode) for rep in range(args.reps) for approach in [a for a in args.approaches.split(",") if a]
               for mode in (modes if rep % 2 == 0 else modes[::-1])]
+    if args.warmup:
+        warm = run_group(args, "chunked", "parallel")
+        print("warm-up (not counted): " + "; ".join(
+            f"rank {r['rank']} registered in {fmt(r.get('all_registered_s'), '.2f')} s, touch "
+            f"{fmt(r.get('touch_s'), '.2f')} s" for r in warm if "error" not in r), flush=True)
+        meta["warmup"] = warm
     for rep, approach, mode in groups:
         rs = run_group(args, approach, mode)
         for r in rs:
