@@ -358,3 +358,22 @@ def test_factory_env_lazy_forces_the_native_pool(monkeypatch: pytest.MonkeyPatch
     assert isinstance(p, LazyHostPool) and not p.pin and p.ahead_bytes is None
     assert p.chunk_bounds()[0] == (0, MiB)
     p.close()
+
+
+@native
+@pytest.mark.parametrize("env, locked", [(None, True), ("1", True), ("0", False)])
+def test_factory_serializes_registrations_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: object, env: str | None, locked: bool
+) -> None:
+    """make_host_pool's lazy pool takes the node lock by default; TORCHCKPT_NODE_LOCK=0 turns it off."""
+    monkeypatch.setenv("TORCHCKPT_HOST_POOL", "lazy")
+    monkeypatch.setenv("TORCHCKPT_REGISTER_LOCK", os.path.join(str(tmp_path), "reg.lock"))
+    if env is None:
+        monkeypatch.delenv("TORCHCKPT_NODE_LOCK", raising=False)
+    else:
+        monkeypatch.setenv("TORCHCKPT_NODE_LOCK", env)
+    p = make_host_pool(pin=False, capacity_bytes=8 * MiB)
+    assert isinstance(p, LazyHostPool)
+    assert p._native is not None and p._native.lock_active() == locked
+    assert p.chunk_bytes == 1 << 30  # the lazy pool's default chunk (docs/benchmarks.md)
+    p.close()
