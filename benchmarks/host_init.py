@@ -275,6 +275,7 @@ class Lazy(Approach):
         return {"strategy": s.strategy, "all_registered_s": s.all_registered_s,
                 "first_registered_s": s.first_registered_s, "touch_s": s.touch_s, "register_s": s.register_s,
                 "lock_wait_s": s.lock_wait_s, "paused_s": s.paused_s, "huge_pages": s.huge_pages,
+                "huge_page_bytes": s.huge_page_bytes,
                 "failed_chunks": s.failed_chunks, "errors": list(s.errors[:2]),
                 "profile_gbps": ({k: v / 1e9 for k, v in vars(self.pool.profile).items()}
                                  if self.pool.profile is not None else None)}
@@ -632,7 +633,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:>10} {iv:>4g} ms: ckpt block {r['ckpt_blocking_s']:.3f} s, +restore "
                   f"{r['total_blocking_s']:.3f} s (create {r['create_s']:.3f} s, pinned flushes "
                   f"{r['pinned_flushes']}/{r['checkpoints']}, wall {r['wall_s']:.1f} s) "
-                  f"{ {k: r[k] for k in ('strategy', 'all_registered_s', 'managed_bytes') if k in r} }", flush=True)
+                  f"{ {k: r[k] for k in ('strategy', 'all_registered_s', 'huge_page_bytes', 'managed_bytes') if k in r} }", flush=True)
             results.append(r)
         if name == "direct_pin":
             DirectPin.release()

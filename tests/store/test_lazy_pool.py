@@ -377,3 +377,33 @@ def test_factory_serializes_registrations_unless_told_not_to(
     assert p._native is not None and p._native.lock_active() == locked
     assert p.chunk_bytes == 1 << 30  # the lazy pool's default chunk (docs/benchmarks.md)
     p.close()
+
+
+def test_huge_page_bytes_sums_the_mappings_inside_the_range(tmp_path: object) -> None:
+    from torchckpt.store.lazy_pool import huge_page_bytes
+
+    smaps = os.path.join(str(tmp_path), "smaps")
+    with open(smaps, "w") as f:
+        f.write(
+            "7f0000000000-7f0000400000 rw-p 00000000 00:00 0 \n"
+            "Size:               4096 kB\nAnonHugePages:      2048 kB\n"
+            "7f0000400000-7f0000800000 rw-p 00000000 00:00 0 \n"
+            "Size:               4096 kB\nAnonHugePages:      4096 kB\n"
+            "7f0000800000-7f0000a00000 rw-p 00000000 00:00 0 \n"
+            "Size:               2048 kB\nAnonHugePages:      2048 kB\n"
+        )
+    base = 0x7F0000000000
+    assert huge_page_bytes(base, 8 << 20, smaps) == 6 << 20  # the first two, not the third
+    assert huge_page_bytes(base + (4 << 20), 6 << 20, smaps) == 6 << 20  # the last two
+    assert huge_page_bytes(base, 2 << 20, smaps) == 0  # no mapping lies wholly inside
+    assert huge_page_bytes(base, 8 << 20, os.path.join(str(tmp_path), "missing")) is None
+
+
+@native
+def test_stats_report_huge_page_backing() -> None:
+    p = make(capacity=32 * MiB, chunk=8 * MiB, first=8 * MiB, mode="none")
+    assert p.wait_ready(timeout=30)
+    s = p.lazy_stats()
+    if os.path.exists("/proc/self/smaps"):
+        assert s.huge_page_bytes is not None and 0 <= s.huge_page_bytes <= p.capacity_bytes
+    p.close()
