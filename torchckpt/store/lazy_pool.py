@@ -12,7 +12,9 @@ Known gaps (measured on an H100, benchmarks/host_init.py, docs/results/host_init
 with 1 GiB chunks the application's own checkpoint blocking (0.9-1.2 s for a 32 GiB pool)
 is about the worker's total ``cudaHostRegister`` time (1.2 s), although almost every flush
 went to pinned memory: registration seems to hold up the host's CUDA calls. Smaller chunks
-should shorten each stall; that is not measured yet.
+made it worse (128-256 MiB: 2.6-2.8 s), so the default chunk is 1 GiB. A pool made right
+after a large pinned allocation was freed, or first on a fresh machine, touched and registered
+several times slower (Rule 8).
 
 # NOTE [ Lazy host pool ]
 # 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there):
