@@ -11,6 +11,7 @@ MODULES = [
     "torchckpt.codecs.base",
     "torchckpt.codecs.bitcomp",
     "torchckpt.codecs.quant",
+    "torchckpt.env",
     "torchckpt.store.blob",
     "torchckpt.store.device_arena",
     "torchckpt.store.gpu_cache",

@@ -702,6 +702,29 @@ class LazyHostPool(HostPool):
             )
 
 
+def default_pool_kind(pin: bool) -> str:
+    """Which pool ``make_host_pool(pin=pin)`` makes: ``"lazy"`` (``LazyHostPool``) or ``"python"``.
+
+    ``TORCHCKPT_HOST_POOL`` decides when set; otherwise the lazy pool wherever it can pin
+    (the native pool built with CUDA, and a GPU present).
+
+    Example::
+
+        >>> default_pool_kind(pin=False) in ("python", "lazy")
+        True
+    """
+    mode = os.environ.get("TORCHCKPT_HOST_POOL", "auto").strip().lower() or "auto"
+    if mode not in ("auto", "python", "lazy"):
+        raise ValueError(f"torchckpt: TORCHCKPT_HOST_POOL must be 'python' or 'lazy', got {mode!r}.")
+    lazy_ok = host_pool_available() and (not pin or (torch.cuda.is_available() and host_pool_can_register()))
+    return "lazy" if mode == "lazy" or (mode == "auto" and pin and lazy_ok) else "python"
+
+
+def node_lock_default() -> bool:
+    """Whether the stores' default lazy pool serializes registrations (``TORCHCKPT_NODE_LOCK``, default on)."""
+    return os.environ.get("TORCHCKPT_NODE_LOCK", "1") != "0"
+
+
 def make_host_pool(
     pin: bool | None = None,
     *,
@@ -732,14 +755,9 @@ def make_host_pool(
         >>> type(pool).__name__
         'HostPool'
     """
-    mode = os.environ.get("TORCHCKPT_HOST_POOL", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "python", "lazy"):
-        raise ValueError(f"torchckpt: TORCHCKPT_HOST_POOL must be 'python' or 'lazy', got {mode!r}.")
     if pin is None:
         pin = torch.cuda.is_available()
-    lazy_ok = host_pool_available() and (not pin or (torch.cuda.is_available() and host_pool_can_register()))
-    use_lazy = mode == "lazy" or (mode == "auto" and pin and lazy_ok)
-    if use_lazy:
+    if default_pool_kind(pin) == "lazy":
         # 1 GiB chunks: each cudaHostRegister stalls the process's other CUDA calls for a while,
         # and fewer, larger registrations blocked checkpointing least on the H100 (host_init.py:
         # 1 GiB 1.3 s, 256 MiB 2.8 s, 128 MiB 2.6 s at 5 ms; docs/benchmarks.md). Chunks grow from
@@ -752,7 +770,7 @@ def make_host_pool(
         # registration lock ]): on 2 x H200 with a warm-up and 4 alternating repetitions
         # (docs/benchmarks.md) it registered as fast as parallel (3.07 s against 3.09 s) and blocked
         # checkpointing 21% less. TORCHCKPT_NODE_LOCK=0 (or node_lock=False) registers in parallel.
-        lazy_kw.setdefault("node_lock", os.environ.get("TORCHCKPT_NODE_LOCK", "1") != "0")
+        lazy_kw.setdefault("node_lock", node_lock_default())
         return LazyHostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin, **lazy_kw)
     return HostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes if chunk_bytes is not None else 256 * _MiB,
                     pin=pin)

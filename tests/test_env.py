@@ -1,0 +1,67 @@
+"""``python -m torchckpt env``: what torchckpt can use on this machine, with advice where it cannot."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from torchckpt.__main__ import main as cli
+from torchckpt.env import _sys_choice, report
+
+NAMES = [
+    "torchckpt", "CUDA", "native extension torchckpt._C", "lazily pinned host pool", "stores' default host pool",
+    "node registration lock", "transparent huge pages", "locked-memory limit", "available host memory",
+    "VMM device arena", "TritonQuant GPU kernels", "Bitcomp (nvCOMP)", "ZFP (cuZFP)",
+]
+
+
+def value(name: str) -> str:
+    return next(line.value for line in report() if line.name == name)
+
+
+def test_report_names_every_capability_in_order() -> None:
+    lines = report()
+    assert [line.name for line in lines] == NAMES
+    assert all(line.value for line in lines)
+
+
+def test_cli_prints_every_line_and_rejects_arguments(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli(["env"]) == 0
+    out = capsys.readouterr().out
+    for name in NAMES:
+        assert name in out
+    assert cli(["env", "--bogus"]) == 2
+    assert cli(["nope"]) == 2
+    assert "demo, env" in capsys.readouterr().err
+
+
+def test_environment_overrides_show(monkeypatch: pytest.MonkeyPatch, tmp_path: object) -> None:
+    monkeypatch.setenv("TORCHCKPT_HOST_POOL", "python")
+    assert value("stores' default host pool") == "HostPool (TORCHCKPT_HOST_POOL=python)"
+    monkeypatch.setenv("TORCHCKPT_HOST_POOL", "bogus")
+    line = next(line for line in report() if line.name == "stores' default host pool")
+    assert line.value == "invalid setting" and line.advice.startswith("torchckpt: TORCHCKPT_HOST_POOL must be")
+    monkeypatch.setenv("TORCHCKPT_NODE_LOCK", "0")
+    assert value("node registration lock").startswith("off")
+    monkeypatch.delenv("TORCHCKPT_NODE_LOCK")
+    assert value("node registration lock").startswith("on")
+    missing = os.path.join(str(tmp_path), "no-such-dir", "x.lock")
+    monkeypatch.setenv("TORCHCKPT_REGISTER_LOCK", missing)
+    line = next(line for line in report() if line.name == "node registration lock")
+    assert line.value.endswith("(not writable)") and "TORCHCKPT_REGISTER_LOCK" in line.advice
+
+
+def test_sys_choice_reads_the_bracketed_setting(tmp_path: object) -> None:
+    p = os.path.join(str(tmp_path), "enabled")
+    with open(p, "w") as f:
+        f.write("always [madvise] never\n")
+    assert _sys_choice(p) == "madvise"
+    assert _sys_choice(os.path.join(str(tmp_path), "missing")) == "unknown"
+
+
+def test_module_runs_as_a_command() -> None:
+    r = subprocess.run([sys.executable, "-m", "torchckpt", "env"], capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.splitlines()[0].startswith("torchckpt")

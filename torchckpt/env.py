@@ -1,0 +1,125 @@
+"""What torchckpt can use on this machine: ``python -m torchckpt env``.
+
+Each line names a capability, what was found, and, where it is missing, what to do about it.
+Nothing here allocates GPU or host memory beyond creating the CUDA context when a GPU exists.
+
+Example::
+
+    >>> lines = report()
+    >>> lines[0].name
+    'torchckpt'
+    >>> all(isinstance(line.value, str) for line in lines)
+    True
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+import resource
+
+import torch
+
+import torchckpt
+from torchckpt._ext import host_pool_available, host_pool_can_register, native_available, native_error
+
+
+@dataclasses.dataclass(frozen=True)
+class Line:
+    """One capability: its ``name``, what was found (``value``), and ``advice`` when it is missing."""
+
+    name: str
+    value: str
+    advice: str = ""
+
+
+def _sys_choice(path: str) -> str:
+    """The bracketed choice of a /sys setting such as ``always [madvise] never``."""
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return "unknown"
+    for word in text.split():
+        if word.startswith("[") and word.endswith("]"):
+            return word[1:-1]
+    return text
+
+
+def _memlock() -> str:
+    soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
+    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / (1 << 20):.0f} MiB"
+
+
+def report() -> list[Line]:
+    """Probe this machine; one :class:`Line` per capability, in a fixed order."""
+    from torchckpt.codecs import _nvcomp
+    from torchckpt.codecs.quant import _triton_reason
+    from torchckpt.codecs.zfp import ZFP
+    from torchckpt.store import device_arena
+    from torchckpt.store.lazy_pool import available_memory_bytes, default_pool_kind, node_lock_default
+    from torchckpt.store.node_lock import default_lock_path
+
+    cuda = torch.cuda.is_available()
+    out = [
+        Line("torchckpt", f"{torchckpt.__version__} (Python {platform.python_version()}, torch {torch.__version__})"),
+        Line("CUDA", f"{torch.cuda.device_count()} x {torch.cuda.get_device_name(0)}, CUDA {torch.version.cuda}"
+             if cuda else "not available",
+             "" if cuda else "the stores run on the CPU (a simulated two-tier store); the GPU paths need a CUDA device"),
+    ]
+    if native_available():
+        out.append(Line("native extension torchckpt._C", "loaded"))
+    else:
+        out.append(Line("native extension torchckpt._C", f"not loaded ({native_error()})",
+                        "pip install --no-build-isolation -e . with torch installed first (pure-Python paths still work)"))
+    if host_pool_can_register():
+        pool = "built with CUDA (can pin)"
+    elif host_pool_available():
+        pool = "built without CUDA (cannot pin)"
+    else:
+        pool = "not built"
+    out.append(Line("lazily pinned host pool", pool,
+                    "" if host_pool_can_register() or not cuda else "rebuild torchckpt._C where a CUDA toolkit is found"))
+    try:
+        kind = {"lazy": "LazyHostPool", "python": "HostPool"}[default_pool_kind(cuda)]
+        env = os.environ.get("TORCHCKPT_HOST_POOL")
+        out.append(Line("stores' default host pool", kind + (f" (TORCHCKPT_HOST_POOL={env})" if env else "")))
+    except ValueError as e:
+        out.append(Line("stores' default host pool", "invalid setting", str(e)))
+    lock = default_lock_path()
+    lock_dir = os.path.dirname(lock) or "."
+    writable = os.access(lock if os.path.exists(lock) else lock_dir, os.W_OK)
+    out.append(Line("node registration lock",
+                    f"{'on' if node_lock_default() else 'off (TORCHCKPT_NODE_LOCK=0)'}, {lock}"
+                    + ("" if writable else " (not writable)"),
+                    "" if writable else "set TORCHCKPT_REGISTER_LOCK to a writable file"))
+    thp = _sys_choice("/sys/kernel/mm/transparent_hugepage/enabled")
+    out.append(Line("transparent huge pages", f"{thp}, defrag {_sys_choice('/sys/kernel/mm/transparent_hugepage/defrag')}",
+                    "" if thp in ("always", "madvise") else
+                    "the host pool touches and registers several times slower with 4 KiB pages"))
+    out.append(Line("locked-memory limit", _memlock()))
+    out.append(Line("available host memory", f"{available_memory_bytes() / (1 << 30):.1f} GiB"))
+    arena = device_arena.unavailable_reason() if cuda else "no CUDA device"
+    out.append(Line("VMM device arena", "available" if arena is None else f"not available ({arena})"))
+    triton = _triton_reason()
+    out.append(Line("TritonQuant GPU kernels", "available" if triton is None else "not available", triton or ""))
+    nv = _nvcomp.unavailable_reason()
+    out.append(Line("Bitcomp (nvCOMP)", f"available ({_nvcomp.library_path()})" if nv is None else "not available",
+                    nv or ""))
+    zfp = ZFP(rate=8).unavailable_reason()
+    out.append(Line("ZFP (cuZFP)", "available" if zfp is None else "not available", zfp or ""))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print :func:`report`; exit status 0."""
+    if argv:
+        print("usage: python -m torchckpt env")
+        return 2
+    lines = report()
+    width = max(len(line.name) for line in lines)
+    for line in lines:
+        print(f"{line.name:<{width}}  {line.value}")
+        if line.advice:
+            print(f"{'':<{width}}  -> {line.advice}")
+    return 0
