@@ -170,7 +170,8 @@ def _signed(v: int, nbytes: int) -> int:
 
 @needs_nvcomp
 @pytest.mark.parametrize("dtype", LOSSY)
-def test_nan_payload_inf_and_negative_zero(dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("delta", [1e-2, 1e-5])  # 1e-5: fp16 through fp32 (Rule 9)
+def test_nan_payload_inf_and_negative_zero(dtype: torch.dtype, delta: float) -> None:
     x = torch.randn(3000).to(dtype)
     size = x.element_size()
     xi = x.view(INT_VIEW[size])
@@ -178,7 +179,7 @@ def test_nan_payload_inf_and_negative_zero(dtype: torch.dtype) -> None:
     xi[11] = _signed(NAN_BITS[dtype] | (1 << (8 * size - 1)), size)  # the same NaN, sign bit set
     x[12], x[13], x[14] = float("inf"), -float("inf"), -0.0
     assert torch.isnan(x[10]) and torch.isnan(x[11])
-    c = Bitcomp(delta=1e-2)
+    c = Bitcomp(delta=delta)
     y = c.decompress(c.compress(x))
     assert torch.equal(y.view(INT_VIEW[size])[10:14], xi[10:14])
     assert y[14] == 0.0  # -0.0 may come back as +0.0: numerically equal (Rule 4)
@@ -241,6 +242,11 @@ def test_recipes() -> None:
     assert bc._recipe(torch.float16, 1e-9).mode == 0 and bc._recipe(torch.float32, 1e-46).mode == 0
     assert bc._recipe(torch.bfloat16, 1e-41).mode == 0 and bc._recipe(torch.bfloat16, 1e-41).work == torch.bfloat16
     assert bc._recipe(torch.bfloat16, 1e-40).mode == 1  # 2**-133 <= p: still lossy
+    # Rule 9: fp16 steps below 2**-14 go through fp32; 2**-14 and up stay fp16
+    r = bc._recipe(torch.float16, 2.0**-15)
+    assert (r.work, r.btype, r.step, r.mode) == (torch.float32, nv.FP32, 2.0**-15, 1)
+    assert bc._recipe(torch.float16, 2.0**-24).work == torch.float32
+    assert bc._recipe(torch.float16, 2.0**-14).work == torch.float16
     assert bc._lossless_type(torch.float32) == nv.S32 and bc._lossless_type(torch.bool) == nv.U8
     assert bc._lossless_type(torch.complex64) == nv.S32 and bc._lossless_type(torch.uint8) == nv.U8
 
@@ -258,6 +264,11 @@ def test_ratios_on_smooth_data() -> None:
     xb = x.bfloat16()
     rb = roundtrip(Bitcomp(delta=2e-3), xb).ratio
     assert rb > 1.5, rb  # counted against bf16 bytes (Rule 5)
+    # fp16 of small magnitude with a step below fp16's normal range (Rule 9): kept raw before
+    xh = (x * 1e-3).half()
+    for d in (2.0**-15, 2.0**-17):
+        rh = roundtrip(Bitcomp(delta=d), xh).ratio
+        assert rh > 1.5, (d, rh)  # counted against fp16 bytes; 1.00 when nvCOMP got the fp16 step
     z = torch.zeros(1 << 20)
     z[::1000] = 1.0
     assert roundtrip(Bitcomp(sparse=True), z).ratio > 50

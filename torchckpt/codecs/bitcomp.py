@@ -52,6 +52,15 @@ with cuZFP for adjoint snapshots.
 #    plan per call (about 30 us, nothing shared) and never set a stream on it.
 # 8. Compressed buffers must be 8-byte aligned; inputs and outputs whose address is not a
 #    multiple of 16 bytes go through a fresh buffer (a copy), others are used in place.
+# 9. fp16 with a step below fp16's smallest normal (2**-14) goes the bf16 way: nvCOMP takes
+#    the fp16 step as fp16 bits, and with a subnormal step it kept every element raw (ratio
+#    1.00: at steps 2**-20 to 2**-15 on the CPU, on a 512^3 wave snapshot at 2**-17 on the H100). So
+#    such fp16 is upcast to fp32 (exact) and compressed with step p. The argument of Rule 5
+#    holds with 11 significant bits: where fp16's spacing at ``x`` is >= the step, ``x'' = x``;
+#    where it is finer, ``|q| <= 2**11`` and ``q * step`` (a multiple of 2**-24 below 2**-3)
+#    is an fp16 value, so the conversion back is exact and the bound is still ``p / 2``. NaN
+#    elements take their fp16 bits from the fp32 bits (torch's conversion would make every
+#    NaN the canonical one). The ratio is counted against the fp16 bytes.
 """
 from __future__ import annotations
 
@@ -81,6 +90,7 @@ _LOSSY: dict[torch.dtype, tuple[int, float, float]] = {
     torch.float64: (nv.FP64, 2.0**-1074, 2.0**971),
 }
 _BF16_SUBNORMAL = 2.0**-133  # Rule 5
+_FP16_NORMAL = 2.0**-14  # Rule 9
 
 
 def _pow2_floor(v: float) -> float:
@@ -125,6 +135,8 @@ def _recipe(dtype: torch.dtype, delta: float | None) -> _Recipe:
     btype, tiny, cap = _LOSSY[dtype]
     if p < tiny:  # Rule 3
         return _Recipe(dtype, _lossless_type(dtype), nv.LOSSLESS, None)
+    if dtype == torch.float16 and p < _FP16_NORMAL:  # Rule 9
+        return _Recipe(torch.float32, nv.FP32, nv.LOSSY_FP_TO_SIGNED, p)
     return _Recipe(dtype, btype, nv.LOSSY_FP_TO_SIGNED, min(p, cap))
 
 
@@ -150,6 +162,22 @@ def _to_bf16(y32: torch.Tensor) -> torch.Tensor:
     nan = torch.isnan(y32)
     top = torch.bitwise_right_shift(y32.view(torch.int32), 16).to(torch.int16)
     return torch.where(nan, top, yb.view(torch.int16)).view(torch.bfloat16)
+
+
+def _to_fp16(y32: torch.Tensor) -> torch.Tensor:
+    """Round fp32 to fp16 (nearest even), keeping NaN bits from the fp32 bits (Rule 9)."""
+    yh = y32.to(torch.float16)
+    nan = torch.isnan(y32)
+    b = y32.view(torch.int32)
+    sign = torch.bitwise_and(torch.bitwise_right_shift(b, 16), 0x8000)
+    mant = torch.bitwise_and(torch.bitwise_right_shift(b, 13), 0x3FF)
+    bits = torch.bitwise_or(torch.bitwise_or(sign, 0x7C00), mant).to(torch.int16)
+    return torch.where(nan, bits, yh.view(torch.int16)).view(torch.float16)
+
+
+def _narrow(y32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """fp32 decoded for a bf16 (Rule 5) or fp16 (Rule 9) tensor, back in ``dtype``."""
+    return _to_bf16(y32) if dtype == torch.bfloat16 else _to_fp16(y32)
 
 
 # -- device plans (Rule 7) ------------------------------------------------------------------
@@ -377,7 +405,7 @@ class Bitcomp(Codec):
             else:
                 self._decompress_host(buf, flat, btype, mode, algo, nbytes)
             if not direct:
-                y = _to_bf16(flat) if work != out.dtype else flat
+                y = _narrow(flat, out.dtype) if work != out.dtype else flat
                 out.copy_(y.view(out.shape))
         return out
 
