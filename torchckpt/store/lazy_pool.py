@@ -50,8 +50,9 @@ several times slower (Rule 8).
 # NOTE [ Lazy pool strategy model ]
 # ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
 # bandwidths measured once per process and device (``measure_link``, 16 MiB copies, ~tens of ms,
-# run in a background thread so that creating the pool stays instant; the pool runs
-# "concurrent" until the model has spoken):
+# run in a background thread once the pool's first chunk is registered, so that neither creating
+# the pool nor its first pinned copy waits for it; the pool runs "concurrent" until the model has
+# spoken):
 #   b_pin       pinned D2H into a registered chunk, link otherwise idle
 #   b_pin_busy  the same while another thread touches fresh pages (touching competes with the
 #               copy for memory bandwidth and the page-table lock)
@@ -74,6 +75,7 @@ import atexit
 import dataclasses
 import os
 import threading
+import time
 import warnings
 import weakref
 from typing import Any
@@ -491,6 +493,17 @@ class LazyHostPool(HostPool):
 
     # -- the strategy model ----------------------------------------------------------------
     def _auto(self) -> None:
+        # Measure only once the first chunk is registered (or 2 s passed): the measurement
+        # registers, touches and copies too, and would compete with the first pinned copy.
+        # Polled, so that a close() meanwhile ends the wait at once.
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            native = self._native
+            if native is None or self._closed:
+                return
+            if native.state(0) >= REGISTERED or native.done():
+                break
+            time.sleep(0.002)
         try:
             prof = measure_link(self.device_index)
         except Exception as e:  # the pool works with either strategy: keep "concurrent"
