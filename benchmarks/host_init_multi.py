@@ -84,8 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--approaches", default="chunked,whole")
     ap.add_argument("--modes", default="serialized,parallel")
     ap.add_argument("--warmup", action="store_true",
-                    help="first run one untimed group (chunked, parallel): the first touch of a fresh machine's memory "
-                         "is several times slower (measured on 2 x H200) and would bias whichever group runs first")
+                    help="first run one untimed group (chunked, parallel): the first touch of memory a virtual machine "
+                         "has not backed yet is several times slower (measured on 2 x H200) and would bias whichever "
+                         "group runs first")
     ap.add_argument("--reps", type=int, default=1,
                     help="repeat every group; odd repetitions run the modes in reverse order (no order bias)")
     ap.add_argument("--tag", default="run")

@@ -30,6 +30,8 @@ else
   echo "pip install failed: using PYTHONPATH=."
   export PYTHONPATH=".${PYTHONPATH:+:$PYTHONPATH}"
 fi
+echo "== what torchckpt can use here"
+python3 -m torchckpt env 2>&1 | tee "$OUT/env.log" || true
 
 TEST_RC=skipped
 if [[ $PART == all || $PART == tests ]]; then

@@ -8,11 +8,12 @@ import sys
 import pytest
 
 from torchckpt.__main__ import main as cli
-from torchckpt.env import _sys_choice, report
+from torchckpt.env import _sys_choice, balloon_reporting, report
 
 NAMES = [
     "torchckpt", "CUDA", "native extension torchckpt._C", "lazily pinned host pool", "stores' default host pool",
-    "node registration lock", "transparent huge pages", "locked-memory limit", "available host memory",
+    "node registration lock", "transparent huge pages", "locked-memory limit", "freed memory returned to the VM host",
+    "available host memory",
     "VMM device arena", "TritonQuant GPU kernels", "Bitcomp (nvCOMP)", "ZFP (cuZFP)",
 ]
 
@@ -65,3 +66,23 @@ def test_module_runs_as_a_command() -> None:
     r = subprocess.run([sys.executable, "-m", "torchckpt", "env"], capture_output=True, text=True, timeout=120, check=False)
     assert r.returncode == 0, r.stderr
     assert r.stdout.splitlines()[0].startswith("torchckpt")
+
+
+def test_balloon_reporting_reads_the_virtio_feature_bits(tmp_path: object) -> None:
+    root = str(tmp_path)
+
+    def dev(name: str, device: str, features: str) -> None:
+        os.makedirs(os.path.join(root, name))
+        with open(os.path.join(root, name, "device"), "w") as f:
+            f.write(device + "\n")
+        with open(os.path.join(root, name, "features"), "w") as f:
+            f.write(features + "\n")
+
+    assert balloon_reporting(os.path.join(root, "missing")) is None
+    dev("virtio0", "0x0002", "0010001001100100")  # a block device
+    assert balloon_reporting(root) is None
+    dev("virtio1", "0x0005", "0110010100000000")  # balloon, bit 5 (free page reporting) set
+    assert balloon_reporting(root) is True
+    with open(os.path.join(root, "virtio1", "features"), "w") as f:
+        f.write("0110000100000000\n")
+    assert balloon_reporting(root) is False

@@ -46,6 +46,29 @@ def _sys_choice(path: str) -> str:
     return text
 
 
+def balloon_reporting(root: str = "/sys/bus/virtio/devices") -> bool | None:
+    """Whether a virtio balloon reports free pages to the host (``None``: no balloon seen).
+
+    Where it does, memory a process frees goes back to the host after a few seconds, and the
+    next first touch of it faults the host in again (NOTE [ Lazy host pool ], Rule 8).
+    """
+    try:
+        names = sorted(os.listdir(root))
+    except OSError:
+        return None
+    for name in names:
+        try:
+            with open(os.path.join(root, name, "device")) as f:
+                if int(f.read().strip(), 16) != 5:  # VIRTIO_ID_BALLOON
+                    continue
+            with open(os.path.join(root, name, "features")) as f:
+                bits = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        return len(bits) > 5 and bits[5] == "1"  # VIRTIO_BALLOON_F_REPORTING
+    return None
+
+
 def _memlock() -> str:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
     return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / (1 << 20):.0f} MiB"
@@ -96,8 +119,13 @@ def report() -> list[Line]:
     thp = _sys_choice("/sys/kernel/mm/transparent_hugepage/enabled")
     out.append(Line("transparent huge pages", f"{thp}, defrag {_sys_choice('/sys/kernel/mm/transparent_hugepage/defrag')}",
                     "" if thp in ("always", "madvise") else
-                    "the host pool touches and registers several times slower with 4 KiB pages"))
+                    "without huge pages the host pool registers several times slower"))
     out.append(Line("locked-memory limit", _memlock()))
+    rep = balloon_reporting()
+    out.append(Line("freed memory returned to the VM host", {None: "no virtio balloon seen", False: "no",
+                                                             True: "yes (virtio-balloon free page reporting)"}[rep],
+                    "a pool made a few seconds after memory was freed touches several times slower; keep pools "
+                    "alive rather than re-creating them" if rep else ""))
     out.append(Line("available host memory", f"{available_memory_bytes() / (1 << 30):.1f} GiB"))
     arena = device_arena.unavailable_reason() if cuda else "no CUDA device"
     out.append(Line("VMM device arena", "available" if arena is None else f"not available ({arena})"))

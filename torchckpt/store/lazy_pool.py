@@ -12,9 +12,9 @@ Known gaps (measured on an H100, benchmarks/host_init.py, docs/results/host_init
 with 1 GiB chunks the application's own checkpoint blocking (0.9-1.2 s for a 32 GiB pool)
 is about the worker's total ``cudaHostRegister`` time (1.2 s), although almost every flush
 went to pinned memory: registration seems to hold up the host's CUDA calls. Smaller chunks
-made it worse (128-256 MiB: 2.6-2.8 s), so the default chunk is 1 GiB. A pool made right
-after a large pinned allocation was freed, or first on a fresh machine, touched and registered
-several times slower (Rule 8).
+made it worse (128-256 MiB: 2.6-2.8 s), so the default chunk is 1 GiB. On a virtual machine
+that hands freed memory back to its host, a pool's first touch costs several times more
+(Rule 8).
 
 # NOTE [ Lazy host pool ]
 # 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there):
@@ -42,10 +42,13 @@ several times slower (Rule 8).
 #    still held by the caller never points at unmapped memory.
 # 7. The stores report every copy to or from the pool (``note_copy``); while the worker runs the
 #    sequential strategy, each one is tracked (``track_copy``) so that touching pauses for it.
-# 8. ``MADV_HUGEPAGE`` is advice. On an H100 machine a pool created right after 32 GiB of
-#    ``cudaHostAlloc`` was freed (or the first on a fresh machine) touched and registered at
-#    2.8 GB/s instead of 13 and 24 GB/s, 14 s for 32 GiB: the cost of 4 KiB pages. The stats
-#    report ``huge_page_bytes`` (from /proc/self/smaps) so that such runs can be told apart.
+# 8. First touch can cost far more than the touch itself. On a virtual machine with free page
+#    reporting (virtio-balloon), memory freed a few seconds ago has gone back to the host and
+#    is faulted in again: on the H100 machine a pool made after 32 GiB of ``cudaHostAlloc`` was
+#    freed touched at 2.8 GB/s instead of 13 (14 s for 32 GiB); on the CPU machine a 4 GiB pool
+#    touched at 8.5 GiB/s right after another was closed and 0.39 GiB/s after 15 s idle, with
+#    huge pages in every case. The stats report ``huge_page_bytes`` (from /proc/self/smaps) so
+#    that huge-page fallback and first-touch cost can be told apart.
 #
 # NOTE [ Lazy pool strategy model ]
 # ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
@@ -277,9 +280,8 @@ class LazyPoolStats:
 def huge_page_bytes(base: int, nbytes: int, smaps: str = "/proc/self/smaps") -> int | None:
     """Bytes of the mapping ``[base, base + nbytes)`` that the kernel backs with transparent huge pages.
 
-    ``MADV_HUGEPAGE`` is only advice: with fragmented memory the kernel falls back to 4 KiB
-    pages, and then touching and registering the pool cost several times more (NOTE [ Lazy host
-    pool ], Rule 8). Sums ``AnonHugePages`` of the mappings in ``/proc/self/smaps`` that lie in
+    ``MADV_HUGEPAGE`` is only advice: the kernel may back the pool with 4 KiB pages, and then
+    registering it costs several times more (NOTE [ Lazy host pool ], Rule 8). Sums ``AnonHugePages`` of the mappings in ``/proc/self/smaps`` that lie in
     the range; ``None`` where that file cannot be read (not Linux).
 
     Example::
