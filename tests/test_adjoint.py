@@ -511,3 +511,26 @@ def test_run_schedule_unknown_action() -> None:
     rec = Recurrence()
     with pytest.raises(TypeError, match="^torchckpt: unknown schedule action"):
         rec.run([Save(0), "Advance(0, 1)"], store=SnapshotStore("cpu", slots=2, host=small_pool()), prefetch=False)
+
+
+def test_run_schedule_without_a_store_reuses_one_host_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    """run_schedule given no store takes the process's shared pool (shared_host_pool) instead of
+    touching and registering new host memory every call; TORCHCKPT_SHARED_POOL=0 gives each call
+    its own. (checkpointed_loop without a store uses default_store's pool, shared already.)"""
+    from torchckpt import adjoint as adj
+    from torchckpt.store.lazy_pool import release_shared_host_pools, shared_host_pool
+
+    release_shared_host_pools()
+    cpu = torch.device("cpu")
+    a, b = adj._new_snapshot_store(None, cpu, 2), adj._new_snapshot_store(None, cpu, 2)
+    assert a.host is b.host is shared_host_pool(pin=False)
+    a.close()
+    b.close()
+    monkeypatch.setenv("TORCHCKPT_SHARED_POOL", "0")
+    c = adj._new_snapshot_store(None, cpu, 2)
+    assert c.host is not shared_host_pool(pin=False)
+    c.close()
+    monkeypatch.delenv("TORCHCKPT_SHARED_POOL")
+    pool = shared_host_pool(pin=False)
+    release_shared_host_pools()
+    assert shared_host_pool(pin=False) is not pool

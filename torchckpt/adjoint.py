@@ -45,7 +45,7 @@ from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
 from torchckpt.store.blob import Blob
 from torchckpt.store.host_pool import HostPool  # noqa: F401  (run_schedule's docstring example uses it)
-from torchckpt.store.lazy_pool import make_host_pool
+from torchckpt.store.lazy_pool import shared_host_pool
 from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 
 __all__ = ["checkpointed_loop", "run_schedule", "auto_schedule"]
@@ -229,7 +229,7 @@ def run_schedule(
 
 
 def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -> SnapshotStore:
-    host = store.host if isinstance(store, Store) else make_host_pool(pin=device.type == "cuda")
+    host = store.host if isinstance(store, Store) else shared_host_pool(pin=device.type == "cuda", device=device)
     dev = store.device if isinstance(store, Store) else device
     codec = store.codec if isinstance(store, Store) else None
     return SnapshotStore(dev, slots=slots, host=host, codec=codec)

@@ -740,6 +740,52 @@ def node_lock_default() -> bool:
     return os.environ.get("TORCHCKPT_NODE_LOCK", "1") != "0"
 
 
+_shared_pools: dict[tuple[bool, int], HostPool] = {}
+_shared_lock = threading.Lock()
+
+
+def shared_host_pool(pin: bool | None = None, device: int | torch.device | None = None) -> HostPool:
+    """The process's host pool for ``run_schedule`` given no store: made once, then reused.
+
+    ``run_schedule`` called without a store used to make a new pool per call, so an adjoint
+    run once per shot or per optimization step touched and registered its host memory every
+    time (and, on a virtual machine that takes freed memory back, paid the first touch again:
+    NOTE [ Lazy host pool ], Rule 8). ``checkpointed_loop`` without a store already used
+    ``default_store``'s pool, which lives as long as the process. Like PyTorch's own pinned
+    memory cache, this pool keeps what it has pinned until the process ends or
+    :func:`release_shared_host_pools`.
+    ``TORCHCKPT_SHARED_POOL=0`` makes a new pool per call again.
+
+    Args:
+        pin: pin host memory (``None``: when CUDA is available).
+        device: the CUDA device whose context registers the pool (``None``: the current one).
+
+    Returns:
+        The shared pool for ``(pin, device)`` (``make_host_pool``'s kind).
+
+    Example::
+
+        >>> shared_host_pool(pin=False) is shared_host_pool(pin=False)
+        True
+    """
+    if pin is None:
+        pin = torch.cuda.is_available()
+    if os.environ.get("TORCHCKPT_SHARED_POOL", "1") == "0":
+        return make_host_pool(pin=pin)
+    key = (bool(pin), _device_index(device) if pin and torch.cuda.is_available() else -1)
+    with _shared_lock:
+        pool = _shared_pools.get(key)
+        if pool is None:
+            pool = _shared_pools[key] = make_host_pool(pin=pin, device=device) if pin else make_host_pool(pin=False)
+        return pool
+
+
+def release_shared_host_pools() -> None:
+    """Drop the shared pools: their memory goes once no block of them is held any more."""
+    with _shared_lock:
+        _shared_pools.clear()
+
+
 def make_host_pool(
     pin: bool | None = None,
     *,
