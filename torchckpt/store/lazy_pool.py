@@ -468,6 +468,7 @@ class LazyHostPool(HostPool):
         self._closed = False
         self._tracking_over = False  # note_copy: the worker is done, no copy needs tracking
         start = "concurrent" if strategy == "auto" else strategy
+        self._sequential = start == "sequential"  # the strategy the worker runs, as Python set it
         limit = -1 if ahead_bytes is None else first_chunk_bytes + ahead_bytes
         self._native = native(
             capacity_bytes, self.chunk_bytes, self.first_chunk_bytes, start, register_mode, bool(node_lock),
@@ -518,10 +519,12 @@ class LazyHostPool(HostPool):
         self.profile = prof
         native = self._native
         if native is not None and not self._closed:
+            chosen = choose_strategy(prof, self.write_rate)
             try:
-                native.set_strategy(choose_strategy(prof, self.write_rate))
+                native.set_strategy(chosen)
             except RuntimeError:
-                pass  # closed meanwhile
+                return  # closed meanwhile
+            self._sequential = chosen == "sequential"
 
     # -- HostPool interface ----------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock:
@@ -631,15 +634,15 @@ class LazyHostPool(HostPool):
         """Track a copy just issued on ``stream`` while the sequential strategy needs it (Rule 7).
 
         The stores call this after every copy to or from the pool. Tracking costs a host
-        function on the stream, so it happens only while the worker runs "sequential"; once the
-        worker is done this is one attribute test.
+        function on the stream, so it happens only while the worker runs "sequential"; under
+        any other strategy, or once the worker is done, this is an attribute test.
         """
         native = self._native
-        if native is None or self._tracking_over:
-            return
+        if not self._sequential or native is None or self._tracking_over:
+            return  # no native call: this runs for every copy a store makes
         if native.done():
             self._tracking_over = True
-        elif native.strategy() == "sequential":
+        else:
             native.track_copy(int(stream.cuda_stream))
 
     def begin_copy(self) -> None:
