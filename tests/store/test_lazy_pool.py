@@ -407,3 +407,53 @@ def test_stats_report_huge_page_backing() -> None:
     if os.path.exists("/proc/self/smaps"):
         assert s.huge_page_bytes is not None and 0 <= s.huge_page_bytes <= p.capacity_bytes
     p.close()
+
+
+class _Recorder:
+    """Stands in for the native pool: forwards every call and records its name."""
+
+    def __init__(self, native: object) -> None:
+        self._native = native
+        self.calls: list[str] = []
+
+    def __getattr__(self, name: str) -> object:
+        attr = getattr(self._native, name)
+        if not callable(attr):
+            return attr
+
+        def call(*a: object) -> object:
+            self.calls.append(name)
+            return attr(*a)
+
+        return call
+
+
+class _Stream:
+    cuda_stream = 0
+
+
+@native
+@pytest.mark.parametrize("strategy", ["sequential", "concurrent"])
+def test_note_copy_tracks_only_under_sequential_and_only_until_done(strategy: str) -> None:
+    """Rule 7: the stores' per-copy report costs no native call unless the worker runs sequential."""
+    p = make(capacity=8 * MiB, chunk=4 * MiB, first=4 * MiB, strategy=strategy, ahead_bytes=0)
+    real = p._native
+    rec = _Recorder(real)
+    p._native = rec  # type: ignore[assignment]
+    try:
+        p.note_copy(_Stream())
+        if strategy == "sequential":
+            assert rec.calls == ["done", "track_copy"]
+        else:
+            assert rec.calls == []
+        p._native = real
+        p.alloc(3 * MiB), p.alloc(3 * MiB)  # blocks in both chunks: the worker may now finish the pool
+        assert p.wait_ready(timeout=30)
+        p._native = rec  # type: ignore[assignment]
+        rec.calls.clear()
+        p.note_copy(_Stream())
+        p.note_copy(_Stream())
+        assert rec.calls == (["done"] if strategy == "sequential" else [])  # done: tracking stops
+    finally:
+        p._native = real
+        p.close()
