@@ -457,3 +457,20 @@ def test_note_copy_tracks_only_under_sequential_and_only_until_done(strategy: st
     finally:
         p._native = real
         p.close()
+
+
+@native
+def test_unopenable_node_lock_warns_with_lock_advice(tmp_path: object) -> None:
+    """A lock file that cannot be opened leaves registrations unserialized, and the warning says
+    how to fix the lock (not the locked-memory limit)."""
+    p = make(capacity=8 * MiB, chunk=4 * MiB, first=MiB, node_lock=True,
+             lock_path=os.path.join(str(tmp_path), "missing-dir", "reg.lock"))
+    assert p.wait_ready(timeout=30)
+    assert p.chunk_states() == [REGISTERED] * len(p.chunk_bounds())  # still pinned, only not serialized
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        p.alloc(MiB)
+    msgs = [str(x.message) for x in w if issubclass(x.category, RuntimeWarning)]
+    assert len(msgs) == 1 and "node registration lock" in msgs[0] and "TORCHCKPT_REGISTER_LOCK" in msgs[0]
+    assert "RLIMIT_MEMLOCK" not in msgs[0]
+    p.close()

@@ -712,12 +712,13 @@ class LazyHostPool(HostPool):
         errs = list(self._native.errors())
         if errs:
             self._warned_errors = True
-            warnings.warn(
-                f"torchckpt: LazyHostPool: {errs[0]}. Copies into those chunks use pageable memory (slower, same "
-                "results). Raise the locked-memory limit (`ulimit -l`, RLIMIT_MEMLOCK) or use a smaller pool.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            if "node registration lock" in errs[0]:  # the pool pins as usual, only unserialized
+                advice = ("Set TORCHCKPT_REGISTER_LOCK to a file every process of this node can write, or "
+                          "TORCHCKPT_NODE_LOCK=0 (node_lock=False) to register without the lock.")
+            else:
+                advice = ("Copies into those chunks use pageable memory (slower, same results). Raise the "
+                          "locked-memory limit (`ulimit -l`, RLIMIT_MEMLOCK) or use a smaller pool.")
+            warnings.warn(f"torchckpt: LazyHostPool: {errs[0]}. {advice}", RuntimeWarning, stacklevel=3)
 
 
 def default_pool_kind(pin: bool) -> str:
