@@ -406,6 +406,7 @@ def test_stats_report_huge_page_backing() -> None:
     s = p.lazy_stats()
     if os.path.exists("/proc/self/smaps"):
         assert s.huge_page_bytes is not None and 0 <= s.huge_page_bytes <= p.capacity_bytes
+    assert p.lazy_stats(huge_pages=False).huge_page_bytes is None
     p.close()
 
 

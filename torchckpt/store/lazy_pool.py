@@ -660,8 +660,13 @@ class LazyHostPool(HostPool):
         """The strategy the worker runs now (``"auto"`` resolves to one of the others)."""
         return str(self._native.strategy()) if self._native is not None else self.requested_strategy
 
-    def lazy_stats(self) -> LazyPoolStats:
-        """Progress of the background worker."""
+    def lazy_stats(self, huge_pages: bool = True) -> LazyPoolStats:
+        """Progress of the background worker.
+
+        Args:
+            huge_pages: also read ``huge_page_bytes`` from /proc/self/smaps (tens of
+                milliseconds in a large process; ``False`` leaves it ``None``).
+        """
         native = self._native
         if native is None:
             raise CheckpointError("torchckpt: LazyHostPool.lazy_stats() after close().")
@@ -687,7 +692,8 @@ class LazyHostPool(HostPool):
             all_registered_s=max(reg_t) / 1e3 if done and reg_t else None,
             huge_pages=bool(native.huge_pages()),
             errors=tuple(native.errors()),
-            huge_page_bytes=huge_page_bytes(self._base.data_ptr(), self.capacity_bytes) if self._base is not None else None,
+            huge_page_bytes=(huge_page_bytes(self._base.data_ptr(), self.capacity_bytes)
+                             if huge_pages and self._base is not None else None),
         )
 
     # -- internals -------------------------------------------------------------------------
