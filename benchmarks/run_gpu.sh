@@ -89,6 +89,7 @@ if [[ $PART == all || $PART == memory ]]; then
   run_part host_init_orderB benchmarks/host_init.py --intervals 5,20 --no-first-pinned \
     --approaches direct_pin,whole,chunked --tag orderB
   run_part device_cache_init benchmarks/device_cache_init.py
+  run_part first_touch benchmarks/first_touch.py --size 4G --idle 15 --tag gpu
 fi
 
 echo "== summary: adjoint exit code $ADJ_RC; gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"

@@ -46,9 +46,9 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 #    reporting (virtio-balloon), memory freed a few seconds ago has gone back to the host and
 #    is faulted in again: on the H100 machine a pool made after 32 GiB of ``cudaHostAlloc`` was
 #    freed touched at 2.8 GB/s instead of 13 (14 s for 32 GiB); on the CPU machine a 4 GiB pool
-#    touched at 8.5 GiB/s right after another was closed and 0.39 GiB/s after 15 s idle, with
-#    huge pages in every case. The stats report ``huge_page_bytes`` (from /proc/self/smaps) so
-#    that huge-page fallback and first-touch cost can be told apart.
+#    touched at 8.46 GiB/s right after another was closed and 0.35 GiB/s after 15 s idle, with
+#    huge pages in every case (benchmarks/first_touch.py). The stats report ``huge_page_bytes``
+#    (from /proc/self/smaps) so that huge-page fallback and first-touch cost can be told apart.
 #
 # NOTE [ Lazy pool strategy model ]
 # ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
