@@ -58,7 +58,7 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import fmt, out_dir, print_table, write_json  # noqa: E402
+from common import fmt, out_dir, print_table, pyplot, save_figure, write_json  # noqa: E402
 
 
 def _load_bench_codecs() -> Any:
@@ -327,13 +327,8 @@ def main() -> None:
 
 def plot(path: str, wave_rows: list[dict[str, Any]], gpt_summary: list[dict[str, Any]], title: str) -> None:
     """Ratio (log x) against PSNR and SSIM per codec setting: wave snapshots (one marker per step) and GPT."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not importable: skipping {path}", flush=True)
+    plt = pyplot(path)
+    if plt is None:
         return
     labels = list(dict.fromkeys([r["codec"] for r in wave_rows] + [g["codec"] for g in gpt_summary]))
     colors = {c: plt.get_cmap("tab20")((2 * i) % 20 + (2 * i) // 20 % 2) for i, c in enumerate(labels)}  # dark shades first
@@ -369,10 +364,7 @@ def plot(path: str, wave_rows: list[dict[str, Any]], gpt_summary: list[dict[str,
     if gpt_summary:
         ax.legend(fontsize=6)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, path, dpi=110)
 
 
 if __name__ == "__main__":

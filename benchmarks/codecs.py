@@ -52,7 +52,7 @@ sys.path.insert(2, os.path.join(ROOT, "examples"))  # wave.py
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from common import Clock, fmt, median, out_dir, pinned_bandwidth, print_table, write_json  # noqa: E402
+from common import Clock, fmt, median, out_dir, pinned_bandwidth, print_table, pyplot, save_figure, write_json  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 DX = 10.0  # m, as in examples/adjoint_wave.py
@@ -324,13 +324,8 @@ def measure(s: Setting, data: str, dname: str, x: torch.Tensor, clock: Clock, ar
 
 def plot(path: str, rows: list[dict[str, Any]], link: tuple[float, float] | None, title: str) -> None:
     """Per input: compress GB/s, decompress GB/s (log, the link and 10x the link dashed) and ratio; bars per dtype."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not importable: skipping {path}", flush=True)
+    plt = pyplot(path)
+    if plt is None:
         return
     ok = [r for r in rows if r.get("status") == "ok"]
     datas = list(dict.fromkeys(r["data"] for r in ok))
@@ -358,10 +353,7 @@ def plot(path: str, rows: list[dict[str, Any]], link: tuple[float, float] | None
             ax.set_title(f"{data}: {name}", fontsize=10)
             ax.legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, path, dpi=110)
 
 
 def fmt_gbs(v: float) -> str:

@@ -119,8 +119,8 @@ def write_json(path: str, obj: Any) -> None:
     print(f"wrote {path}", flush=True)
 
 
-def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float]], title: str) -> None:
-    """One bar chart per panel (NaN bars drawn empty); skipped with a message without matplotlib."""
+def pyplot(path: str) -> Any:
+    """``matplotlib.pyplot`` on the Agg backend; ``None``, with a message, when matplotlib is missing."""
     try:
         import matplotlib
 
@@ -128,6 +128,24 @@ def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float
         import matplotlib.pyplot as plt
     except ImportError:
         print(f"matplotlib not importable: skipping {path}", flush=True)
+        return None
+    return plt
+
+
+def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
+    """Lay out, write and close ``fig``."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    print(f"wrote {path}", flush=True)
+
+
+def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float]], title: str) -> None:
+    """One bar chart per panel (NaN bars drawn empty); skipped with a message without matplotlib."""
+    plt = pyplot(path)
+    if plt is None:
         return
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4), squeeze=False)
     for ax, (name, vals) in zip(axes[0], panels.items()):
@@ -137,7 +155,4 @@ def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float
         ax.set_xticks(range(len(labels)), labels, rotation=30, ha="right")
         ax.set_title(name)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, path)

@@ -46,7 +46,7 @@ sys.path.insert(1, ROOT)
 
 import torch  # noqa: E402
 
-from common import GiB, fmt, fmt_bytes, median, out_dir, parse_bytes, print_table, write_json  # noqa: E402
+from common import GiB, fmt, fmt_bytes, median, out_dir, parse_bytes, print_table, pyplot, save_figure, write_json  # noqa: E402
 
 METHODS = ("cudaMalloc", "vmm", "vmm_sync")
 
@@ -175,13 +175,8 @@ def summarize(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not importable: skipping {path}", flush=True)
+    plt = pyplot(path)
+    if plt is None:
         return
     configs = sorted({(r["procs"], r["per_gpu"]) for r in rows})
     fig, axes = plt.subplots(1, len(configs), figsize=(6 * len(configs), 4.2), squeeze=False)
@@ -207,10 +202,7 @@ def plot(path: str, rows: list[dict[str, Any]], title: str) -> None:
         ax.set_title(f"{procs} process(es) at once, {per_gpu} per GPU")
         ax.legend(fontsize=7)
     fig.suptitle(textwrap.fill(title, 60 * len(configs)), fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}", flush=True)
+    save_figure(fig, path)
 
 
 def main() -> int:

@@ -61,7 +61,7 @@ sys.path.insert(1, ROOT)  # the repo, when torchckpt is not installed
 
 import torch  # noqa: E402
 
-from common import GiB, fmt, out_dir, parse_bytes, print_table, write_json  # noqa: E402
+from common import GiB, fmt, out_dir, parse_bytes, print_table, pyplot, save_figure, write_json  # noqa: E402
 from torchckpt._ext import host_pool_can_register, touch_pages  # noqa: E402
 from torchckpt.store.lazy_pool import LazyHostPool  # noqa: E402
 
@@ -530,13 +530,8 @@ def report(results: list[dict[str, Any]], meta: dict[str, Any], out: str, tag: s
 
 
 def plot(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"matplotlib not importable: skipping {path}")
+    plt = pyplot(path)
+    if plt is None:
         return
     ivs = sorted({r["interval_ms"] for r in results})
     names = list(dict.fromkeys(r["approach"] for r in results))
@@ -557,10 +552,7 @@ def plot(results: list[dict[str, Any]], meta: dict[str, Any], path: str) -> None
     axes[2].legend(fontsize=8, loc="upper right", ncol=2)
     fig.suptitle(f"{meta.get('gpu', '')}: {meta['count']} x {meta['ckpt'] >> 20} MiB checkpoints, "
                  f"{meta['slots']}-slot GPU cache", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def merge(paths: list[str], out: str, tag: str) -> None:

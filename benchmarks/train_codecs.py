@@ -29,7 +29,7 @@ import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 import torchckpt  # noqa: E402
-from common import GiB, fmt, out_dir, parse_bytes, pinned_bandwidth, print_table, write_json  # noqa: E402
+from common import GiB, fmt, out_dir, parse_bytes, pinned_bandwidth, print_table, pyplot, save_figure, write_json  # noqa: E402
 from torchckpt.codecs import TritonQuant  # noqa: E402
 from train_step import Bench, Block  # noqa: E402
 
@@ -103,13 +103,8 @@ def train_loss(codec, args, cuda: bool, data: list[torch.Tensor]) -> list[float]
 
 def plot(res: dict, path: str) -> None:
     """Step times, loss curves, and each lossy curve's difference to the lossless one."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot(path)
+    if plt is None:
         return
     runs, curves = res["speed"], res["loss"]["curves"]
     fig, ax = plt.subplots(1, 3, figsize=(15, 4))
@@ -133,10 +128,7 @@ def plot(res: dict, path: str) -> None:
     ax[2].set_ylabel("loss difference")
     ax[2].legend()
     ax[2].set_title("difference to lossless (same init, same batches)", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 def main() -> int:
