@@ -136,3 +136,18 @@ class Echo(torch.autograd.Function):
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
         (a,) = ctx.saved_tensors
         return a.clone(), None
+
+
+class FakeEvent:
+    """Stands in for a CUDA event: done once ``done`` is set; synchronize() completes it."""
+
+    def __init__(self) -> None:
+        self.done = False
+        self.syncs = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.syncs += 1
+        self.done = True

@@ -12,6 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bitcomp_checks import INT_VIEW, LOSSLESS_DTYPES, LOSSY, bits, check_bound, sample
 from torchckpt._errors import CheckpointError
 from torchckpt.codecs import Guarantee, Identity, Packed, TritonQuant
 from torchckpt.codecs import _nvcomp as nv
@@ -21,30 +22,6 @@ from torchckpt.codecs.bitcomp import Bitcomp
 
 needs_nvcomp = pytest.mark.skipif(nv.unavailable_reason() is not None,
                                   reason=f"needs nvCOMP: {nv.unavailable_reason()}")
-
-LOSSY = [torch.float16, torch.float32, torch.float64, torch.bfloat16]
-INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64, 16: torch.int64}
-
-
-def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as integers (NaN-safe equality)."""
-    return t.contiguous().reshape(-1).view(torch.uint8)
-
-
-def check_bound(c: Bitcomp, x: torch.Tensor, y: torch.Tensor) -> None:
-    """NOTE [ Bitcomp ] Rules 3-5: finite elements within the guarantee, NaN and Inf bit-exact."""
-    assert y.shape == x.shape and y.dtype == x.dtype
-    bound = c.guarantee.bound
-    assert bound is not None
-    xf, yf = x.contiguous().reshape(-1), y.contiguous().reshape(-1)
-    fin = torch.isfinite(xf)
-    ity = INT_VIEW[x.element_size()]
-    assert torch.equal(xf.view(ity)[~fin], yf.view(ity)[~fin]), "NaN or Inf did not come back bit-exact"
-    assert torch.isfinite(yf[fin]).all(), "a finite value came back as NaN or Inf"
-    d = (xf[fin].double() - yf[fin].double()).abs()
-    bad = d > bound
-    assert not bad.any(), (f"bound {bound} broken at {bad.nonzero()[:5].flatten().tolist()}: "
-                           f"x={xf[fin][bad][:5].tolist()}, x'={yf[fin][bad][:5].tolist()}")
 
 
 def roundtrip(c: Bitcomp, x: torch.Tensor) -> Packed:
@@ -58,19 +35,6 @@ def roundtrip(c: Bitcomp, x: torch.Tensor) -> Packed:
 
 
 # -- lossless ------------------------------------------------------------------------------
-LOSSLESS_DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64, torch.int8, torch.int16, torch.int32,
-                   torch.int64, torch.uint8, torch.bool, torch.complex64, torch.complex128, torch.float8_e4m3fn]
-
-
-def sample(dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-    x = torch.randn(shape, dtype=torch.float64) * 100
-    if dtype.is_complex:
-        return torch.complex(x, -x / 3).to(dtype)
-    if dtype == torch.bool:
-        return x > 0
-    return x.to(dtype)
-
-
 @needs_nvcomp
 @pytest.mark.parametrize("dtype", LOSSLESS_DTYPES)
 @pytest.mark.parametrize("shape", [(1000,), (7, 13), (1,), (0, 3), (), (3, 5, 257)])

@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpt_models import FakeEvent
 import torchckpt
 from torchckpt.store.host_pool import ALIGN, HostPool
 
@@ -25,21 +26,6 @@ def check_block(p: HostPool, b: torchckpt.HostBlock, n: int) -> None:
     assert b.offset % ALIGN == 0 and b.nbytes % ALIGN == 0 and b.nbytes >= n
     assert 0 <= b.offset and b.offset + b.nbytes <= c.size  # never straddles chunks
     assert b.tensor.data_ptr() == c.buf.data_ptr() + b.offset
-
-
-class FakeEvent:
-    """Stands in for a CUDA event: done once ``done`` is set; synchronize() completes it."""
-
-    def __init__(self) -> None:
-        self.done = False
-        self.syncs = 0
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.syncs += 1
-        self.done = True
 
 
 @settings(max_examples=100, deadline=None)

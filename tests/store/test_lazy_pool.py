@@ -13,6 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ckpt_models import FakeEvent
 import torchckpt.store.lazy_pool as lp
 import torchckpt.store.node_lock as nl
 from torchckpt._errors import CheckpointError
@@ -46,19 +47,6 @@ def wait_until(cond, timeout: float = 10.0) -> bool:  # type: ignore[no-untyped-
             return True
         time.sleep(0.005)
     return bool(cond())
-
-
-class FakeEvent:
-    def __init__(self) -> None:
-        self.done = False
-        self.syncs = 0
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        self.syncs += 1
-        self.done = True
 
 
 # -- runs everywhere ---------------------------------------------------------------------
