@@ -306,7 +306,6 @@ class NativeHostPool : public torch::CustomClassHolder {
     }
     idle_cv_.notify_all();
   }
-  int64_t touch_limit() const { return touch_limit_.load(); }
 
   // Copy tracking for the sequential strategy and for close() (Rule 3).
   void begin_copy() { inflight_.fetch_add(1); }
@@ -738,7 +737,6 @@ TORCH_LIBRARY_FRAGMENT(torchckpt, m) {
       .def("set_strategy", &NativeHostPool::set_strategy)
       .def("strategy", &NativeHostPool::strategy)
       .def("set_touch_limit", &NativeHostPool::set_touch_limit)
-      .def("touch_limit", &NativeHostPool::touch_limit)
       .def("begin_copy", &NativeHostPool::begin_copy)
       .def("end_copy", &NativeHostPool::end_copy)
       .def("track_copy", &NativeHostPool::track_copy)

@@ -156,6 +156,13 @@ def _delta_arg(r: _Recipe) -> Any:
     return _half_bits(r.step) if r.btype == nv.FP16 else r.step
 
 
+def _trimmed(scratch: torch.Tensor, n: int) -> torch.Tensor:
+    """The first ``n`` bytes of the worst-case buffer, in a buffer of their own (Rule 6)."""
+    if not 0 < n <= scratch.numel():
+        raise internal_error(f"Bitcomp reported a compressed size of {n} bytes for a buffer of {scratch.numel()}")
+    return scratch[:n].clone()
+
+
 def _to_bf16(y32: torch.Tensor) -> torch.Tensor:
     """Round fp32 to bf16 (nearest even), keeping NaN bits from the fp32 bits (Rule 5)."""
     yb = y32.to(torch.bfloat16)
@@ -358,10 +365,7 @@ class Bitcomp(Codec):
                 nv.check(lib.bitcompGetCompressedSizeAsync(scratch.data_ptr(), size.data_ptr(),
                                                            ctypes.c_void_p(s.cuda_stream)),
                          "bitcompGetCompressedSizeAsync")
-            n = int(size.item())  # synchronizes this stream only: Rule 6
-            if not 0 < n <= scratch.numel():
-                raise internal_error(f"Bitcomp reported a compressed size of {n} bytes for a buffer of {scratch.numel()}")
-            return scratch[:n].clone()
+            return _trimmed(scratch, int(size.item()))  # .item() synchronizes this stream only: Rule 6
 
     def _compress_host(self, src: torch.Tensor, r: _Recipe, nbytes: int) -> torch.Tensor:
         lib = nv.library()
@@ -375,10 +379,7 @@ class Bitcomp(Codec):
             nv.check(rc, "Bitcomp host compression")
         size = ctypes.c_size_t()
         nv.check(lib.bitcompGetCompressedSize(scratch.data_ptr(), ctypes.byref(size)), "bitcompGetCompressedSize")
-        n = int(size.value)
-        if not 0 < n <= scratch.numel():
-            raise internal_error(f"Bitcomp reported a compressed size of {n} bytes for a buffer of {scratch.numel()}")
-        return scratch[:n].clone()
+        return _trimmed(scratch, int(size.value))
 
     def decompress(self, p: Packed, out: torch.Tensor | None = None,
                    stream: torch.cuda.Stream | None = None) -> torch.Tensor:

@@ -187,20 +187,7 @@ class HostPool:
             raise ValueError(f"torchckpt: HostPool.alloc needs a positive size, got {nbytes}.")
         need = _round_up(nbytes, ALIGN)
         with self._lock:
-            self._reclaim(block=False)
-            hit = self._take(need)
-            while hit is None and self._parked and sum(b.nbytes for b, _ in self._parked) >= need:
-                blk, ev = self._parked.pop(0)  # Rule 3: wait for the oldest, then try again
-                ev.synchronize()
-                self._release(blk)
-                hit = self._take(need)
-            if hit is None and self._reserved + self._grow_size(need) <= self.capacity_bytes:
-                self._grow(need)
-                hit = self._take(need)
-            if hit is None and self._parked:
-                # At the cap: wait for parked blocks rather than go pageable (Rule 3).
-                self._reclaim(block=True)
-                hit = self._take(need)
+            hit = self._place(need)
             if hit is not None:
                 ci, off = hit
                 chunk = self._chunks[ci]
@@ -246,6 +233,25 @@ class HostPool:
             self._in_use = 0
 
     # -- internals ----------------------------------------------------------------------
+    def _place(self, need: int) -> tuple[int, int] | None:
+        """(chunk, offset) of ``need`` free bytes, waiting for parked blocks and growing as Rule 3
+        says; ``None`` when the pool cannot hold it. Called with the lock held."""
+        self._reclaim(block=False)
+        hit = self._take(need)
+        while hit is None and self._parked and sum(b.nbytes for b, _ in self._parked) >= need:
+            blk, ev = self._parked.pop(0)  # Rule 3: wait for the oldest, then try again
+            ev.synchronize()
+            self._release(blk)
+            hit = self._take(need)
+        if hit is None and self._reserved + self._grow_size(need) <= self.capacity_bytes:
+            self._grow(need)
+            hit = self._take(need)
+        if hit is None and self._parked:
+            # At the cap: wait for parked blocks rather than go pageable (Rule 3).
+            self._reclaim(block=True)
+            hit = self._take(need)
+        return hit
+
     def _grow_size(self, need: int) -> int:
         return self.chunk_bytes if need <= self.chunk_bytes else _next_pow2(need)
 

@@ -475,6 +475,8 @@ class LazyHostPool(HostPool):
             lock_path if lock_path is not None else default_lock_path(), dev_index, True, int(touch_threads), True,
             limit, 2000,
         )
+        # The native pool records a lock it could not open as its first error, before any other.
+        self._lock_failed = bool(node_lock) and not self._native.lock_active()
         self._base: torch.Tensor | None = self._native.tensor()
         offsets = list(self._native.chunk_offsets())
         sizes = list(self._native.chunk_sizes())
@@ -540,16 +542,7 @@ class LazyHostPool(HostPool):
                 self._warn(f"a request of {nbytes} bytes exceeds the pool's largest chunk ({self._max_chunk} bytes; "
                            "pass a larger chunk_bytes)")
                 return self._pageable(nbytes)
-            self._reclaim(block=False)
-            hit = self._take(need)
-            while hit is None and self._parked and sum(b.nbytes for b, _ in self._parked) >= need:
-                blk, ev = self._parked.pop(0)  # NOTE [ Host pool ] Rule 3
-                ev.synchronize()
-                self._release(blk)
-                hit = self._take(need)
-            if hit is None and self._parked:
-                self._reclaim(block=True)
-                hit = self._take(need)
+            hit = self._place(need)  # never grows: _grow_size is past the cap
             if hit is None:
                 return self._pageable(nbytes)
             ci, off = hit
@@ -718,7 +711,7 @@ class LazyHostPool(HostPool):
         errs = list(self._native.errors())
         if errs:
             self._warned_errors = True
-            if "node registration lock" in errs[0]:  # the pool pins as usual, only unserialized
+            if self._lock_failed:  # errs[0] is the lock's: the pool pins as usual, only unserialized
                 advice = ("Set TORCHCKPT_REGISTER_LOCK to a file every process of this node can write, or "
                           "TORCHCKPT_NODE_LOCK=0 (node_lock=False) to register without the lock.")
             else:
