@@ -13,9 +13,10 @@ Phases, each ``--reps`` copies of ``--size`` into a pinned buffer (D2H):
   idle       nothing else runs
   register   a thread registers and unregisters ``--chunk``-sized pieces of a touched pageable
              buffer, back to back, for the whole phase
+  register+gap  the same, sleeping ``--gap`` ms after each call (the lock is free in between)
   touch      a thread faults in fresh pageable memory (no CUDA calls), for the whole phase
 
-    python benchmarks/register_stall.py [--size 128M] [--chunk 1G] [--reps 30] [--lead 100] [--out DIR]
+    python benchmarks/register_stall.py [--size 128M] [--chunk 1G] [--reps 30] [--lead 100] [--gap 5] [--out DIR]
 """
 from __future__ import annotations
 
@@ -51,7 +52,7 @@ class Background(threading.Thread):
             self.error = repr(e)
 
 
-def registrar(buf: torch.Tensor, chunk: int) -> Any:
+def registrar(buf: torch.Tensor, chunk: int, gap_ms: float) -> Any:
     rt = torch.cuda.cudart()
 
     def work(stop: threading.Event) -> None:
@@ -64,8 +65,10 @@ def registrar(buf: torch.Tensor, chunk: int) -> Any:
             if int(err) != 0:
                 raise RuntimeError(f"torchckpt: cudaHostRegister returned {err}")
             done.append(off)
+            time.sleep(gap_ms / 1e3)
         for off in done:
             rt.cudaHostUnregister(base + off)
+            time.sleep(gap_ms / 1e3)
     return work
 
 
@@ -132,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--region", type=parse_bytes, default=8 * GiB, help="pageable bytes the registrar cycles over")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--lead", type=float, default=100.0, help="ms of GPU sleep enqueued before each timed copy")
+    ap.add_argument("--gap", type=float, default=5.0, help="ms the register+gap phase sleeps between calls")
     ap.add_argument("--tag", default="h100")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -149,7 +153,8 @@ def main(argv: list[str] | None = None) -> int:
     b.synchronize()
     cycles_per_ms = 20_000_000 / a.elapsed_time(b)
     region = torch.ones(args.region, dtype=torch.uint8)  # touched pageable memory for the registrar
-    phases = {"idle": None, "register": registrar(region, args.chunk), "touch": toucher(4 * GiB)}
+    phases = {"idle": None, "register": registrar(region, args.chunk, 0.0),
+              "register+gap": registrar(region, args.chunk, args.gap), "touch": toucher(4 * GiB)}
     results: dict[str, Any] = {}
     rows = []
     for name, work in phases.items():
