@@ -10,13 +10,15 @@ pinned is held up. This script separates the two places it could be held up:
   do not count (unless one outlasts the lead: then it is reported as such).
 
 Phases, each ``--reps`` copies of ``--size`` into a pinned buffer (D2H):
-  idle       nothing else runs
-  register   a thread registers and unregisters ``--chunk``-sized pieces of a touched pageable
-             buffer, back to back, for the whole phase
-  register+gap  the same, sleeping ``--gap`` ms after each call (the lock is free in between)
-  touch      a thread faults in fresh pageable memory (no CUDA calls), for the whole phase
+  idle              nothing else runs
+  cycle             a thread registers, then unregisters, ``--chunk``-sized pieces of ``--region``
+                    bytes of touched pageable memory, back to back, for the whole phase
+  register sweep    a thread registers the region once, piece after piece (copies counted only
+                    until it is done); what a LazyHostPool's registrar does
+  unregister sweep  a thread unregisters those pieces once (copies counted until it is done)
+  touch             a thread faults in fresh pageable memory (no CUDA calls), for the whole phase
 
-    python benchmarks/register_stall.py [--size 128M] [--chunk 1G] [--reps 30] [--lead 100] [--gap 5] [--out DIR]
+    python benchmarks/register_stall.py [--size 128M] [--chunk 1G] [--reps 30] [--lead 100] [--region 8G] [--out DIR]
 """
 from __future__ import annotations
 
@@ -37,38 +39,45 @@ from common import GiB, out_dir, parse_bytes, print_table, write_json
 
 
 class Background(threading.Thread):
-    """Runs ``work`` in a loop until stopped; counts rounds and keeps the first error."""
+    """Runs ``work`` in a loop until stopped (``once``: a single time); counts rounds, keeps the first error."""
 
-    def __init__(self, work: Any) -> None:
+    def __init__(self, work: Any, once: bool = False) -> None:
         super().__init__(daemon=True)
-        self.work, self.stop, self.rounds, self.error = work, threading.Event(), 0, None
+        self.work, self.once, self.stop, self.done = work, once, threading.Event(), threading.Event()
+        self.rounds, self.error = 0, None
 
     def run(self) -> None:
         try:
             while not self.stop.is_set():
                 self.work(self.stop)
                 self.rounds += 1
+                if self.once:
+                    break
         except RuntimeError as e:  # reported, not swallowed: the phase is then marked invalid
             self.error = repr(e)
+        finally:
+            self.done.set()
 
 
-def registrar(buf: torch.Tensor, chunk: int, gap_ms: float) -> Any:
+def registrar(buf: torch.Tensor, chunk: int, op: str = "cycle") -> Any:
+    """``op``: "register" (one sweep), "unregister" (one sweep) or "cycle" (register all, then unregister all)."""
     rt = torch.cuda.cudart()
+    offs = list(range(0, buf.numel() - chunk + 1, chunk))
 
     def work(stop: threading.Event) -> None:
         base = buf.data_ptr()
         done = []
-        for off in range(0, buf.numel() - chunk + 1, chunk):
-            if stop.is_set():
-                break
-            err = rt.cudaHostRegister(base + off, chunk, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"torchckpt: cudaHostRegister returned {err}")
-            done.append(off)
-            time.sleep(gap_ms / 1e3)
-        for off in done:
-            rt.cudaHostUnregister(base + off)
-            time.sleep(gap_ms / 1e3)
+        if op in ("register", "cycle"):
+            for off in offs:
+                if stop.is_set():
+                    break
+                err = rt.cudaHostRegister(base + off, chunk, 0)
+                if int(err) != 0:
+                    raise RuntimeError(f"torchckpt: cudaHostRegister returned {err}")
+                done.append(off)
+        if op in ("unregister", "cycle"):
+            for off in done if op == "cycle" else offs:
+                rt.cudaHostUnregister(base + off)
     return work
 
 
@@ -80,9 +89,13 @@ def toucher(nbytes: int) -> Any:
     return work
 
 
-def measure(src: torch.Tensor, dst: torch.Tensor, reps: int, lead_ms: float, cycles_per_ms: float) -> dict[str, Any]:
+def measure(src: torch.Tensor, dst: torch.Tensor, reps: int, lead_ms: float, cycles_per_ms: float,
+            until: threading.Event | None = None) -> dict[str, Any]:
+    """``reps`` timed copies, fewer if ``until`` is set first (a sweep has ended)."""
     host_ms, dev_ms, late = [], [], 0
     for _ in range(reps):
+        if until is not None and until.is_set() and host_ms:
+            break
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda._sleep(int(lead_ms * cycles_per_ms))
         t = time.perf_counter()
@@ -135,7 +148,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--region", type=parse_bytes, default=8 * GiB, help="pageable bytes the registrar cycles over")
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--lead", type=float, default=100.0, help="ms of GPU sleep enqueued before each timed copy")
-    ap.add_argument("--gap", type=float, default=5.0, help="ms the register+gap phase sleeps between calls")
     ap.add_argument("--tag", default="h100")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -153,16 +165,19 @@ def main(argv: list[str] | None = None) -> int:
     b.synchronize()
     cycles_per_ms = 20_000_000 / a.elapsed_time(b)
     region = torch.ones(args.region, dtype=torch.uint8)  # touched pageable memory for the registrar
-    phases = {"idle": None, "register": registrar(region, args.chunk, 0.0),
-              "register+gap": registrar(region, args.chunk, args.gap), "touch": toucher(4 * GiB)}
+    phases = {"idle": None, "cycle": registrar(region, args.chunk),
+              "register sweep": registrar(region, args.chunk, "register"),
+              "unregister sweep": registrar(region, args.chunk, "unregister"), "touch": toucher(4 * GiB)}
     results: dict[str, Any] = {}
     rows = []
     for name, work in phases.items():
-        bg = Background(work) if work is not None else None
+        sweep = name.endswith("sweep")
+        bg = Background(work, once=sweep) if work is not None else None
         if bg is not None:
             bg.start()
-            time.sleep(0.05)
-        r = measure(src, dst, args.reps, args.lead, cycles_per_ms)
+            time.sleep(0.002 if sweep else 0.05)
+        r = measure(src, dst, args.reps, args.lead, cycles_per_ms, bg.done if sweep and bg is not None else None)
+        r["copies"] = len(r["host_ms"])
         if bg is not None:
             bg.stop.set()
             bg.join()
@@ -172,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append([name, f"{r['host_ms_median']:.3f}", f"{r['host_ms_max']:.1f}", f"{r['device_ms_median']:.2f}",
                      f"{r['device_gbps_median']:.1f}", f"{r['device_gbps_min']:.1f}",
                      f"{r['device_ms_median'] / base['device_ms_median']:.2f}",
-                     str(r["enqueue_outlasted_lead"]), str(r.get("background_rounds", "-")),
+                     f"{r['enqueue_outlasted_lead']}/{r['copies']}", str(r.get("background_rounds", "-")),
                      r.get("background_error") or ""])
         print(f"{name}: host {r['host_ms_median']:.3f} ms (max {r['host_ms_max']:.1f}), device "
               f"{r['device_gbps_median']:.1f} GB/s (min {r['device_gbps_min']:.1f})", flush=True)

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims);
-# memory: host_init.py and device_cache_init.py (the native memory engine). `all` runs everything.
+# memory: host_init.py and device_cache_init.py (the native memory engine); memdiag: after_pin.py and
+# register_stall.py (why the lazy pool blocks what it blocks; not part of `all`). `all` runs the rest.
 # nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it;
 # carry .deps/ (zfp sources fetched by tools/fetch_zfp.py) and it builds the ZFP codec too.
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
@@ -11,7 +12,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint|codecs|memory) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -90,6 +91,10 @@ if [[ $PART == all || $PART == memory ]]; then
     --approaches direct_pin,whole,chunked --tag orderB
   run_part device_cache_init benchmarks/device_cache_init.py
   run_part first_touch benchmarks/first_touch.py --size 4G --idle 15 --tag gpu
+fi
+if [[ $PART == memdiag ]]; then
+  run_part register_stall benchmarks/register_stall.py --region 32G --reps 60 --lead 20
+  run_part after_pin benchmarks/after_pin.py
 fi
 
 echo "== summary: adjoint exit code $ADJ_RC; gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"
