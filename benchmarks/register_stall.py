@@ -23,6 +23,7 @@ Phases, each ``--reps`` copies of ``--size`` into a pinned buffer (D2H):
 from __future__ import annotations
 
 import argparse
+import mmap
 import os
 import statistics
 import sys
@@ -87,6 +88,21 @@ def toucher(nbytes: int) -> Any:
         x[:: 4096].fill_(1)  # one byte per page: the faults, not the bandwidth
         del x
     return work
+
+
+def huge_page_region(nbytes: int) -> tuple[torch.Tensor, bool]:
+    """Touched anonymous memory advised ``MADV_HUGEPAGE``, as a ``LazyHostPool`` maps it (and whether advised)."""
+    m = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    huge = False
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            m.madvise(mmap.MADV_HUGEPAGE)
+            huge = True
+        except OSError:
+            pass
+    t = torch.frombuffer(m, dtype=torch.uint8)
+    t.fill_(1)
+    return t, huge
 
 
 def measure(src: torch.Tensor, dst: torch.Tensor, reps: int, lead_ms: float, cycles_per_ms: float,
@@ -164,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     b.record()
     b.synchronize()
     cycles_per_ms = 20_000_000 / a.elapsed_time(b)
-    region = torch.ones(args.region, dtype=torch.uint8)  # touched pageable memory for the registrar
+    region, huge = huge_page_region(args.region)  # touched pageable memory for the registrar, as a LazyHostPool's
     phases = {"idle": None, "cycle": registrar(region, args.chunk),
               "register sweep": registrar(region, args.chunk, "register"),
               "unregister sweep": registrar(region, args.chunk, "unregister"), "touch": toucher(4 * GiB)}
@@ -192,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{name}: host {r['host_ms_median']:.3f} ms (max {r['host_ms_max']:.1f}), device "
               f"{r['device_gbps_median']:.1f} GB/s (min {r['device_gbps_min']:.1f})", flush=True)
     print(f"\n{args.size >> 20} MiB D2H into pinned memory on {torch.cuda.get_device_name()}, {args.reps} copies per phase; "
-          f"registrar: {args.chunk >> 20} MiB pieces of {args.region / GiB:g} GiB")
+          f"registrar: {args.chunk >> 20} MiB pieces of {args.region / GiB:g} GiB ({'huge pages advised' if huge else '4 KiB pages'})")
     print_table(["phase", "enqueue ms (median)", "enqueue ms (max)", "copy ms", "GB/s", "GB/s min", "copy x idle",
                  "enqueue > lead", "bg rounds", "bg error"], rows)
     pieces = sorted({args.region, 4 * GiB, GiB, 256 << 20} - {0}, reverse=True)
