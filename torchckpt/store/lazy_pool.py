@@ -11,7 +11,8 @@ long before all of it is ready. The native part is csrc/host_pool.cpp.
 Known gaps (measured on an H100, benchmarks/host_init.py, docs/results/host_init_h100.json):
 with 1 GiB chunks the application's own checkpoint blocking (0.9-1.2 s for a 32 GiB pool)
 is about the worker's total ``cudaHostRegister`` time (1.2 s), although almost every flush
-went to pinned memory: registration seems to hold up the host's CUDA calls. Smaller chunks
+went to pinned memory: registration holds up the process's CUDA calls (Rule 9), and with
+checkpoints 20 ms apart the paper's whole-region variant blocks less (0.73 s). Smaller chunks
 made it worse (128-256 MiB: 2.6-2.8 s), so the default chunk is 1 GiB. On a virtual machine
 that hands freed memory back to its host, a pool's first touch costs several times more
 (Rule 8).
@@ -44,11 +45,21 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 #    sequential strategy, each one is tracked (``track_copy``) so that touching pauses for it.
 # 8. First touch can cost far more than the touch itself. On a virtual machine with free page
 #    reporting (virtio-balloon), memory freed a few seconds ago has gone back to the host and
-#    is faulted in again: on the H100 machine a pool made after 32 GiB of ``cudaHostAlloc`` was
-#    freed touched at 2.8 GB/s instead of 13 (14 s for 32 GiB); on the CPU machine a 4 GiB pool
-#    touched at 8.46 GiB/s right after another was closed and 0.35 GiB/s after 15 s idle, with
-#    huge pages in every case (benchmarks/first_touch.py). The stats report ``huge_page_bytes``
-#    (from /proc/self/smaps) so that huge-page fallback and first-touch cost can be told apart.
+#    is faulted in again: on the CPU machine a 4 GiB pool touched at 8.46 GiB/s right after
+#    another was closed and 0.35 GiB/s after 15 s idle, with huge pages in every case
+#    (benchmarks/first_touch.py). Twice on H100 machines, the first chunked pool made after
+#    32 GiB of ``cudaHostAlloc`` was freed touched 3-5x slower than usual (2.8 and 4.3 GB/s
+#    instead of 13). The H100 machine checked later had no balloon and did not reproduce it
+#    (benchmarks/after_pin.py: no migration, no compaction, all huge pages), so that cause is
+#    not established. The stats report ``huge_page_bytes`` (from /proc/self/smaps) so that
+#    huge-page fallback and first-touch cost can be told apart.
+# 9. Registering holds up the process's other CUDA calls: while the worker registers, a
+#    checkpoint's copy waits in its enqueue (benchmarks/register_stall.py: 105 ms median during
+#    a sweep of 1 GiB registrations, 0.18 ms otherwise). A registration costs per byte (32-42 GiB/s
+#    with huge pages, whatever the piece), so an application blocks for about the worker's total
+#    registration time, 1.1-1.4 s for 32 GiB. The paper's whole-region variant registers once,
+#    after its touch, and blocks less when checkpoints are far apart (20 ms: 0.73 against 1.10 s);
+#    it blocks more when they are close (5 ms), because its flushes stay pageable until then.
 #
 # NOTE [ Lazy pool strategy model ]
 # ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
