@@ -37,6 +37,7 @@ sys.path.insert(1, os.path.dirname(HERE))
 
 import torch
 from common import GiB, out_dir, parse_bytes, print_table, write_json
+from host_init import Sleeper
 
 
 class Background(threading.Thread):
@@ -173,13 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     out = out_dir(args.out)
     src = torch.empty(args.size, dtype=torch.uint8, device="cuda").fill_(7)
     dst = torch.empty(args.size, dtype=torch.uint8, pin_memory=True)
-    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda._sleep(1_000_000)
-    a.record()
-    torch.cuda._sleep(20_000_000)
-    b.record()
-    b.synchronize()
-    cycles_per_ms = 20_000_000 / a.elapsed_time(b)
+    cycles_per_ms = Sleeper(torch.cuda.current_stream()).cycles_per_ms
     region, huge = huge_page_region(args.region)  # touched pageable memory for the registrar, as a LazyHostPool's
     phases = {"idle": None, "cycle": registrar(region, args.chunk),
               "register sweep": registrar(region, args.chunk, "register"),
