@@ -1,6 +1,6 @@
 """Does a ``cudaHostRegister`` in another thread slow this thread's pinned copies, and where?
 
-Claim (docs/benchmarks.md, "why chunked blocks more than whole at 20 ms"): while a background
+Claim (docs/benchmarks.md, "... where the blocking comes from (runs 6-7)"): while a background
 thread registers host memory, a checkpoint's device-to-host copy into memory that is *already*
 pinned is held up. This script separates the two places it could be held up:
 
