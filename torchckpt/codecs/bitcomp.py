@@ -250,6 +250,13 @@ def _host_plan(nbytes: int, btype: int, mode: int, algo: int) -> Iterator[ctypes
 _COMPRESS = {nv.FP16: "CompressLossy_fp16", nv.FP32: "CompressLossy_fp32", nv.FP64: "CompressLossy_fp64"}
 
 
+def _compress_call(lib: Any, prefix: str, h: Any, r: _Recipe, src: torch.Tensor, dst: torch.Tensor) -> int:
+    """nvCOMP's compress entry for the recipe: ``prefix`` "bitcomp" (device) or "bitcompHost"."""
+    if r.mode == nv.LOSSLESS:
+        return getattr(lib, prefix + "CompressLossless")(h, src.data_ptr(), dst.data_ptr())
+    return getattr(lib, prefix + _COMPRESS[r.btype])(h, src.data_ptr(), dst.data_ptr(), _delta_arg(r))
+
+
 class Bitcomp(Codec):
     """nvCOMP Bitcomp: lossless for any dtype, or lossy for fp16/fp32/fp64/bf16 with ``|x - x'| <= p/2``.
 
@@ -356,12 +363,7 @@ class Bitcomp(Codec):
             scratch = torch.empty(lib.bitcompMaxBuflen(nbytes), dtype=torch.uint8, device=dev)
             size = torch.empty(1, dtype=torch.int64, device=dev)
             with _PLANS.use(dev, nbytes, r.btype, r.mode, self._algo, s) as h:
-                if r.mode == nv.LOSSLESS:
-                    rc = lib.bitcompCompressLossless(h, src.data_ptr(), scratch.data_ptr())
-                else:
-                    rc = getattr(lib, "bitcomp" + _COMPRESS[r.btype])(h, src.data_ptr(), scratch.data_ptr(),
-                                                                     _delta_arg(r))
-                nv.check(rc, "Bitcomp compression")
+                nv.check(_compress_call(lib, "bitcomp", h, r, src, scratch), "Bitcomp compression")
                 nv.check(lib.bitcompGetCompressedSizeAsync(scratch.data_ptr(), size.data_ptr(),
                                                            ctypes.c_void_p(s.cuda_stream)),
                          "bitcompGetCompressedSizeAsync")
@@ -371,12 +373,7 @@ class Bitcomp(Codec):
         lib = nv.library()
         scratch = torch.empty(lib.bitcompMaxBuflen(nbytes), dtype=torch.uint8)
         with _host_plan(nbytes, r.btype, r.mode, self._algo) as h:
-            if r.mode == nv.LOSSLESS:
-                rc = lib.bitcompHostCompressLossless(h, src.data_ptr(), scratch.data_ptr())
-            else:
-                rc = getattr(lib, "bitcompHost" + _COMPRESS[r.btype])(h, src.data_ptr(), scratch.data_ptr(),
-                                                                     _delta_arg(r))
-            nv.check(rc, "Bitcomp host compression")
+            nv.check(_compress_call(lib, "bitcompHost", h, r, src, scratch), "Bitcomp host compression")
         size = ctypes.c_size_t()
         nv.check(lib.bitcompGetCompressedSize(scratch.data_ptr(), ctypes.byref(size)), "bitcompGetCompressedSize")
         return _trimmed(scratch, int(size.value))
