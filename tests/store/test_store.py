@@ -22,7 +22,7 @@ def test_parameters_and_grad_leaves_are_kept() -> None:
     frozen = nn.Parameter(torch.randn(64, 64), requires_grad=False)
     leaf = torch.randn(64, 64, requires_grad=True)
     for t in (p, frozen, leaf):
-        assert s.pack(t) is t
+        assert s.unpack(s.pack(t)) is t  # kept by reference
     st = s.stats()
     assert st.kept == 3 and st.offloaded == 0 and st.kept_bytes == 3 * 64 * 64 * 4
     assert st.host.in_use_bytes == 0
@@ -66,7 +66,7 @@ def test_frozen_weight_view_is_kept() -> None:
 def test_small_tensors_under_min_bytes_are_kept() -> None:
     s = cpu_store(0, min_bytes=1024)
     small, exact = torch.randn(255), torch.randn(256)  # 1020 and 1024 bytes
-    assert s.pack(small) is small
+    assert s.unpack(s.pack(small)) is small  # kept by reference
     h = s.pack(exact)
     assert h is not exact
     st = s.stats()
@@ -99,8 +99,8 @@ def test_other_device_and_non_strided_are_kept() -> None:
     s = cpu_store(0)
     meta = torch.empty(1000, device="meta")
     sparse = torch.randn(16, 16).to_sparse()
-    assert s.pack(meta) is meta
-    assert s.pack(sparse) is sparse
+    assert s.unpack(s.pack(meta)) is meta  # kept by reference
+    assert s.unpack(s.pack(sparse)) is sparse  # kept by reference
     assert s.stats().kept == 2 and s.stats().offloaded == 0
 
 

@@ -180,6 +180,10 @@ class HostPool:
     def __deepcopy__(self, memo: dict[int, Any]) -> HostPool:
         return self  # pinned memory is a shared resource
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A pool pickles as its configuration: unpickling gives a fresh, empty pool."""
+        return (HostPool, (self.capacity_bytes, self.chunk_bytes, self.pin))
+
     # -- allocation -------------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock:
         """A block of ``nbytes`` bytes (pinned if the pool pins and is under its cap)."""

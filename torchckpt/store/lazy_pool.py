@@ -364,6 +364,11 @@ def _close_live_pools() -> None:  # stop workers before the CUDA runtime is torn
             pass
 
 
+def _lazy_pool_from_config(kw: dict[str, Any]) -> LazyHostPool:
+    """Unpickle a ``LazyHostPool`` (``LazyHostPool.__reduce__``)."""
+    return LazyHostPool(**kw)
+
+
 class LazyHostPool(HostPool):
     """Host memory in one mmap, pinned chunk by chunk by a background thread (NOTE [ Lazy host pool ]).
 
@@ -411,6 +416,10 @@ class LazyHostPool(HostPool):
         register_mode: str | None = None,
         lock_path: str | None = None,
     ) -> None:
+        self._init_kw = dict(  # __reduce__: a pool pickles as its configuration
+            capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin, first_chunk_bytes=first_chunk_bytes,
+            strategy=strategy, ahead_bytes=ahead_bytes, node_lock=node_lock, device=device,
+            touch_threads=touch_threads, write_rate=write_rate, register_mode=register_mode, lock_path=lock_path)
         native = native_host_pool_class()
         page = page_bytes()
         for name, v in (("chunk_bytes", chunk_bytes), ("first_chunk_bytes", first_chunk_bytes)):
@@ -508,6 +517,10 @@ class LazyHostPool(HostPool):
                 threading.Thread(target=self._auto, name="torchckpt-lazy-pool-model", daemon=True).start()
 
     # -- the strategy model ----------------------------------------------------------------
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A pool pickles as its configuration: unpickling gives a fresh, empty pool."""
+        return (_lazy_pool_from_config, (self._init_kw,))
+
     def _auto(self) -> None:
         # Measure only once the first chunk is registered (or 2 s passed): the measurement
         # registers, touches and copies too, and would compete with the first pinned copy.

@@ -41,6 +41,8 @@ class Stats:
         eviction_wait_s: host time spent in those waits.
         plans: prefetch plans made.
         plan_divergences: steps whose trace left the plan (prefetch stopped for that step).
+        trace_overflows: times the trace stopped because no step ended (overlapping graphs,
+            NOTE [ Store ] Rule 10); no prefetch plan until every entry is released.
         gpu_peak_bytes: most bytes resident in the GPU cache at once.
         host: the host pool's occupancy.
     """
@@ -66,6 +68,7 @@ class Stats:
     eviction_wait_s: float = 0.0
     plans: int = 0
     plan_divergences: int = 0
+    trace_overflows: int = 0
     gpu_peak_bytes: int = 0
     host: HostPoolStats | None = None
 

@@ -2,19 +2,20 @@
 
 # NOTE [ Store ]
 # 1. ``pack`` (a saved-tensors pack hook) keeps by reference what moving would not free or
-#    cannot move: parameters and other leaves that require grad and views of them (a
-#    linear layer saves ``weight.t()``), the tensors named by the caller (a wrapped
-#    module's parameters and buffers), tensors on another device, non-strided or subclass
-#    tensors, tensors whose bytes are under ``min_bytes``, and tensors saved while a backward
-#    pass runs (a Recompute block re-running an Offload block inside it: that graph is
-#    used once, at once). The rest become *entries*.
+#    cannot move (NOTE [ Saved tensor identity ] Rule 4: leaves that require grad and views
+#    of them, as a linear layer's ``weight.t()``; other devices, layouts and subclasses;
+#    tensors under ``min_bytes``), the tensors named by the caller (a wrapped module's
+#    parameters and buffers), and tensors saved while a backward pass runs (a Recompute
+#    block re-running an Offload block inside it: that graph is used once, at once). The
+#    rest become *entries*. Kept or moved, every saved tensor's version is checked at
+#    unpack as plain autograd checks it (NOTE [ Saved tensor identity ] Rule 1).
 # 2. An entry holds a byte span of a storage. If the saved tensor covers at least half of
-#    its storage, the span is the whole storage and the entry is shared by every view of
-#    that storage saved while its version counter is unchanged: several views are moved
-#    once, and a view saved after an in-place change gets an entry of its own. Otherwise
-#    the span is just the bytes the view reaches. Unpack rebuilds the view with the same
-#    dtype, size, stride and offset within the span: gradients are bit-identical to plain
-#    autograd.
+#    its storage, the span is the whole storage and the entry is shared by every later save
+#    of the same view family (same storage, same version counter, same version: NOTE
+#    [ Saved tensor identity ] Rule 2): several views are moved once, and a view saved after
+#    an in-place change gets an entry of its own. Otherwise the span is just the bytes the
+#    view reaches. Unpack rebuilds the view with the same dtype, size, stride, offset within
+#    the span and value bits (conj, neg): gradients are bit-identical to plain autograd.
 # 3. An entry's device-to-host copy starts at pack, on the offload stream, after an event of
 #    the compute stream (every entry in a step without a plan; from then on only the ones
 #    the plan will evict, NOTE [ Prefetch from a recorded trace ] Rule 5). The saved tensor
@@ -47,6 +48,10 @@
 #    those of the block's saved tensors as the codec returns them (its guarantee, stated in
 #    ``codec.guarantee``), not bit-exact. Entries of other dtypes are copied as they are.
 #    Views of one storage with different dtypes get entries of their own when a codec is set.
+# 10. A step ends when its last entry is released. Graphs that overlap (an evaluation loop
+#    without ``torch.no_grad()`` keeps the previous output alive into the next forward) never
+#    release everything; the trace then stops growing at ``_trace_limit()`` records, the plan
+#    is dropped, and recording resumes once every entry has been released.
 """
 from __future__ import annotations
 
@@ -58,7 +63,8 @@ from typing import Any
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from torchckpt._errors import internal_error
+from torchckpt._errors import CheckpointError, internal_error
+from torchckpt._units import parse_bytes
 from torchckpt.codecs.base import Codec
 from torchckpt.profiling import nvtx_range
 from torchckpt.store.blob import Blob
@@ -66,6 +72,7 @@ from torchckpt.store.gpu_cache import GpuCache
 from torchckpt.store.host_pool import HostBlock, HostPool
 from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
+from torchckpt.store.saved import Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
 from torchckpt.store.stats import Stats, timed_wait
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -76,16 +83,18 @@ def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
+_TRACE_MIN = 1 << 16  # Rule 10: records a step may hold at least before the trace stops
 _STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes")]
 
 
 class _Entry:
     __slots__ = (
         "id", "nbytes", "gpu", "base_off", "host", "d2h", "h2d", "h2d_stream",
-        "prefetched", "refs", "key", "codec", "dtype", "blob",
+        "prefetched", "refs", "key", "codec", "dtype", "blob", "version", "root",
     )
 
-    def __init__(self, eid: int, nbytes: int, gpu: torch.Tensor, base_off: int, key: Any) -> None:
+    def __init__(self, eid: int, nbytes: int, gpu: torch.Tensor, base_off: int, key: Any, version: Version,
+                 root: Any) -> None:
         self.id = eid
         self.nbytes = nbytes
         self.gpu: torch.Tensor | None = gpu  # uint8 tensor whose storage holds the span
@@ -100,12 +109,14 @@ class _Entry:
         self.codec: Codec | None = None  # Rule 9
         self.dtype: torch.dtype = torch.uint8
         self.blob: Blob | None = None  # where the compressed buffers sit in the host block
+        self.version = version  # NOTE [ Saved tensor identity ] Rule 1
+        self.root = root  # weak reference to the view family's root (Rule 2), or None
 
 
 class _Handle:
     """What a saved-tensor slot holds instead of the tensor: an entry and a view into it."""
 
-    __slots__ = ("store", "entry", "dtype", "size", "stride", "rel", "__weakref__")
+    __slots__ = ("store", "entry", "dtype", "size", "stride", "rel", "bits", "__weakref__")
 
     def __init__(self, store: Store, entry: _Entry, t: torch.Tensor, rel: int) -> None:
         self.store = store
@@ -114,6 +125,7 @@ class _Handle:
         self.size = t.shape
         self.stride = t.stride()
         self.rel = rel  # byte offset of the view's first element inside the span
+        self.bits = value_bits(t)  # NOTE [ Saved tensor identity ] Rule 3
         entry.refs += 1
 
     def __del__(self) -> None:
@@ -233,6 +245,28 @@ class _CpuMover:
 
 
 
+class _Hooks(torch.autograd.graph.saved_tensors_hooks):
+    """The store's saved-tensor hooks, with a ``torchckpt:`` error where PyTorch refuses them."""
+
+    def __enter__(self) -> None:
+        try:
+            super().__enter__()
+        except RuntimeError as e:
+            if "support saved tensor hooks" not in str(e):
+                raise
+            raise CheckpointError(
+                "torchckpt: a Store cannot run under torch.func.grad, vjp, jacrev or hessian: PyTorch does not support "
+                "saved-tensor hooks inside them (torch.utils.checkpoint cannot run there either). Run this code "
+                "outside the transform (torch.autograd.grad), or without torchckpt.offload() there; a block wrapped "
+                "with a policy runs as Keep() under these transforms, with a warning."
+            ) from e
+
+
+def _store_from_config(config: dict[str, Any]) -> Store:
+    """Unpickle a ``Store`` (``Store.__reduce__``)."""
+    return Store(**config)
+
+
 class Store:
     """A GPU cache backed by a host pool, fed by autograd's saved-tensor hooks.
 
@@ -266,13 +300,37 @@ class Store:
     def __init__(
         self,
         device: str | torch.device | None = None,
-        gpu_bytes: int | None = None,
+        gpu_bytes: int | str | None = None,
         host: HostPool | None = None,
-        min_bytes: int = 1 << 20,
+        min_bytes: int | str = 1 << 20,
         prefetch: bool = True,
         timing: bool = True,
         codec: Codec | None = None,
     ) -> None:
+        self._config = dict(device=device, gpu_bytes=gpu_bytes, host=host, min_bytes=min_bytes, prefetch=prefetch,
+                            timing=timing, codec=codec)
+        for name, flag in (("prefetch", prefetch), ("timing", timing)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"torchckpt: Store({name}=...) expects True or False, got {flag!r}.")
+        if host is not None and not isinstance(host, HostPool):
+            raise TypeError(
+                f"torchckpt: Store(host=...) expects a torchckpt.HostPool or None, got {type(host).__name__} {host!r}; "
+                "pass host=None for the default pool (pinned when CUDA is available) or e.g. "
+                "host=torchckpt.HostPool(capacity_bytes=8 << 30)."
+            )
+        if not isinstance(device, (str, torch.device, type(None))):
+            raise TypeError(f"torchckpt: Store(device=...) expects 'cuda', 'cuda:N', 'cpu' or None, got {device!r}.")
+        if isinstance(device, str):
+            try:
+                device = torch.device(device)
+            except RuntimeError:
+                raise ValueError(
+                    f"torchckpt: Store(device={device!r}) is not a device; pass 'cuda', 'cuda:N' or 'cpu' "
+                    "(or None for the current CUDA device)."
+                ) from None
+        if gpu_bytes is not None:
+            gpu_bytes = parse_bytes(gpu_bytes, "Store(gpu_bytes=...)")
+        min_bytes = parse_bytes(min_bytes, "Store(min_bytes=...)")
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(
                 f"torchckpt: Store(codec=...) expects a torchckpt.codecs.Codec or None, got {type(codec).__name__}; "
@@ -293,11 +351,9 @@ class Store:
         elif device.type == "cpu":
             self._mover = _CpuMover()
         else:
-            raise ValueError(f"torchckpt: Store supports 'cuda' and 'cpu' devices, got {str(device)!r}.")
+            raise ValueError(f"torchckpt: Store supports 'cuda' and 'cpu' devices, got {str(device)!r}; pass 'cuda' or 'cpu'.")
         if gpu_bytes is None:
             gpu_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
-        if min_bytes < 0:
-            raise ValueError(f"torchckpt: Store min_bytes must be >= 0, got {min_bytes}.")
         self.device = device
         self.cache = GpuCache(gpu_bytes)
         self.host = host if host is not None else make_host_pool(pin=device.type == "cuda")
@@ -308,8 +364,10 @@ class Store:
         self._live = 0
         self._next_id = 0
         self._entries: dict[int, _Entry] = {}
-        self._by_storage: dict[tuple[int, int], tuple[_Entry, StorageWeakRef]] = {}
+        self._by_storage: dict[tuple[Any, ...], tuple[_Entry, StorageWeakRef]] = {}
         self._trace: list[tuple[int, int, int]] = []
+        self._tracing = True  # Rule 10
+        self._last_trace_len = 0
         self._plan: PrefetchPlan | None = None
         self._on_plan = False
         self._timings: list[tuple[str, Any, Any]] = []
@@ -320,6 +378,14 @@ class Store:
     def __deepcopy__(self, memo: dict[int, Any]) -> Store:
         return self  # a store is a shared resource (streams, pools): copies of a model share it
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """A store pickles as its configuration: unpickling gives a fresh, empty store with the same settings.
+
+        Its host pool pickles the same way when one was given (``HostPool.__reduce__``).
+        Nothing saved in the store travels: pickle a model between steps, not during one.
+        """
+        return (_store_from_config, (self._config,))
+
     def hooks(self, keep: Iterable[torch.Tensor] = (), codec: Codec | None = None) -> torch.autograd.graph.saved_tensors_hooks:
         """A context manager routing every tensor autograd saves through this store.
 
@@ -327,16 +393,16 @@ class Store:
             keep: tensors (e.g. a module's buffers) whose storages stay by reference.
             codec: compress with this codec instead of the store's (NOTE [ Store ] Rule 9).
         """
-        keep_ptrs = frozenset(t.untyped_storage().data_ptr() for t in keep)
+        keep_ptrs = storage_ptrs(keep)
         c = codec if codec is not None else self.codec
-        return torch.autograd.graph.saved_tensors_hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
+        return _Hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
 
     def stats(self) -> Stats:
         """Counters so far; waits for the timing events of finished work (not on the hot path)."""
         with self._lock:
             self._resolve_timings(block=True)
             c = dict(self._c)
-            if self._live == 0 and self._trace:  # the current step has ended, though no pack has closed it yet
+            if self._live == 0 and (self._trace or not self._tracing):  # the step has ended; no pack has closed it yet
                 c["steps"] += 1
             return Stats(**c, gpu_peak_bytes=self.cache.peak_bytes, host=self.host.stats())
 
@@ -355,50 +421,42 @@ class Store:
 
     # -- hooks ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, keep_ptrs: frozenset[int] = frozenset(), codec: Codec | None = None) -> Any:
-        """Saved-tensor pack hook: a handle, or ``t`` itself when it is kept (Rule 1)."""
+        """Saved-tensor pack hook: a handle, or a version-checked reference when ``t`` is kept (Rule 1)."""
         c = self._c
         c["packed"] += 1
-        nbytes = t.numel() * t.element_size()
-        if (
-            nbytes < max(self.min_bytes, 1)
-            or t.device != self.device
-            or (t.requires_grad and t.is_leaf)
-            or (t._base is not None and (isinstance(t._base, torch.nn.Parameter) or (t._base.requires_grad and t._base.is_leaf)))
-            or _in_backward()  # saved during backward (a recomputation): Rule 1
-            or type(t) not in (torch.Tensor, torch.nn.Parameter)
-            or t.layout != torch.strided
-            or isinstance(t, torch.nn.Parameter)
-        ):
+        reason = "backward" if _in_backward() else keep_reason(t, self.device, self.min_bytes)
+        if reason is None and keep_ptrs and t.untyped_storage().data_ptr() in keep_ptrs:
+            reason = "caller"
+        if reason is not None:
             c["kept"] += 1
-            c["kept_bytes"] += nbytes
-            return t
+            c["kept_bytes"] += t.numel() * t.element_size()
+            return Kept(t)
         storage = t.untyped_storage()
         sptr = storage.data_ptr()
-        if sptr in keep_ptrs:
-            c["kept"] += 1
-            c["kept_bytes"] += nbytes
-            return t
         es = t.element_size()
         extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
         lo = int(t.storage_offset()) * es
         span = int(extent) * es
         whole = 2 * span >= storage.nbytes()
         with self._lock, nvtx_range("torchckpt.pack"):
-            if self._live == 0 and self._trace:
+            if self._live == 0 and (self._trace or not self._tracing):
                 self._finish_step()
             if codec is not None and not codec.supports(t.dtype):
                 codec = None
-            if whole:
-                key: Any = (sptr, t._version) if codec is None else (sptr, t._version, t.dtype)
+            root: Any = None
+            if whole:  # NOTE [ Saved tensor identity ] Rule 2
+                rid, root = root_ref(t)
+                key: Any = (sptr, rid, t._version) if codec is None else (sptr, rid, t._version, t.dtype)
                 found = self._by_storage.get(key)
-                if found is not None and found[0].refs > 0 and not found[1].expired():
+                if (found is not None and found[0].refs > 0 and not found[1].expired()
+                        and found[0].root() is root()):
                     c["deduplicated"] += 1
                     return _Handle(self, found[0], t, lo)
                 lo, span = 0, storage.nbytes()
             else:
                 key = None
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, lo, (span,), (1,))
-            e = _Entry(self._next_id, span, src, lo, key)
+            e = _Entry(self._next_id, span, src, lo, key, Version(t), root)
             if codec is not None and span % es == 0 and lo % es == 0:
                 e.codec, e.dtype = codec, t.dtype
             self._next_id += 1
@@ -414,10 +472,15 @@ class Store:
             return h
 
     def unpack(self, h: Any) -> torch.Tensor:
-        """Saved-tensor unpack hook: the saved tensor, from the GPU cache or brought back."""
-        if isinstance(h, torch.Tensor):
-            return h
+        """Saved-tensor unpack hook: the saved tensor, from the GPU cache or brought back.
+
+        Raises autograd's own error if the saved tensor was modified in place after it was
+        saved (NOTE [ Saved tensor identity ] Rule 1).
+        """
+        if type(h) is Kept:
+            return h.get()
         e: _Entry = h.entry
+        e.version.check()
         c = self._c
         with self._lock, nvtx_range("torchckpt.unpack"):
             pos = self._record(UNPACK, e.id, 0)
@@ -452,15 +515,23 @@ class Store:
                     self._drop_gpu(e)
             if self._on_plan:
                 self._run_actions(pos)
-            es = h.dtype.itemsize
-            return torch.empty(0, dtype=h.dtype, device=self.device).set_(
-                gpu.untyped_storage(), (e.base_off + h.rel) // es, h.size, h.stride
-            )
+            return rebuild(gpu.untyped_storage(), (e.base_off + h.rel) // h.dtype.itemsize, h.dtype, h.size,
+                           h.stride, h.bits, self.device)
 
     # -- internals -----------------------------------------------------------------------
     def _record(self, kind: int, eid: int, nbytes: int) -> int:
-        """Append to the trace; check the step against the plan (NOTE [ Prefetch ... ] Rule 6)."""
+        """Append to the trace; check the step against the plan (NOTE [ Prefetch ... ] Rule 6).
+
+        Returns the record's position, or -1 while the trace is off (Rule 10).
+        """
+        if not self._tracing:
+            return -1
         n = len(self._trace)
+        if n >= max(_TRACE_MIN, 4 * self._last_trace_len):  # Rule 10: graphs overlap, no step ends
+            self._tracing, self._trace = False, []
+            self._plan, self._on_plan = None, False
+            self._c["trace_overflows"] += 1
+            return -1
         self._trace.append((kind, eid, nbytes))
         if self._on_plan:
             planned = self._plan.trace if self._plan is not None else ()
@@ -592,6 +663,10 @@ class Store:
         self._c["steps"] += 1
         self._next_id = 0
         self._resolve_timings(block=False)
+        if not self._tracing:  # the trace overflowed (Rule 10): start afresh, with no plan
+            self._tracing = True
+            return
+        self._last_trace_len = len(trace)
         if not self.prefetch or not any(kind == UNPACK for kind, _, _ in trace):
             self._plan, self._on_plan = None, False
             return
@@ -604,7 +679,8 @@ class Store:
         keep = []
         c = self._c
         for kind, need, done in self._timings:
-            if block:
+            if block:  # both ends: need is on the compute stream, done on a copy stream
+                need.synchronize()
                 done.synchronize()
             elif not (done.query() and need.query()):
                 keep.append((kind, need, done))

@@ -1,0 +1,45 @@
+"""Byte sizes as users write them: ``1 << 30``, ``"1GiB"``, ``"512 MB"``."""
+from __future__ import annotations
+
+import re
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: object, arg: str) -> int:
+    """``value`` as a number of bytes: an int >= 0, or a string such as ``"1GiB"`` or ``"512MB"``.
+
+    Args:
+        value: what the user passed.
+        arg: how to name it in errors, e.g. ``"Store(gpu_bytes=...)"``.
+
+    Returns:
+        The byte count.
+
+    Example::
+
+        >>> parse_bytes("1.5GiB", "gpu_bytes"), parse_bytes(4096, "gpu_bytes")
+        (1610612736, 4096)
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(
+            f"torchckpt: {arg} expects a byte count (an int, or a string such as '1GiB' or '512MB'), "
+            f"got {type(value).__name__} {value!r}."
+        )
+    if isinstance(value, str):
+        m = _SIZE.match(value)
+        unit = m.group(2).lower() if m else None
+        if m is None or unit not in _UNITS:
+            raise ValueError(
+                f"torchckpt: {arg} could not read {value!r} as a size; pass an int or a number with one of the "
+                "units B, KB, MB, GB, TB, KiB, MiB, GiB, TiB (e.g. '1GiB')."
+            )
+        value = int(float(m.group(1)) * _UNITS[unit])
+    if value < 0:
+        raise ValueError(f"torchckpt: {arg} must be >= 0 bytes, got {value}.")
+    return value
