@@ -2,6 +2,9 @@
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
+import warnings
 from collections.abc import Callable
 
 import pytest
@@ -112,13 +115,58 @@ def test_class_decorator_applies_to_every_instance_and_keeps_state_dict() -> Non
 
 
 def test_rewrapping_an_instance_replaces_the_policy() -> None:
+    # Replaced with a warning (policies on one module do not nest); the same policy again is a no-op.
     model, x = make("mlp")
     plain = clone(model)
     ref = step(plain, plain, x)
     s1, s2 = cpu_store(0), cpu_store(0)
+    p2 = Offload(s2)
     m = torchckpt.checkpoint(clone(model), policy=Offload(s1))
-    torchckpt.checkpoint(m, policy=Offload(s2))
+    with pytest.warns(UserWarning, match="^torchckpt: this MLP instance was already wrapped"):
+        assert torchckpt.checkpoint(m, policy=p2) is m
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchckpt.checkpoint(m, p2)
     got = step(m, m, x)
+    assert_same_grads(got[2], ref[2])
+    assert s1.stats().packed == 0 and s2.stats().offloaded > 0
+
+
+def test_redecorating_a_class_replaces_the_policy() -> None:
+    s1, s2 = cpu_store(0), cpu_store(0)
+    p2 = Offload(s2)
+
+    @torchckpt.checkpoint(Offload(s1))
+    class Net(MLP):
+        pass
+
+    with pytest.warns(UserWarning, match="^torchckpt: class .*Net was already decorated"):
+        assert torchckpt.checkpoint(p2)(Net) is Net
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torchckpt.checkpoint(Net, policy=p2)
+    m = Net()
+    plain = MLP()
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(4, 16)
+    ref, got = step(plain, plain, x), step(m, m, x)
+    assert torch.equal(got[1], ref[1])
+    assert_same_grads(got[2], ref[2])
+    assert s1.stats().packed == 0 and s2.stats().offloaded > 0
+
+
+def test_instance_policy_takes_the_place_of_the_class_policy() -> None:
+    s1, s2 = cpu_store(0), cpu_store(0)
+
+    @torchckpt.checkpoint(Offload(s1))
+    class Net(MLP):
+        pass
+
+    m = torchckpt.checkpoint(Net(), policy=Offload(s2))
+    plain = MLP()
+    plain.load_state_dict(m.state_dict())
+    x = torch.randn(4, 16)
+    ref, got = step(plain, plain, x), step(m, m, x)
     assert_same_grads(got[2], ref[2])
     assert s1.stats().packed == 0 and s2.stats().offloaded > 0
 
@@ -442,3 +490,109 @@ def test_wrapped_module_deepcopy_runs_its_own_parameters() -> None:
         for p in c.parameters():
             p.mul_(2)
     assert not torch.equal(c(x), m(x))
+
+
+# -- call semantics of torch.utils.checkpoint.checkpoint (NOTE [ checkpoint forms ] Rule 4) -------
+@pytest.mark.parametrize("pname", [*POLICIES, "default"])
+def test_call_form_with_no_call_arguments_calls_the_function(pname: str) -> None:
+    # transformers: checkpoint_fn(partial(layer.__call__, **kwargs), *args) with args empty when
+    # the model passes everything by keyword; checkpoint_fn = partial(checkpoint, **options).
+    # Library bug: checkpoint(fn, policy=P) returned fn wrapped instead of calling it.
+    model, x = make("block")
+    plain = clone(model)
+    ref = step(plain, plain, x)
+    m = clone(model)
+    ckpt_fn = torchckpt.checkpoint if pname == "default" else functools.partial(torchckpt.checkpoint, policy=POLICIES[pname]())
+    got = step(lambda t: ckpt_fn(functools.partial(m.__call__, x=t)), m, x)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert_same_grads(got[2], ref[2])
+    got = step(lambda t: ckpt_fn(m, x=t), m, x)  # a module with keyword arguments only is called too
+    assert torch.equal(got[1], ref[1])
+    assert_same_grads(got[2], ref[2])
+
+
+@pytest.mark.parametrize("pname", list(POLICIES))
+def test_call_form_of_a_closure_with_no_arguments(pname: str) -> None:
+    w0 = torch.randn(8, 8)
+
+    def run(call: Callable) -> torch.Tensor:
+        w = w0.clone().requires_grad_(True)
+        call(lambda: (w @ w).tanh().exp().sum()).backward()
+        return w.grad
+
+    ref = run(lambda fn: fn())
+    policy = POLICIES[pname]()
+    got = run(lambda fn: torchckpt.checkpoint(fn, policy=policy))
+    assert torch.equal(got, ref)
+
+
+@pytest.mark.parametrize("pname", list(POLICIES))
+def test_function_decorator_forms(pname: str) -> None:
+    policy = POLICIES[pname]()
+
+    def body(x: torch.Tensor, w: torch.Tensor, *, scale: float = 1.0) -> torch.Tensor:
+        return torch.tanh(x @ w).exp() * scale
+
+    forms = {
+        "decorator": torchckpt.checkpoint(policy)(body),
+        "keyword": torchckpt.checkpoint(policy=policy)(body),
+        "default": torchckpt.checkpoint()(body),
+    }
+    x0, w0 = torch.randn(4, 8), torch.randn(8, 8)
+
+    def run(fn: Callable) -> tuple:
+        x, w = x0.clone().requires_grad_(True), w0.clone().requires_grad_(True)
+        fn(x * 1.0, w, scale=0.5).square().sum().backward()
+        return x.grad, w.grad
+
+    ref = run(body)
+    for name, fn in forms.items():
+        assert fn.__name__ == "body", name
+        got = run(fn)
+        assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1]), name
+
+
+def test_torch_checkpoint_keywords_do_not_reach_the_block() -> None:
+    # torch.utils.checkpoint.checkpoint(fn, x, use_reentrant=False) never passes use_reentrant to fn.
+    x0 = torch.randn(4, 8)
+
+    def run(call: Callable) -> torch.Tensor:
+        x = x0.clone().requires_grad_(True)
+        call(x).sum().backward()
+        return x.grad
+
+    ref = run(f_sin_exp)
+    for policy in (Recompute(), Offload(cpu_store(0)), Keep(), None):
+        got = run(lambda x: torchckpt.checkpoint(f_sin_exp, x, use_reentrant=False, policy=policy))
+        assert torch.equal(got, ref)
+
+
+def f_sin_exp(x: torch.Tensor) -> torch.Tensor:
+    return x.sin().exp()
+
+
+def test_wrapping_keeps_a_forward_the_instance_already_has() -> None:
+    # Libraries (accelerate's hooks) set module.forward on the instance; wrapping runs that one.
+    model, x = make("mlp")
+
+    def doubled(self: nn.Module, t: torch.Tensor) -> torch.Tensor:
+        return type(self).forward(self, t) * 2
+
+    plain = clone(model)
+    plain.forward = functools.partial(doubled, plain)
+    ref = step(plain, plain, x)
+    m = clone(model)
+    m.forward = functools.partial(doubled, m)
+    s = cpu_store(0)
+    torchckpt.checkpoint(m, policy=Offload(s))
+    got = step(m, m, x)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert_same_grads(got[2], ref[2])
+    assert s.stats().offloaded > 0
+
+
+def test_signature_of_a_wrapped_forward() -> None:
+    # inspect.signature(model.forward) (used by transformers and others) sees the real parameters.
+    m = torchckpt.checkpoint(Block(), policy=Recompute())
+    assert inspect.signature(m.forward) == inspect.signature(Block().forward)
+    assert list(inspect.signature(m.forward).parameters) == ["x"]

@@ -124,3 +124,216 @@ def test_recompute_determinism_error_is_raised() -> None:
     x = torch.randn(4, requires_grad=True)
     with pytest.raises(Exception):
         torchckpt.checkpoint(changing, x * 1.0, policy=Recompute()).backward()
+
+
+# -- API bad input named at the call that received it (issue 11) ----------------------------
+@pytest.mark.parametrize(
+    "bad,fix",
+    [("recompute", r"Recompute\(\)"), ("Offload", r"Offload\(store\)"), ("keep", r"Keep\(\)"), (Offload, r"Offload\(\)")],
+)
+def test_policy_given_as_string_or_class_in_the_policy_position(bad: object, fix: str) -> None:
+    # Library bug: checkpoint(m, "recompute") called m("recompute") and failed inside Linear.
+    for target in (nn.Linear(2, 2), f):
+        with pytest.raises(TypeError, match=rf"^torchckpt: .*policy=torchckpt\.{fix}"):
+            torchckpt.checkpoint(target, bad)
+    with pytest.raises(TypeError, match=rf"^torchckpt: checkpoint\(\.\.\., policy=\.\.\.\) .*policy=torchckpt\.{fix}"):
+        torchckpt.checkpoint(nn.Linear(2, 2), policy=bad)
+    with pytest.raises(TypeError, match=rf"^torchckpt: .*policy=torchckpt\.{fix}"):
+        torchckpt.checkpoint(bad)
+
+
+def test_policy_given_twice_or_as_a_call_argument() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(TypeError, match="^torchckpt: .*policy twice"):
+        torchckpt.checkpoint(nn.Linear(2, 2), Offload(cpu_store(0)), policy=Recompute())
+    with pytest.raises(TypeError, match="^torchckpt: .*policy twice"):
+        torchckpt.checkpoint(Recompute(), policy=Keep())
+    with pytest.raises(TypeError, match="^torchckpt: .*never a call argument"):
+        torchckpt.checkpoint(f, x, Recompute())
+
+
+def test_bare_decorator_on_a_function_is_an_error() -> None:
+    # checkpoint(fn) calls fn() (torch.utils.checkpoint semantics), so a bare @checkpoint above a
+    # function that needs arguments says how to decorate it instead of calling it.
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpoint\(.*g\) with no call arguments.*@torchckpt\.checkpoint\(\)"):
+        @torchckpt.checkpoint
+        def g(x: torch.Tensor) -> torch.Tensor:
+            return x.sin()
+    with pytest.raises(TypeError, match="^torchckpt: .*pass its arguments"):
+        torchckpt.checkpoint(f, policy=Offload(cpu_store(0)))
+
+
+def test_decorator_of_a_non_callable() -> None:
+    with pytest.raises(TypeError, match="^torchckpt: checkpoint\\(policy\\) decorates"):
+        torchckpt.checkpoint(Keep())(3)
+
+
+@pytest.mark.parametrize("bad", [5, torch.randn(3), [torch.randn(3), 1.0], nn.Linear(2, 2)])
+def test_offload_keep_must_be_an_iterable_of_tensors(bad: object) -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: offload\(keep=\.\.\.\) expects an iterable of tensors"):
+        torchckpt.offload(cpu_store(0), keep=bad)
+
+
+def test_offload_keep_accepts_a_generator() -> None:
+    lin = nn.Linear(4, 4)
+    with torchckpt.offload(cpu_store(0), keep=lin.parameters()):
+        lin(torch.randn(2, 4)).sum().backward()
+    assert lin.weight.grad is not None
+
+
+def test_keep_takes_no_store() -> None:
+    # Library bug: Keep(store) raised Python's "takes 1 positional argument but 2 were given".
+    s = cpu_store(0)
+    for make in (lambda: Keep(s), lambda: Keep(store=s)):
+        with pytest.raises(TypeError, match=r"^torchckpt: Keep\(\) takes no arguments.*Offload\(store\)"):
+            make()
+    assert repr(Keep()) == "Keep()"
+
+
+@pytest.mark.parametrize("field", ["preserve_rng_state", "debug"])
+def test_recompute_flags_are_booleans(field: str) -> None:
+    with pytest.raises(TypeError, match=rf"^torchckpt: Recompute\({field}=\.\.\.\) expects True or False"):
+        Recompute(**{field: "no"})
+
+
+def test_run_bad_input() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with torch.no_grad():  # checked before the no-grad shortcut
+        with pytest.raises(TypeError, match=r"^torchckpt: run\(policy, \.\.\.\)"):
+            torchckpt.run("recompute", f, x)
+    with pytest.raises(TypeError, match="^torchckpt: run.* takes the policy first"):
+        torchckpt.run(f, Recompute(), x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="^torchckpt: run.* expects a callable fn"):
+        torchckpt.run(Recompute(), 3, x)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^torchckpt: run\(\.\.\., module=\.\.\.\)"):
+        torchckpt.run(Offload(cpu_store(0)), f, x, module="lin")  # type: ignore[arg-type]
+
+
+def test_torch_checkpoint_options_in_the_call_form() -> None:
+    x = torch.randn(4, requires_grad=True)
+    with pytest.raises(ValueError, match="^torchckpt: .*use_reentrant=True.*non-reentrant"):
+        torchckpt.checkpoint(f, x, use_reentrant=True)
+    with pytest.raises(TypeError, match=r"^torchckpt: .*preserve_rng_state=\.\.\.\).*Recompute\(preserve_rng_state=False\)"):
+        torchckpt.checkpoint(f, x, preserve_rng_state=False, policy=Recompute())
+
+
+# -- checkpointed_loop, run_schedule and SnapshotStore (NOTE [ Adjoint executor ] Rule 6) --------
+def _loop(**kw: object) -> object:
+    from torchckpt.schedules import Revolve
+
+    kw.setdefault("schedule", Revolve(3, 2))
+    return torchckpt.checkpointed_loop(torch.sin, torch.ones(2, requires_grad=True), 3, **kw)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("store,match", [
+    ("cpu", r"found the device 'cpu'; pass store=torchckpt\.Store\('cpu'\)"),
+    (torch.device("cpu"), r"found the device 'cpu'"),
+    (torchckpt.SnapshotStore, r"found the class SnapshotStore; pass an instance"),
+    (torchckpt.Store, r"found the class Store; pass an instance"),
+    (3, r"found int 3"),
+])
+def test_checkpointed_loop_store_argument(store: object, match: str) -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(store=\.\.\.\) expects a torchckpt\.Store.*" + match):
+        _loop(store=store)
+
+
+def test_checkpointed_loop_store_snapshot_store_instance() -> None:
+    snaps = torchckpt.SnapshotStore("cpu", slots=2, host=torchckpt.HostPool(chunk_bytes=1 << 20, pin=False))
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(store=\.\.\.\).*SnapshotStore.*run_schedule"):
+        _loop(store=snaps)
+
+
+@pytest.mark.parametrize("params,match", [
+    (torch.ones(2, requires_grad=True), r"found a tensor; pass a list, e\.g\. params=\[w\]"),
+    (nn.Linear(2, 2), r"found an nn\.Module; pass params=list\(module\.parameters\(\)\)"),
+    ([torch.ones(2), "w"], r"found str 'w' at index 1"),
+    (3, r"found int 3"),
+])
+def test_checkpointed_loop_params_argument(params: object, match: str) -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(params=\.\.\.\) expects .*" + match):
+        _loop(params=params, store=cpu_store(1 << 20))
+
+
+@pytest.mark.parametrize("schedule", [None, 3, ["Save(0)"], b"auto"])
+def test_checkpointed_loop_schedule_argument(schedule: object) -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: .*schedule"):
+        _loop(schedule=schedule, store=cpu_store(1 << 20))
+
+
+def test_checkpointed_loop_schedule_none_says_what_to_pass() -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(schedule=None\).*schedule='auto'"):
+        _loop(schedule=None, store=cpu_store(1 << 20))
+
+
+@pytest.mark.parametrize("slots,exc", [(0, ValueError), (-1, ValueError), (1.5, TypeError), (True, TypeError),
+                                       ("4", TypeError)])
+def test_checkpointed_loop_slots_argument(slots: object, exc: type) -> None:
+    with pytest.raises(exc, match=r"^torchckpt: checkpointed_loop\(slots=\.\.\.\).*slots=4"):
+        _loop(slots=slots, store=cpu_store(1 << 20))
+
+
+def test_checkpointed_loop_prefetch_and_step_arguments() -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(prefetch=\.\.\.\) expects True or False"):
+        _loop(prefetch="no", store=cpu_store(1 << 20))
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(step=\.\.\.\) expects a callable"):
+        torchckpt.checkpointed_loop("sin", torch.ones(2), 3)  # type: ignore[arg-type]
+
+
+def _schedule_run(**kw: object) -> object:
+    from torchckpt.schedules import Revolve, Tier
+
+    x = [torch.ones(2)]
+    args: dict = dict(forward=lambda n0, n1: None, save=lambda n: x[0], restore=lambda n, t: None,
+                      backward=lambda n: None, store=None)
+    args.update(kw)
+    sched = args.pop("schedule", Revolve(3, 2, tier=Tier.HOST))
+    return torchckpt.run_schedule(sched, **args)
+
+
+@pytest.mark.parametrize("store,match", [
+    ("cpu", r"found the device 'cpu'"),
+    (torchckpt.SnapshotStore, r"found the class SnapshotStore; pass an instance"),
+    (torchckpt.Store, r"found the class Store; pass an instance"),
+])
+def test_run_schedule_store_argument(store: object, match: str) -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: run_schedule\(store=\.\.\.\) expects .*" + match):
+        _schedule_run(store=store)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"schedule": None}, TypeError, r"run_schedule\(schedule=\.\.\.\).*found None"),
+    ({"schedule": 7}, TypeError, r"run_schedule\(schedule=\.\.\.\)"),
+    ({"schedule": ["Advance(0, 1)"]}, TypeError, r"unknown schedule action 'Advance\(0, 1\)' at position 0"),
+    ({"slots": 0}, ValueError, r"run_schedule\(slots=\.\.\.\) must be >= 1"),
+    ({"slots": "2"}, TypeError, r"run_schedule\(slots=\.\.\.\) must be an int"),
+    ({"prefetch": "no"}, TypeError, r"run_schedule\(prefetch=\.\.\.\) expects True or False"),
+    ({"progress": 1}, TypeError, r"run_schedule\(progress=\.\.\.\) expects True or False"),
+    ({"forward": None}, TypeError, r"run_schedule\(forward=\.\.\.\) expects a callable"),
+    ({"end_forward": "done"}, TypeError, r"run_schedule\(end_forward=\.\.\.\) expects a callable"),
+    ({"save": lambda n: 3.0}, TypeError, r"run_schedule's save\(0\) must return a tensor"),
+])
+def test_run_schedule_bad_arguments(kw: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match="^torchckpt: " + match):
+        _schedule_run(**kw)
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"gpu_bytes": 1 << 20}, TypeError, r"SnapshotStore needs the device .*SnapshotStore\('cuda', gpu_bytes=\.\.\.\)"),
+    ({"device": "gpu"}, ValueError, r"SnapshotStore\(device='gpu'\) is not a device"),
+    ({"device": 0.5}, TypeError, r"SnapshotStore\(device=\.\.\.\) expects"),
+    ({"device": "cpu", "gpu_bytes": True}, ValueError, r"SnapshotStore\(gpu_bytes=\.\.\.\) must be a positive int"),
+    ({"device": "cpu", "gpu_bytes": "1GB"}, ValueError, r"SnapshotStore\(gpu_bytes=\.\.\.\) must be a positive int"),
+    ({"device": "cpu", "slot_bytes": 0}, ValueError, r"SnapshotStore\(slot_bytes=\.\.\.\) must be a positive int"),
+    ({"device": "cpu", "slot_margin": "0.1"}, ValueError, r"SnapshotStore\(slot_margin=\.\.\.\) must be a number"),
+    ({"device": "cpu", "host": "pinned"}, TypeError, r"SnapshotStore\(host=\.\.\.\) expects a torchckpt\.HostPool"),
+    ({"device": "cpu", "timing": "no"}, TypeError, r"SnapshotStore\(timing=\.\.\.\) expects True or False"),
+])
+def test_snapshot_store_bad_construction(kw: dict, exc: type, match: str) -> None:
+    with pytest.raises(exc, match="^torchckpt: " + match):
+        torchckpt.SnapshotStore(**kw)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_snapshot_store_cuda_without_cuda() -> None:
+    with pytest.raises(ValueError, match=r"^torchckpt: SnapshotStore\(device='cuda'\) needs CUDA.*device='cpu'"):
+        torchckpt.SnapshotStore("cuda", gpu_bytes=1 << 20)

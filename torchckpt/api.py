@@ -1,10 +1,41 @@
-"""User-facing entry points: ``checkpoint`` (decorator, wrapper, call) and ``offload``."""
+"""User-facing entry points: ``checkpoint`` (decorator, wrapper, call), ``run`` and ``offload``.
+
+# NOTE [ checkpoint forms ]
+``checkpoint(target, *args, policy=None, **kwargs)`` picks its form from ``target`` alone, and
+``policy`` never changes the form:
+
+Rule 1. No target, or a policy as target (``checkpoint()``, ``checkpoint(P)``,
+        ``checkpoint(policy=P)``): returns a decorator for a function, a module class or a
+        module instance. It takes no call arguments.
+Rule 2. An ``nn.Module`` subclass (``@checkpoint``, ``@checkpoint(P)``): its ``forward`` runs under
+        the policy for every instance; the class is changed in place and returned, so it pickles
+        by reference as usual. Decorating it again replaces the policy, with a warning.
+Rule 3. An ``nn.Module`` instance and no call arguments (``checkpoint(m)``,
+        ``checkpoint(m, policy=P)``, ``checkpoint(m, P)``): wraps that instance and returns it.
+        ``state_dict`` keys do not change. Its policy takes the place of one its class was
+        decorated with (policies on one module do not nest). Wrapping it again replaces the
+        policy, with a warning. The wrapper is an ``_InstanceForward`` in the instance's
+        ``__dict__``: it holds the module, the policy and the forward it runs, and pickles and
+        deep-copies with the module (a ``Store`` in the policy pickles as its configuration).
+Rule 4. Any other callable, and a module with call arguments: calls ``target(*args, **kwargs)``
+        under the policy and returns the result, for any number of arguments, zero included:
+        the call semantics of ``torch.utils.checkpoint.checkpoint``. So a bare ``@checkpoint``
+        on a function would call it; decorate functions with ``@checkpoint()`` or
+        ``@checkpoint(P)``. When the call has no arguments and ``target`` cannot be called
+        without any, that is the error. ``torch.utils.checkpoint``'s own keywords
+        (``use_reentrant``, ``preserve_rng_state``, ...) are not passed to ``target`` either.
+Rule 5. A policy is never a call argument: ``checkpoint(target, P)`` means
+        ``checkpoint(target, policy=P)``; a policy anywhere else among the arguments, a policy
+        given twice, a policy class or a string naming one is an error.
+"""
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
 import types
+import warnings
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
@@ -18,6 +49,10 @@ from torchckpt.store import Store
 T = TypeVar("T")
 _stores: dict[torch.device, Store] = {}
 _stores_lock = threading.Lock()
+_POLICY_TYPES = (Recompute, Offload, Keep)
+_POLICY_NAMES = {"recompute": "Recompute()", "offload": "Offload(store)", "keep": "Keep()"}
+# torch.utils.checkpoint.checkpoint's keywords: never passed to the block (Rule 4).
+_TORCH_KEYWORDS = ("use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state")
 
 
 def default_store(device: str | torch.device | None = None) -> Store:
@@ -48,6 +83,22 @@ def _device_of(args: Iterable[Any]) -> torch.device | None:
     return None
 
 
+def _check_keep(where: str, keep: Any) -> list[torch.Tensor]:
+    fix = "pass an iterable of tensors, e.g. keep=list(model.buffers())"
+    if isinstance(keep, torch.Tensor):
+        raise TypeError(f"torchckpt: {where} expects an iterable of tensors, got one Tensor; pass keep=[tensor].")
+    if isinstance(keep, nn.Module):
+        raise TypeError(f"torchckpt: {where} expects an iterable of tensors, got the module {type(keep).__name__}; {fix}.")
+    try:
+        items = list(keep)
+    except TypeError:
+        raise TypeError(f"torchckpt: {where} expects an iterable of tensors, got {type(keep).__name__}; {fix}.") from None
+    for i, t in enumerate(items):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"torchckpt: {where} expects an iterable of tensors, but item {i} is {type(t).__name__}; {fix}.")
+    return items
+
+
 def offload(store: Store | None = None, *, keep: Iterable[torch.Tensor] = ()) -> torch.autograd.graph.saved_tensors_hooks:
     """A context manager under which every tensor autograd saves goes to ``store``.
 
@@ -72,14 +123,58 @@ def offload(store: Store | None = None, *, keep: Iterable[torch.Tensor] = ()) ->
     if store is None:
         store = default_store()
     elif not isinstance(store, Store):
-        raise TypeError(f"torchckpt: offload(store=...) expects a torchckpt.Store, got {type(store).__name__}.")
-    return store.hooks(keep)
+        raise TypeError(
+            f"torchckpt: offload(store=...) expects a torchckpt.Store or None, got {type(store).__name__}; "
+            "pass store=torchckpt.Store(gpu_bytes=...)."
+        )
+    return store.hooks(_check_keep("offload(keep=...)", keep))
 
 
 def _module_tensors(module: nn.Module | None) -> list[torch.Tensor]:
     if module is None:
         return []
     return [*module.parameters(), *module.buffers()]
+
+
+def _bad_policy(where: str, policy: Any) -> TypeError:
+    expected = f"torchckpt: {where} expects Recompute(), Offload(store) or Keep()"
+    if isinstance(policy, str):
+        name = _POLICY_NAMES.get(policy.strip().lower().removesuffix("()"), "Offload(store)")
+        return TypeError(f"{expected}, got the string {policy!r}; policies are values: pass policy=torchckpt.{name}.")
+    if isinstance(policy, type) and issubclass(policy, _POLICY_TYPES):
+        return TypeError(f"{expected}, got the class {policy.__name__}; pass an instance: policy=torchckpt.{policy.__name__}().")
+    return TypeError(f"{expected}, got {type(policy).__name__} {policy!r}; pass e.g. policy=torchckpt.Recompute().")
+
+
+def _check_policy(where: str, policy: Any) -> Policy:
+    if policy is None:
+        return Recompute()
+    if not isinstance(policy, _POLICY_TYPES):
+        raise _bad_policy(where, policy)
+    return policy
+
+
+def _looks_like_policy(value: Any) -> bool:
+    """A string naming a policy, or a policy class: meant as ``policy=``, never a call argument."""
+    if isinstance(value, str):
+        return value.strip().lower().removesuffix("()") in _POLICY_NAMES
+    return isinstance(value, type) and issubclass(value, _POLICY_TYPES)
+
+
+_hooks_refused: Callable[[], str | None] = getattr(
+    torch._C._autograd, "_saved_tensors_hooks_get_disabled_error_message", lambda: None)
+
+
+def _warn_hooks_refused(policy: Policy) -> None:
+    """Inside ``torch.func.grad``/``vjp``/``jacrev``/``hessian`` PyTorch refuses saved-tensor hooks
+    (``torch.utils.checkpoint`` raises there too): a block runs as ``Keep()``, which gives the same
+    values and gradients and only holds more memory. Python's filters show the warning once per call site."""
+    warnings.warn(
+        f"torchckpt: {type(policy).__name__}() runs as Keep() inside torch.func.grad/vjp/jacrev/hessian: PyTorch "
+        "does not support saved-tensor hooks there. Values and gradients are unchanged; the block's saved tensors "
+        "stay on the device. Differentiate with torch.autograd.grad to get the policy's memory savings.",
+        stacklevel=3,
+    )
 
 
 def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | None = None, **kwargs: Any) -> T:
@@ -93,46 +188,66 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
 
     Returns:
         Whatever ``fn`` returns (tensors, tuples, non-tensor values).
+
+    Example::
+
+        >>> import torchckpt
+        >>> x = torch.randn(4, requires_grad=True)
+        >>> torchckpt.run(torchckpt.Recompute(), torch.sin, x).sum().backward()
+        >>> bool(torch.equal(x.grad, x.detach().cos()))
+        True
     """
+    if not isinstance(policy, _POLICY_TYPES):
+        if isinstance(fn, _POLICY_TYPES) and callable(policy):
+            raise TypeError(f"torchckpt: run(policy, fn, *args) takes the policy first; pass run({fn!r}, fn, ...).")
+        raise _bad_policy("run(policy, ...)", policy)
+    if not callable(fn):
+        raise TypeError(f"torchckpt: run(policy, fn, ...) expects a callable fn, got {type(fn).__name__}.")
+    if module is not None and not isinstance(module, nn.Module):
+        raise TypeError(
+            f"torchckpt: run(..., module=...) expects the nn.Module that fn belongs to or None, got {type(module).__name__}."
+        )
     if isinstance(policy, Keep) or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
+    if _hooks_refused() is not None:  # torch.func.grad and friends: see _warn_hooks_refused
+        _warn_hooks_refused(policy)
+        return fn(*args, **kwargs)
     if isinstance(policy, Offload):
-        store = policy.store or default_store(_device_of(args))
+        store = policy.store if policy.store is not None else default_store(_device_of(args))
         with store.hooks(_module_tensors(module), policy.codec):
             return fn(*args, **kwargs)
-    if isinstance(policy, Recompute):
-        ctx: Any = contextlib.nullcontext()
-        if policy.store is not None:
-            ctx = policy.store.hooks(_module_tensors(module))
-        with ctx:  # the inputs saved at the boundary go to the store
-            return _torch_checkpoint(  # type: ignore[return-value]
-                fn,
-                *args,
-                use_reentrant=False,
-                preserve_rng_state=policy.preserve_rng_state,
-                determinism_check=policy.determinism_check,
-                debug=policy.debug,
-                **kwargs,
-            )
-    raise TypeError(
-        f"torchckpt: policy must be Recompute(), Offload(...) or Keep(), got {policy!r}; "
-        "policies are values: pass policy=torchckpt.Offload() rather than a string."
-    )
-
-
-def _check_policy(policy: Any) -> Policy:
-    if policy is None:
-        return Recompute()
-    if not isinstance(policy, (Recompute, Offload, Keep)):
-        raise TypeError(
-            f"torchckpt: policy must be Recompute(), Offload(...) or Keep(), got {policy!r}; "
-            "policies are values: pass policy=torchckpt.Offload() rather than a string."
+    ctx: Any = contextlib.nullcontext()
+    if policy.store is not None:
+        ctx = policy.store.hooks(_module_tensors(module))
+    with ctx:  # the inputs saved at the boundary go to the store
+        return _torch_checkpoint(  # type: ignore[no-any-return]
+            fn,
+            *args,
+            use_reentrant=False,
+            preserve_rng_state=policy.preserve_rng_state,
+            determinism_check=policy.determinism_check,
+            debug=policy.debug,
+            **kwargs,
         )
-    return policy
+
+
+def _unwrapped(forward: Callable[..., Any]) -> Callable[..., Any]:
+    return getattr(forward, "_torchckpt_orig", forward)
 
 
 def _wrap_class(cls: type[nn.Module], policy: Policy) -> type[nn.Module]:
-    orig = getattr(cls.forward, "_torchckpt_orig", cls.forward)
+    own = cls.__dict__.get("forward")
+    old = getattr(own, "_torchckpt_policy", None)
+    if old is policy:
+        return cls
+    if old is not None:
+        warnings.warn(
+            f"torchckpt: class {cls.__qualname__} was already decorated with {old!r}; {policy!r} replaces it "
+            "(policies on one module do not nest: to nest, checkpoint a submodule).",
+            UserWarning,
+            stacklevel=3,
+        )
+    orig = _unwrapped(cls.forward)
 
     @functools.wraps(orig)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -144,18 +259,48 @@ def _wrap_class(cls: type[nn.Module], policy: Policy) -> type[nn.Module]:
     return cls
 
 
-def _instance_forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
-    # A bound method stored on the instance: copy.deepcopy rebinds it to the copy, which then
-    # runs with its own parameters and policy.
-    orig = self.__dict__["_torchckpt_orig"]
-    return run(self.__dict__["_torchckpt_policy"], orig.__get__(self), *args, module=self, **kwargs)
+class _InstanceForward:
+    """The ``forward`` of a module wrapped by ``checkpoint(module, policy=...)`` (NOTE [ checkpoint forms ] Rule 3).
+
+    It lives in the module's ``__dict__`` and refers back to the module, so ``copy.deepcopy`` and
+    pickling (which keep the module's identity within one copy) give a copy that runs the copy's
+    own parameters under a copy of the policy. ``inner`` is a forward the instance already had
+    (set by the user or another library) or ``None``: the class's forward at call time.
+    """
+
+    def __init__(self, module: nn.Module, policy: Policy, inner: Callable[..., Any] | None) -> None:
+        self.module = module
+        self.policy = policy
+        self.inner = inner
+
+    @property
+    def __wrapped__(self) -> Callable[..., Any]:  # inspect.signature(module.forward) sees the real one
+        if self.inner is not None:
+            return self.inner
+        return types.MethodType(_unwrapped(type(self.module).forward), self.module)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.inner if self.inner is not None else functools.partial(_unwrapped(type(self.module).forward), self.module)
+        return run(self.policy, fn, *args, module=self.module, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<forward of {type(self.module).__name__} under {self.policy!r}>"
 
 
 def _wrap_instance(module: nn.Module, policy: Policy) -> nn.Module:
-    cls_forward = type(module).forward
-    object.__setattr__(module, "_torchckpt_orig", getattr(cls_forward, "_torchckpt_orig", cls_forward))
-    object.__setattr__(module, "_torchckpt_policy", policy)
-    object.__setattr__(module, "forward", types.MethodType(_instance_forward, module))
+    current = module.__dict__.get("forward")
+    inner = current
+    if isinstance(current, _InstanceForward):
+        if current.policy is policy and current.module is module:
+            return module
+        warnings.warn(
+            f"torchckpt: this {type(module).__name__} instance was already wrapped with {current.policy!r}; "
+            f"{policy!r} replaces it (policies on one module do not nest: to nest, checkpoint a submodule).",
+            UserWarning,
+            stacklevel=3,
+        )
+        inner = current.inner
+    object.__setattr__(module, "forward", _InstanceForward(module, policy, inner))
     return module
 
 
@@ -165,6 +310,65 @@ def _wrap_function(fn: Callable[..., T], policy: Policy) -> Callable[..., T]:
         return run(policy, fn, *args, **kwargs)
 
     return wrapped
+
+
+def _decorator(policy: Policy) -> Callable[[Any], Any]:
+    def decorate(obj: Any) -> Any:
+        if isinstance(obj, type):
+            return _wrap_class(_check_module_class(obj), policy)
+        if isinstance(obj, nn.Module):
+            return _wrap_instance(obj, policy)
+        if callable(obj):
+            return _wrap_function(obj, policy)
+        raise TypeError(
+            f"torchckpt: checkpoint(policy) decorates a function, an nn.Module class or an nn.Module, "
+            f"got {type(obj).__name__}."
+        )
+
+    return decorate
+
+
+def _check_module_class(cls: type) -> type[nn.Module]:
+    if not issubclass(cls, nn.Module):
+        raise TypeError(
+            f"torchckpt: @checkpoint decorates nn.Module subclasses, got class {cls.__name__}; "
+            "decorate its method or call checkpoint(fn, *args, policy=...) instead."
+        )
+    return cls
+
+
+def _check_callable_without_arguments(fn: Callable[..., Any]) -> None:
+    """Rule 4: ``checkpoint(fn)`` calls ``fn()``; say so when ``fn`` cannot be called that way."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):  # no signature to check (some builtins): let the call speak
+        return
+    try:
+        sig.bind()
+    except TypeError:
+        name = getattr(fn, "__qualname__", type(fn).__name__)
+        raise TypeError(
+            f"torchckpt: checkpoint({name}) with no call arguments calls {name}() under the policy, as "
+            f"torch.utils.checkpoint.checkpoint does, but {name} takes arguments {sig}. To make a "
+            "checkpointed function, decorate it with @torchckpt.checkpoint() or @torchckpt.checkpoint(policy); "
+            "to call it, pass its arguments: checkpoint(fn, *args, policy=...)."
+        ) from None
+
+
+def _check_torch_keywords(kwargs: dict[str, Any]) -> None:
+    use_reentrant = kwargs.pop("use_reentrant", None)
+    if use_reentrant not in (None, False):
+        raise ValueError(
+            f"torchckpt: checkpoint(..., use_reentrant={use_reentrant!r}): torchckpt runs torch.utils.checkpoint's "
+            "non-reentrant path only; pass use_reentrant=False or leave it out."
+        )
+    given = [k for k in _TORCH_KEYWORDS if k in kwargs]
+    if given:
+        raise TypeError(
+            f"torchckpt: checkpoint(..., {given[0]}=...) is a torch.utils.checkpoint option, not an argument of the "
+            "block; set it on the policy instead, e.g. policy=torchckpt.Recompute(preserve_rng_state=False) "
+            "(context_fn is not supported)."
+        )
 
 
 @overload
@@ -178,27 +382,32 @@ def checkpoint(target: Callable[..., T], *args: Any, policy: Policy | None = Non
 
 
 def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **kwargs: Any) -> Any:
-    """Apply a checkpoint policy to a module class, a module instance, or one call.
+    """Apply a checkpoint policy to a module class, a module instance, a function, or one call.
 
-    Forms:
-        - ``@checkpoint`` or ``@checkpoint(Offload(store))`` on an ``nn.Module`` subclass:
-          every instance runs ``forward`` under the policy.
-        - ``checkpoint(module, policy=...)`` (or ``checkpoint(module, policy)``): wraps that instance (its ``state_dict`` keys are
-          unchanged) and returns it.
-        - ``checkpoint(fn, *args, policy=..., **kwargs)``: calls ``fn`` under the policy, like
-          ``torch.utils.checkpoint.checkpoint(fn, *args)``.
-        - ``@checkpoint`` / ``@checkpoint(policy)`` on a function, or ``checkpoint(fn)`` with no
-          arguments: returns ``fn`` wrapped to run under the policy.
+    The form follows from ``target`` (NOTE [ checkpoint forms ]):
+        - ``checkpoint()``, ``checkpoint(policy)`` or ``checkpoint(policy=policy)``: a decorator,
+          for a function (``@checkpoint(Offload(store))`` above ``def``), a class or an instance.
+        - ``@checkpoint`` or ``@checkpoint(policy)`` on an ``nn.Module`` subclass: every instance
+          runs ``forward`` under the policy.
+        - ``checkpoint(module)``, ``checkpoint(module, policy=...)`` or ``checkpoint(module, policy)``
+          with no call arguments: wraps that instance (``state_dict`` keys unchanged) and
+          returns it. Wrapping it, or decorating a class, again replaces the policy with a warning.
+        - ``checkpoint(fn, *args, policy=..., **kwargs)``, and ``checkpoint(module, *args, ...)``
+          with arguments: calls ``fn(*args, **kwargs)`` under the policy, like
+          ``torch.utils.checkpoint.checkpoint(fn, *args)``, for any number of arguments, zero
+          included. So a bare ``@checkpoint`` on a function would call it: write
+          ``@checkpoint()``. To call a module that takes no arguments, use ``checkpoint(module.__call__)``.
+    A policy is never a call argument: ``checkpoint(target, policy)`` is ``checkpoint(target, policy=policy)``.
     The default policy is ``Recompute()``.
 
     Args:
         target: a policy (returns a decorator), a module class, a module, or a callable.
         *args: arguments of the call form.
-        policy: the policy when ``target`` is not one.
+        policy: ``Recompute()``, ``Offload(store)`` or ``Keep()``; ``None``: ``Recompute()``.
         **kwargs: keyword arguments of the call form.
 
     Returns:
-        The decorated class, the wrapped module, or the call's result.
+        A decorator, the decorated class, the wrapped module, or the call's result.
 
     Example::
 
@@ -207,28 +416,51 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
         >>> lin(torch.randn(2, 8, requires_grad=True)).sum().backward()
         >>> lin.weight.grad.shape
         torch.Size([8, 8])
+        >>> @torchckpt.checkpoint(torchckpt.Recompute())
+        ... def block(x):
+        ...     return x.sin().exp()
+        >>> block(torch.randn(3, requires_grad=True)).shape
+        torch.Size([3])
     """
-    if target is None or isinstance(target, (Recompute, Offload, Keep)):
+    if target is None or isinstance(target, _POLICY_TYPES):  # Rule 1
         if args or kwargs:
-            raise TypeError("torchckpt: checkpoint(policy) takes no call arguments; use checkpoint(fn, *args, policy=...).")
-        pol = _check_policy(target if target is not None else policy)
-        return lambda obj: checkpoint(obj, policy=pol)
-    if policy is None and len(args) == 1 and not kwargs and isinstance(args[0], (Recompute, Offload, Keep)):
-        policy, args = args[0], ()  # checkpoint(module, Offload(store)): a policy is never a call argument
-    pol = _check_policy(policy)
-    if isinstance(target, type):
-        if not issubclass(target, nn.Module):
-            raise TypeError(f"torchckpt: @checkpoint decorates nn.Module subclasses, got class {target.__name__}.")
+            raise TypeError(
+                "torchckpt: checkpoint(policy) returns a decorator and takes no call arguments; "
+                "to call a block, pass it first: checkpoint(fn, *args, policy=...)."
+            )
+        if target is not None and policy is not None:
+            raise TypeError("torchckpt: checkpoint(policy, policy=...) got the policy twice; pass it once.")
+        return _decorator(_check_policy("checkpoint(policy=...)", target if target is not None else policy))
+    if _looks_like_policy(target):
+        raise _bad_policy("checkpoint(policy)", target)
+    if args and isinstance(args[0], _POLICY_TYPES) and len(args) == 1 and not kwargs:  # Rule 5
+        if policy is not None:
+            raise TypeError(f"torchckpt: checkpoint(target, {args[0]!r}, policy={policy!r}) got the policy twice; pass it once.")
+        policy, args = args[0], ()
+    elif len(args) == 1 and not kwargs and _looks_like_policy(args[0]):
+        raise _bad_policy("checkpoint(target, policy)", args[0])
+    pol = _check_policy("checkpoint(..., policy=...)", policy)
+    if isinstance(target, type):  # Rule 2
         if args or kwargs:
-            raise TypeError("torchckpt: decorating a class takes no call arguments.")
-        return _wrap_class(target, pol)
-    if isinstance(target, nn.Module) and not args and not kwargs:
+            raise TypeError(
+                f"torchckpt: checkpoint(cls) decorates the class {target.__name__} and takes no call arguments; "
+                "to checkpoint one call, pass an instance: checkpoint(module, *args, policy=...)."
+            )
+        return _wrap_class(_check_module_class(target), pol)
+    if isinstance(target, nn.Module) and not args and not kwargs:  # Rule 3
         return _wrap_instance(target, pol)
-    if callable(target) and not args and not kwargs:  # @checkpoint on a function: decorate it
-        return _wrap_function(target, pol)
     if not callable(target):
         raise TypeError(
             f"torchckpt: checkpoint() expects a policy, an nn.Module class or instance, or a callable, "
             f"got {type(target).__name__}."
         )
-    return run(pol, target, *args, **kwargs)
+    for i, a in enumerate(args):
+        if isinstance(a, _POLICY_TYPES):
+            raise TypeError(
+                f"torchckpt: checkpoint(fn, *args) got the policy {a!r} as call argument {i}; "
+                "a policy is never a call argument: pass it as policy=..."
+            )
+    _check_torch_keywords(kwargs)
+    if not args and not kwargs:
+        _check_callable_without_arguments(target)
+    return run(pol, target, *args, module=target if isinstance(target, nn.Module) else None, **kwargs)  # Rule 4

@@ -43,6 +43,12 @@ class Recompute:
 
     def __post_init__(self) -> None:
         _check_store("Recompute", self.store)
+        for name in ("preserve_rng_state", "debug"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise TypeError(
+                    f"torchckpt: Recompute({name}=...) expects True or False, got {type(value).__name__} {value!r}."
+                )
         if self.determinism_check not in _DETERMINISM:
             raise ValueError(
                 f"torchckpt: Recompute(determinism_check=...) must be one of {_DETERMINISM}, "
@@ -74,9 +80,18 @@ class Offload:
             )
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
+@dataclasses.dataclass(frozen=True, eq=False, init=False)
 class Keep:
-    """Keep the block's saved tensors on the device, as plain autograd does."""
+    """Keep the block's saved tensors on the device, as plain autograd does. Takes no arguments."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        if args or kwargs:
+            given = ", ".join([type(a).__name__ for a in args] + [f"{k}=..." for k in kwargs])
+            raise TypeError(
+                f"torchckpt: Keep() takes no arguments, got Keep({given}); Keep leaves saved tensors where "
+                "autograd puts them and uses no store. To send them to a store pass Offload(store), or "
+                "Recompute(store=store) for the block's inputs."
+            )
 
 
 Policy = Recompute | Offload | Keep

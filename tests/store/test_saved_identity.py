@@ -236,16 +236,20 @@ def test_offload_under_vmap() -> None:
     check_steps(lambda: torch.vmap(f)(x).sum(), [x], lambda: torchckpt.offload(store))
 
 
-def test_offload_policy_under_torch_func_grad() -> None:
+@pytest.mark.parametrize("name", ["Offload", "Recompute"])
+def test_policy_under_torch_func_grad_runs_as_keep(name: str) -> None:
+    # torch.utils.checkpoint itself raises under torch.func.grad; a policy warns and runs as Keep().
     lin = nn.Linear(32, 32)
     x = torch.randn(4, 32)
-    block = torchckpt.checkpoint(nn.Sequential(nn.Linear(32, 32), nn.Tanh()), policy=Offload(cpu_store(0)))
+    policy = Offload(cpu_store(0)) if name == "Offload" else Recompute(store=cpu_store(0))
+    block = torchckpt.checkpoint(nn.Sequential(nn.Linear(32, 32), nn.Tanh()), policy=policy)
     params = dict(block.named_parameters())
 
     def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.func.functional_call(block, p, (lin(x),)).square().sum()
 
-    got = torch.func.grad(loss)(params)
+    with pytest.warns(UserWarning, match=f"torchckpt: {name}\\(\\) runs as Keep\\(\\) inside torch.func.grad"):
+        got = torch.func.grad(loss)(params)
     plain_block = nn.Sequential(nn.Linear(32, 32), nn.Tanh())
     plain_block.load_state_dict(block.state_dict())
     ref = torch.func.grad(lambda p: torch.func.functional_call(plain_block, p, (lin(x),)).square().sum())(
