@@ -233,7 +233,8 @@ def _loop(**kw: object) -> object:
     (3, r"found int 3"),
 ])
 def test_checkpointed_loop_store_argument(store: object, match: str) -> None:
-    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(store=\.\.\.\) expects a torchckpt\.Store.*" + match):
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(store=\.\.\.\) expects a torchckpt\.Store.*"
+                       + match):
         _loop(store=store)
 
 

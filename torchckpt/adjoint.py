@@ -19,9 +19,11 @@
 #    the order plain autograd's accumulation would.
 #    One backward pass per loop: the schedule's snapshots are consumed by it. A loop run
 #    without grad, or dropped without a backward, gives its host blocks back.
-# 3. Parameters: tensors the step uses that need gradients must be visible to autograd as
-#    inputs of the Function: an ``nn.Module`` step's parameters are found; otherwise pass
-#    ``params=``.
+# 3. Captured tensors: every tensor from outside the loop that a step reads differentiably is
+#    an input of the Function (NOTE [ Captured tensors ], torchckpt/captures.py): found by a
+#    probe of step 0, whose output is state 1, where the forward sweep starts.
+# 4. Bad arguments (``store``, ``schedule``, ``params``, ``slots``, the callbacks) raise at the
+#    call, naming the argument and what to pass (``_check_store`` and its neighbours).
 """
 from __future__ import annotations
 
@@ -36,11 +38,15 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchckpt._errors import CheckpointError
+from torchckpt.captures import (
+    Age, Swap, check_structure, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
+)
 from torchckpt.schedules import (
-    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, Uniform, plan_flushes,
+    Action, Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, Uniform,
+    plan_flushes,
     plan_prefetch,
 )
-from torchckpt.schedules.schedule import Schedule
+from torchckpt.schedules.schedule import Schedule, check_int
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
 from torchckpt.store.blob import Blob
@@ -115,6 +121,90 @@ def _actions(schedule: Iterable[Any], slots: int, prefetch: bool) -> tuple[list[
     return acts, plan_flushes(acts, slots)
 
 
+# -- arguments (NOTE [ Adjoint executor ] Rule 4) -----------------------------------------------
+def _check_callable(fn: str, name: str, value: object) -> None:
+    if not callable(value):
+        raise TypeError(f"torchckpt: {fn}({name}=...) expects a callable, found {type(value).__name__} {value!r}; "
+                        f"pass a function (see help({fn})).")
+
+
+def _check_flag(fn: str, name: str, value: object) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"torchckpt: {fn}({name}=...) expects True or False, found {value!r}.")
+
+
+def _check_slots(fn: str, slots: object) -> None:
+    check_int(f"{fn}(slots=...)", slots, 1,
+              "pass the number of GPU cache slots in front of host snapshots, e.g. slots=4 (2 or more overlap copies)")
+
+
+def _check_store(fn: str, store: object, snapshot_store: bool) -> None:
+    """``store=`` is None, a ``Store`` instance or (for ``run_schedule``) a ``SnapshotStore`` instance."""
+    if store is None or isinstance(store, Store) or (snapshot_store and isinstance(store, SnapshotStore)):
+        return
+    takes = "a torchckpt.Store, a SnapshotStore" if snapshot_store else "a torchckpt.Store"
+    if isinstance(store, type) and issubclass(store, (Store, SnapshotStore)):
+        found = f"the class {store.__name__}"
+        fix = f"pass an instance, e.g. store={store.__name__}('cuda', ...) ('cpu' to simulate)"
+    elif isinstance(store, SnapshotStore):
+        found = "a SnapshotStore"
+        fix = ("pass store=Store(device, gpu_bytes=..., host=...): the loop makes its snapshot store from its device, "
+               "budget, host pool and codec; a SnapshotStore of your own goes to run_schedule(store=...)")
+    elif isinstance(store, (str, torch.device)):
+        found = f"the device {str(store)!r}"
+        fix = f"pass store=torchckpt.Store({str(store)!r}), or None for the default store"
+    else:
+        found = f"{type(store).__name__} {store!r}"
+        fix = "pass store=torchckpt.Store(...), or None for the default store"
+    raise TypeError(f"torchckpt: {fn}(store=...) expects {takes} or None, found {found}; {fix}.")
+
+
+def _check_actions(fn: str, schedule: object) -> list[Any]:
+    """The actions of a schedule given as an iterable of actions (a ``Schedule`` or a list)."""
+    if schedule is None or isinstance(schedule, (str, bytes, type, torch.Tensor)) or not isinstance(schedule, Iterable):
+        raise TypeError(
+            f"torchckpt: {fn}(schedule=...) expects a schedule from torchckpt.schedules (e.g. Revolve(n_steps, 4)) "
+            f"or a list of its actions, found {schedule!r}; build one, e.g. schedule=Revolve(n_steps, 4)."
+        )
+    acts = list(schedule)
+    if not isinstance(schedule, Schedule):
+        for i, a in enumerate(acts):
+            if not isinstance(a, Action):
+                raise TypeError(f"torchckpt: unknown schedule action {a!r} at position {i} of {fn}(schedule=...); a "
+                                "schedule holds actions of torchckpt.schedules (Save, Advance, Restore, Adjoint, ...).")
+    return acts
+
+
+def _check_params(params: object) -> list[torch.Tensor]:
+    if params is None:
+        return []
+    if isinstance(params, torch.Tensor):
+        raise TypeError("torchckpt: checkpointed_loop(params=...) expects a list of tensors, found a tensor; pass a "
+                        "list, e.g. params=[w] (tensors the step reads are found without params=: see its docstring).")
+    if isinstance(params, nn.Module):
+        raise TypeError("torchckpt: checkpointed_loop(params=...) expects a list of tensors, found an nn.Module; pass "
+                        "params=list(module.parameters()), or nothing: the tensors the step reads are found.")
+    if not isinstance(params, Iterable) or isinstance(params, (str, bytes, dict)):
+        raise TypeError(f"torchckpt: checkpointed_loop(params=...) expects a list of tensors, found "
+                        f"{type(params).__name__} {params!r}; pass a list, e.g. params=[w].")
+    out = list(params)
+    for i, p in enumerate(out):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(f"torchckpt: checkpointed_loop(params=...) expects tensors, found {type(p).__name__} "
+                            f"{p!r} at index {i}; pass a list of tensors, e.g. params=[w].")
+    return out
+
+
+def _saved(tensors: object, n: int) -> list[torch.Tensor]:
+    """What ``run_schedule``'s ``save(n)`` returned, as a list of tensors."""
+    out = [tensors] if isinstance(tensors, torch.Tensor) else (
+        list(tensors) if isinstance(tensors, (list, tuple)) else None)
+    if not out or not all(isinstance(t, torch.Tensor) for t in out):
+        raise TypeError(f"torchckpt: run_schedule's save({n}) must return a tensor or a list/tuple of tensors, found "
+                        f"{type(tensors).__name__}; return the tensors of the current state, e.g. (u, u_prev).")
+    return out  # type: ignore[return-value]
+
+
 def run_schedule(
     schedule: Iterable[Any],
     *,
@@ -164,10 +254,18 @@ def run_schedule(
         >>> log  # adjoint step n sees state n = 2**n
         [(3, 8.0), (2, 4.0), (1, 2.0), (0, 1.0)]
     """
+    for name, fn in (("forward", forward), ("save", save), ("restore", restore), ("backward", backward)):
+        _check_callable("run_schedule", name, fn)
+    if end_forward is not None:
+        _check_callable("run_schedule", "end_forward", end_forward)
+    _check_store("run_schedule", store, snapshot_store=True)
+    _check_slots("run_schedule", slots)
+    _check_flag("run_schedule", "prefetch", prefetch)
+    _check_flag("run_schedule", "progress", progress)
+    sched = _check_actions("run_schedule", schedule)
     snaps = store if isinstance(store, SnapshotStore) else None
     n_adj = getattr(schedule, "n_steps", 0)
     prog = _Progress(progress, n_adj)
-    sched = list(schedule)
     # Only Advance (and End markers) can come before the first Save: nothing is cached before
     # it, so planning from there is planning the whole schedule. The first Save fixes the
     # snapshot store's slots (a store sized by gpu_bytes, or holding a codec, calibrates on it).
@@ -180,8 +278,7 @@ def run_schedule(
         a = acts[i]
         t = type(a)
         if i == i0 and first is None:
-            tensors = save(a.n)
-            first = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            first = _saved(save(a.n), a.n)
             if snaps is None:
                 snaps = _new_snapshot_store(store if isinstance(store, Store) else None, first[0].device, slots)
             slots = snaps.calibrate(first)  # the plan must match the slots the store has
@@ -194,8 +291,7 @@ def run_schedule(
         if t is Advance:
             forward(a.n0, a.n1)
         elif t is Save:
-            tensors = save(a.n)
-            tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+            tensors = _saved(save(a.n), a.n)
             assert snaps is not None
             snaps.save(a.n, a.tier, tensors, flush=i in flushes)
         elif t is Restore:
@@ -248,18 +344,13 @@ def _snapshot_bytes(flat: list[torch.Tensor], codec: Codec | None, margin: float
     return int(Blob(packs).nbytes * (1.0 + margin))
 
 
-def _check_structure(took: Any, returned: Any) -> None:
-    if returned != took:
-        raise CheckpointError(
-            f"torchckpt: step must return a state of the same structure as it takes; took {took}, returned {returned}."
-        )
-
-
 class _LoopRun:
     """What the autograd Function carries from forward to backward."""
 
     def __init__(self, step: Callable[..., Any], spec: Any, n_state: int, schedule: Iterable[Any],
-                 snaps_factory: Callable[[torch.device], SnapshotStore], slots: int, prefetch: bool) -> None:
+                 snaps_factory: Callable[[torch.device], SnapshotStore], slots: int, prefetch: bool,
+                 inputs: list[torch.Tensor], swapped: list[torch.Tensor], state1: list[torch.Tensor] | None,
+                 through_old: bool) -> None:
         self.step, self.spec, self.n_state = step, spec, n_state
         acts, self.flushes = _actions(schedule, slots, prefetch)
         self.actions = iter(enumerate(acts))
@@ -268,23 +359,59 @@ class _LoopRun:
         self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self.stats: SnapshotStats | None = None
         self.done = False
+        self.state1 = state1  # NOTE [ Captured tensors ] Rule 1: the probe's output, where the forward sweep starts
+        # NOTE [ Captured tensors ] Rule 2: recorded steps see an alias of each swapped tensor; each step is differentiated
+        # with respect to the Function's inputs, or to their aliases.
+        self.swaps = {id(t): (t, t.detach().requires_grad_()) for t in swapped}
+        self.wrt = [self.swaps[id(p)][1] if id(p) in self.swaps else p for p in inputs]
+        self.through_old = through_old  # NOTE [ Captured tensors ] Rule 1: a step running autograd makes nodes on other threads
 
     def call(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
-        y = self.step(tree_unflatten(x, self.spec))
-        flat, spec = tree_flatten(y)
-        _check_structure(self.spec, spec)
-        for a, b in zip(x, flat):
-            if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+        return flat_state(self.spec, x, self.step(tree_unflatten(x, self.spec)))
+
+    def advance(self, x: list[torch.Tensor], n0: int, n1: int) -> list[torch.Tensor]:
+        for k in range(n0, n1):
+            x = self.state1 if k == 0 and self.state1 is not None else self.call(x)
+        return x
+
+    def record(self, x: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Evaluate one step from ``x`` with recording (Rule 2): the graph ends at the inputs (NOTE [ Captured tensors ] Rule 2)."""
+        xin = [grad_leaf(v) for v in x]
+        with torch.enable_grad():
+            if self.swaps:
+                with Swap(self.swaps):
+                    return xin, self.call(xin)
+            return xin, self.call(xin)
+
+    def check_exits(self, xin: list[torch.Tensor], y: list[torch.Tensor], mark: int) -> None:
+        """NOTE [ Captured tensors ] Rule 2: a recorded step's graph leaves it only through its inputs."""
+        swapped = owned_nodes(t for t, _ in self.swaps.values())
+        leaves, edges, stopped = exits(y, {**owned_nodes(self.wrt), **swapped}, Age(mark, xin), self.through_old)
+        if stopped & swapped.keys():
+            raise CheckpointError(
+                "torchckpt: the step of checkpointed_loop reads a tensor computed before the loop and also a tensor it "
+                "was computed from, and passes the first to code a TorchFunctionMode does not see (a custom "
+                "Function's apply, TorchScript, compiled code): that use cannot be cut from the first tensor's "
+                "history, so every step would back-propagate through that history again (NOTE [ Captured tensors ] "
+                "Rule 2). Compute the first inside the step, or pass it through a torch op first (e.g. "
+                "Fn.apply(x, w2.view_as(w2)))."
+            )
+        known = {id(t) for t in xin} | {id(t) for t in self.wrt if t.grad_fn is None}
+        for v in leaves:
+            if id(v) not in known:
                 raise CheckpointError(
-                    "torchckpt: step must return a state of the same shapes and dtypes as it takes; took "
-                    f"{tuple(a.shape)} {a.dtype}, returned {tuple(getattr(b, 'shape', ()))} {getattr(b, 'dtype', type(b))}."
+                    f"torchckpt: the last step of checkpointed_loop reads a leaf tensor that requires grad (shape "
+                    f"{tuple(v.shape)}, {v.dtype}) that step 0 did not read, or makes one itself; pass it with "
+                    "params=[...], or make the step's own tensors without requires_grad=True (NOTE [ Captured "
+                    "tensors ] Rule 3)."
                 )
-        return flat
+        if edges:
+            raise unfound(next(iter(edges.values())), "the last step")
 
     def save(self, i: int, n: int, tier: Tier, x: list[torch.Tensor]) -> None:
         if self.snaps is None:
             self.snaps = self.factory(x[0].device)
-            # Rule 3: a loop dropped without a backward still gives its host blocks back.
+            # Rule 2: a loop dropped without a backward still gives its host blocks back.
             weakref.finalize(self, self.snaps.close)
         self.snaps.save(n, tier, x, flush=i in self.flushes)
 
@@ -314,8 +441,7 @@ class _Loop(torch.autograd.Function):
         for i, a in run.actions:
             t = type(a)
             if t is Advance:
-                for _ in range(a.n0, a.n1):
-                    x = run.call(x)
+                x = run.advance(x, a.n0, a.n1)
             elif t is Save:
                 run.save(i, a.n, a.tier, x)
             elif t is Prefetch or t is Free:
@@ -324,14 +450,13 @@ class _Loop(torch.autograd.Function):
                 break
             else:
                 raise CheckpointError(f"torchckpt: {a!r} before EndForward: the schedule is invalid.")
-        with torch.enable_grad():  # Rule 2: record the last step, keep its graph for Adjoint(n-1)
-            xin = [v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) for v in x]
-            y = run.call(xin)
+        run.state1 = None
+        mark = node_mark()
+        xin, y = run.record(x)  # Rule 2: record the last step, keep its graph for Adjoint(n-1)
+        run.check_exits(xin, y, mark)
         run.last = (xin, y)
         ctx.set_materialize_grads(False)  # an output the loss does not use brings None, as in plain autograd
         ctx.run = run
-        ctx.n_params = len(tensors) - run.n_state
-        ctx.params = tensors[run.n_state:]
         return tuple(v.detach() for v in y)
 
     @staticmethod
@@ -343,7 +468,7 @@ class _Loop(torch.autograd.Function):
                 "first one. Run the loop again for another backward (retain_graph=True cannot replay it)."
             )
         run.done = True
-        params = list(ctx.params)
+        params = run.wrt
         g: list[torch.Tensor | None] = list(grads)
         gp: list[torch.Tensor | None] = [None] * len(params)
         x: list[torch.Tensor] | None = None
@@ -356,9 +481,7 @@ class _Loop(torch.autograd.Function):
                 else:
                     if x is None:
                         raise CheckpointError(f"torchckpt: {a!r} with no current state: the schedule is invalid.")
-                    with torch.enable_grad():
-                        xin = [v.detach().requires_grad_(v.is_floating_point() or v.is_complex()) for v in x]
-                        y = run.call(xin)
+                    xin, y = run.record(x)
                 outs_y = [v for v, gv in zip(y, g) if gv is not None and v.requires_grad]
                 gs = [gv for v, gv in zip(y, g) if gv is not None and v.requires_grad]
                 wrt = [v for v in xin if v.requires_grad] + [p for p in params if p.requires_grad]
@@ -380,8 +503,7 @@ class _Loop(torch.autograd.Function):
             elif t is Advance:
                 assert x is not None
                 with torch.no_grad():
-                    for _ in range(a.n0, a.n1):
-                        x = run.call(x)
+                    x = run.advance(x, a.n0, a.n1)
             elif t is Save:
                 assert x is not None
                 run.save(i, a.n, a.tier, x)
@@ -409,13 +531,22 @@ def checkpointed_loop(
     """Run ``state = step(state)`` ``n_steps`` times, differentiably, storing only a schedule's snapshots.
 
     ``backward()`` through the result gives the gradients of the plain unrolled loop (exactly,
-    for deterministic ops) while at most the schedule's snapshots are held; the others are
+    for deterministic ops; a tensor the step reads that the loss also uses after the loop can
+    differ in the last bit) while at most the schedule's snapshots are held; the others are
     recomputed from them. Snapshots off the GPU pass through ``slots`` GPU cache slots and are
     prefetched following ``plan_prefetch`` (NOTE [ Adjoint executor ]).
 
+    The tensors ``step`` reads from outside the loop (a closure's weights, a module's
+    parameters, a tensor computed before the loop) get their gradients with no ``params=``:
+    under grad, step 0 is first run once on its own to find them (NOTE [ Captured tensors ]
+    Rules 1-3). Its result is state 1, where the loop goes on, so this costs an extra step only
+    when ``n_steps == 1``.
+
     Args:
         step: one time step, ``state -> state`` of the same structure (a tensor, tuple or dict of
-            tensors). It must be deterministic given its input (no fresh randomness).
+            tensors). It must be deterministic given its input (no fresh randomness) and free of
+            side effects: it is called again to recompute states, and step 0 runs inside the
+            probe that finds what it reads.
         state: the initial state.
         n_steps: number of steps (>= 1).
         schedule: a schedule for ``n_steps`` (``Revolve``, ``ZCut``, ``Uniform``, ``Multistage``)
@@ -423,11 +554,16 @@ def checkpointed_loop(
             ``Store(codec=...)``, counted at the compressed size of the initial state plus 25%:
             compression buys snapshots, hence less recomputation); the class ``Uniform`` (not an
             instance): a ``Uniform`` schedule sized the same way.
-        store: supplies the device, the GPU budget and the host pool (``None``: the default store).
-        slots: GPU cache slots in front of host snapshots.
+        store: a ``Store``: supplies the device, the GPU budget, the host pool and the codec
+            (``None``: the default store).
+        slots: GPU cache slots in front of host snapshots (>= 1).
         prefetch: prefetch host snapshots ahead of their restores.
-        params: tensors ``step`` uses that need gradients; ``None``: ``step.parameters()`` for an
-            ``nn.Module`` step, else none.
+        params: tensors ``step`` uses that need gradients, in addition to those found (the
+            parameters of an ``nn.Module`` step and what step 0 reads), as a list. Needed only
+            for a non-leaf tensor read through code that PyTorch's function modes do not see
+            (TorchScript, compiled code), or for a tensor that step 0 does not read: the loop
+            raises a ``CheckpointError`` for those it sees (the first and the last step), but a
+            tensor read only by steps in between goes unseen (NOTE [ Captured tensors ] Rule 3).
 
     Returns:
         The state after ``n_steps`` steps.
@@ -438,19 +574,23 @@ def checkpointed_loop(
         >>> w = torch.tensor(0.9, requires_grad=True)
         >>> x0 = torch.ones(3, requires_grad=True)
         >>> y = checkpointed_loop(lambda x: torch.sin(w * x), x0, 50, schedule=Revolve(50, 4),
-        ...                       params=[w], store=Store("cpu"))
+        ...                       store=Store("cpu"))
         >>> y.sum().backward()
         >>> w.grad is not None and x0.grad.shape == (3,)
         True
     """
-    if not isinstance(n_steps, int) or n_steps < 1:
+    _check_callable("checkpointed_loop", "step", step)
+    if not isinstance(n_steps, int) or isinstance(n_steps, bool) or n_steps < 1:
         raise ValueError(f"torchckpt: n_steps must be an int >= 1, got {n_steps!r}.")
     flat, spec = tree_flatten(state)
     if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
         raise TypeError("torchckpt: state must be a tensor or a tuple/list/dict of tensors.")
-    if params is None:
-        params = [p for p in step.parameters() if p.requires_grad] if isinstance(step, nn.Module) else []
-    params = list(params)
+    given = _check_params(params)
+    if isinstance(step, nn.Module):
+        given = [p for p in step.parameters() if p.requires_grad] + given
+    _check_store("checkpointed_loop", store, snapshot_store=False)
+    _check_slots("checkpointed_loop", slots)
+    _check_flag("checkpointed_loop", "prefetch", prefetch)
     if store is None:
         from torchckpt.api import default_store
 
@@ -461,12 +601,18 @@ def checkpointed_loop(
         nbytes = _snapshot_bytes(flat, store.codec)
         kind = Uniform if schedule is Uniform else Revolve
         schedule = auto_schedule(n_steps, nbytes, store.cache.budget_bytes, store.host.capacity_bytes, slots, kind=kind)
-    if isinstance(schedule, (str, type)):
+    if isinstance(schedule, type):
         raise TypeError(
             f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), 'auto', Revolve or Uniform; "
             f"got {schedule!r}. Only Revolve and Uniform can be sized from the budgets: build other schedules yourself."
         )
+    if schedule is None:
+        raise TypeError("torchckpt: checkpointed_loop(schedule=None): expected a schedule (e.g. Revolve(n_steps, "
+                        "4)), 'auto', Revolve or Uniform; pass schedule='auto' (the default) to size Revolve from the "
+                        "store.")
     sched_n = getattr(schedule, "n_steps", n_steps)
+    if not isinstance(schedule, Schedule):
+        schedule = _check_actions("checkpointed_loop", schedule)
     if sched_n != n_steps:
         raise ValueError(f"torchckpt: the schedule is for {sched_n} steps but n_steps={n_steps}; build it with n_steps.")
     st = store
@@ -474,12 +620,21 @@ def checkpointed_loop(
     def factory(device: torch.device) -> SnapshotStore:
         return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec)
 
-    if not torch.is_grad_enabled() or not any(t.requires_grad for t in [*flat, *params]):
+    if not torch.is_grad_enabled():
         with torch.no_grad():  # nothing to differentiate: no snapshots at all
             for _ in range(n_steps):
                 state = step(state)
-                _check_structure(spec, tree_flatten(state)[1])
+                check_structure(spec, tree_flatten(state)[1])
         return state
-    run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch)
-    out = _Loop.apply(run, *flat, *params)
+    inputs, state1, through_old = probe(step, flat, spec, given)  # NOTE [ Captured tensors ] Rule 1
+    if not any(t.requires_grad for t in [*flat, *inputs]):
+        state = tree_unflatten(state1, spec)
+        with torch.no_grad():  # nothing to differentiate: no snapshots at all
+            for _ in range(n_steps - 1):
+                state = step(state)
+                check_structure(spec, tree_flatten(state)[1])
+        return state
+    run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch, inputs, descendants(inputs), state1,
+                   through_old)
+    out = _Loop.apply(run, *flat, *inputs)
     return tree_unflatten(list(out), spec)

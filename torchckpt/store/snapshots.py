@@ -165,11 +165,35 @@ class _Slots:
             self._arena_slots.release()
 
 
+def _check_device(device: object) -> torch.device:
+    """``SnapshotStore``'s device: given, a CPU or CUDA device (CUDA with an index)."""
+    if device is None:
+        raise TypeError("torchckpt: SnapshotStore needs the device of the state it holds, found none; pass it "
+                        "first, e.g. SnapshotStore('cuda', gpu_bytes=...) or SnapshotStore('cpu', ...) to simulate on "
+                        "the CPU.")
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"torchckpt: SnapshotStore(device=...) expects 'cuda', 'cuda:N' or 'cpu', got "
+                        f"{type(device).__name__} {device!r}.")
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise ValueError(f"torchckpt: SnapshotStore(device={device!r}) is not a device; pass 'cuda', 'cuda:N' or "
+                         "'cpu'.") from None
+    if dev.type not in ("cuda", "cpu"):
+        raise ValueError(f"torchckpt: SnapshotStore supports 'cuda' and 'cpu', got {str(dev)!r}; pass 'cuda' or 'cpu'.")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"torchckpt: SnapshotStore(device={str(dev)!r}) needs CUDA, but torch.cuda.is_available() is "
+                         "False; pass device='cpu' to simulate.")
+    if dev.type == "cuda" and dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
 class SnapshotStore:
     """Holds a schedule's snapshots: GPU tier on the device, other tiers via device slots and a host pool.
 
     Args:
-        device: where the state lives (``"cuda"``/``"cuda:N"``, or ``"cpu"`` to simulate).
+        device: where the state lives (``"cuda"``/``"cuda:N"``, or ``"cpu"`` to simulate); required.
         slots: device slots in front of the host tier (GPUZIP's cache; >= 1, 2+ to overlap).
         host: the host pool (``None``: ``make_host_pool()``, lazily pinned where it can be).
         timing: time late prefetches and waits with CUDA events.
@@ -190,28 +214,29 @@ class SnapshotStore:
         tensor([0., 1., 2., 3.])
     """
 
-    def __init__(self, device: str | torch.device, slots: int | None = None, host: HostPool | None = None,
-                 timing: bool = True, codec: Codec | None = None, gpu_bytes: int | None = None,
-                 slot_bytes: int | None = None, slot_margin: float = 0.25) -> None:
-        device = torch.device(device)
-        if device.type == "cuda" and device.index is None:
-            device = torch.device("cuda", torch.cuda.current_device())
-        if device.type not in ("cuda", "cpu"):
-            raise ValueError(f"torchckpt: SnapshotStore supports 'cuda' and 'cpu', got {str(device)!r}.")
-        if device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("torchckpt: SnapshotStore(device='cuda') needs CUDA; pass device='cpu' to simulate.")
+    def __init__(self, device: str | torch.device | None = None, slots: int | None = None,
+                 host: HostPool | None = None, timing: bool = True, codec: Codec | None = None,
+                 gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25) -> None:
+        device = _check_device(device)
         if slots is not None and gpu_bytes is not None:
             raise ValueError("torchckpt: SnapshotStore takes slots= or gpu_bytes=, not both; pass one of them.")
         if gpu_bytes is None and slots is None:
             slots = 4
         if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or slots < 1):
             raise ValueError(f"torchckpt: SnapshotStore needs slots >= 1 (2 or more to overlap copies), got {slots!r}.")
-        if gpu_bytes is not None and (not isinstance(gpu_bytes, int) or gpu_bytes <= 0):
-            raise ValueError(f"torchckpt: SnapshotStore gpu_bytes must be a positive int, got {gpu_bytes!r}.")
-        if slot_bytes is not None and (not isinstance(slot_bytes, int) or slot_bytes <= 0):
-            raise ValueError(f"torchckpt: SnapshotStore slot_bytes must be a positive int, got {slot_bytes!r}.")
-        if not (slot_margin >= 0):
-            raise ValueError(f"torchckpt: SnapshotStore slot_margin must be >= 0, got {slot_margin!r}.")
+        for name, value in (("gpu_bytes", gpu_bytes), ("slot_bytes", slot_bytes)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+                raise ValueError(f"torchckpt: SnapshotStore({name}=...) must be a positive int (bytes), got {value!r}; "
+                                 f"pass e.g. {name}={256 << 20} or None.")
+        if isinstance(slot_margin, bool) or not isinstance(slot_margin, (int, float)) or not slot_margin >= 0:
+            raise ValueError(f"torchckpt: SnapshotStore(slot_margin=...) must be a number >= 0, got {slot_margin!r}; "
+                             "pass e.g. slot_margin=0.25.")
+        if host is not None and not isinstance(host, HostPool):
+            raise TypeError(f"torchckpt: SnapshotStore(host=...) expects a torchckpt.HostPool or None, got "
+                            f"{type(host).__name__} {host!r}; pass e.g. "
+                            "host=torchckpt.HostPool(capacity_bytes=8 << 30).")
+        if not isinstance(timing, bool):
+            raise TypeError(f"torchckpt: SnapshotStore(timing=...) expects True or False, got {timing!r}.")
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(
                 f"torchckpt: SnapshotStore(codec=...) expects a torchckpt.codecs.Codec, got {type(codec).__name__}; "
