@@ -333,3 +333,36 @@ def test_stats_right_after_backward_never_raise_on_cuda() -> None:
         st = store.stats()  # before any synchronize: the README's usage
         store.reset_stats()
     assert st.prefetch_hits + st.cache_hits + st.misses > 0
+
+
+# -- Rule 2b: writes no counter sees -------------------------------------------------------------
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_scratch_buffer_written_through_data(budget: int) -> None:
+    # torchdiffeq's Runge-Kutta step: k.data[..., i] = f, then k[..., :i + 1] is saved. The first
+    # view's entry copies the whole storage before column 1 is written; no version counter moves.
+    w = torch.ones(4, 1, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        k = torch.zeros(4, 3)
+        k.data[:, 0] = 1.0
+        a = (k[:, :1] * w).sum()
+        k.data[:, 1] = 5.0
+        b = (k[:, :2] * w).sum()
+        return a + b
+
+    store = cpu_store(budget)
+    check_steps(loss, [w], lambda: torchckpt.offload(store))
+
+
+def test_views_saved_by_one_op_share_an_entry() -> None:
+    # q and k of one unbind, saved while one autograd node is built: no op ran in between.
+    store = cpu_store(0)
+    x = torch.randn(2, 8, 3, 4, 8, requires_grad=True)
+
+    def loss() -> torch.Tensor:
+        q, k, v = (x * 1.0).unbind(2)
+        return (q @ k.transpose(-2, -1)).softmax(-1).matmul(v).sum()
+
+    check_steps(loss, [x], lambda: torchckpt.offload(store), steps=1)
+    st = store.stats()
+    assert st.deduplicated >= 1 and st.offloaded < st.packed - st.kept, st

@@ -13,16 +13,27 @@
 #    error (same type, same text) when the counter moved, whether the entry is resident,
 #    evicted or compressed.
 # 2. Sharing an entry. Two saves may share one copy only if they are provably the same bytes
-#    at the same moment: the same storage, the same version counter and the same version.
-#    A storage alone is not enough: ``unsafe_chunk`` and ``unsafe_split`` (ATen's LSTM and GRU
-#    cells split their gates with them), ``.data`` and ``set_`` make tensors that share a
-#    storage but count versions independently, so two of them can sit at the same version
-#    while one was written in between. The counter is identified by the *family root*: a view
-#    shares its counter with its ``_base`` (the root of the view chain), a tensor that is not a
-#    view is its own root. The root is held by weak reference; PyTorch keeps a tensor's Python
-#    object for as long as the tensor lives, so a live weak reference names one counter.
-#    Different roots never share an entry, even when they do share a counter (``detach()``):
-#    a lost deduplication, never a wrong value.
+#    at the same moment: the same storage, the same version counter, the same version, and
+#    bytes that nothing can have written in between unseen.
+#    a. A storage alone is not enough: ``unsafe_chunk`` and ``unsafe_split`` (ATen's LSTM and
+#       GRU cells split their gates with them), ``.data`` and ``set_`` make tensors that share
+#       a storage but count versions independently, so two of them can sit at the same version
+#       while one was written in between. The counter is identified by the *family root*: a
+#       view shares its counter with its ``_base`` (the root of the view chain), a tensor that
+#       is not a view is its own root. The root is held by weak reference; PyTorch keeps a
+#       tensor's Python object for as long as the tensor lives, so a live weak reference names
+#       one counter. Different roots never share an entry, even when they do share a counter
+#       (``detach()``): a lost deduplication, never a wrong value.
+#    b. A counter alone is not enough either: a write through ``.data`` (torchdiffeq's
+#       Runge-Kutta step fills its stage buffer ``k`` with ``k.data[..., i] = f`` and saves
+#       ``k[..., :i + 1]`` after each write) moves no counter. An entry copies a whole storage,
+#       so a later save of bytes its creator did not read may find them changed. A later save
+#       shares the entry only if (``Coverage.admits``) it is made while the same autograd node
+#       is being built (the same thread and the same next sequence number: no op ran in
+#       between, as when ``scaled_dot_product_attention`` saves q, k and v of one ``unbind``),
+#       or its bytes lie within the creator's own elements (the same view, or inside a
+#       creator that covers its byte range densely). Bytes a saved tensor reads are its own:
+#       writing them after the save, even unseen, changes plain autograd's result as well.
 # 3. Metadata. Unpack rebuilds dtype, size, stride and storage offset from the handle, then
 #    the bits that change values: ``_neg_view()`` for the neg bit, ``conj()`` for the conj bit
 #    (complex models, FFT layers). The rebuilt tensor has a fresh version counter: Rule 1
@@ -35,6 +46,7 @@
 """
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -76,6 +88,43 @@ def storage_ptrs(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
             continue
         ptrs.add(t.untyped_storage().data_ptr())
     return frozenset(ptrs)
+
+
+_next_node = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its byte range exactly (no gaps, no overlap)."""
+    expect = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+class Coverage:
+    """What a shared entry's creator guarantees about the bytes a later save reads (Rule 2b)."""
+
+    __slots__ = ("moment", "geometry", "lo", "hi")
+
+    def __init__(self, t: torch.Tensor, lo: int, span: int) -> None:
+        self.moment = _moment()
+        self.geometry = (t.storage_offset(), t.shape, t.stride(), t.element_size())
+        self.lo, self.hi = (lo, lo + span) if _dense(t) else (0, -1)
+
+    def admits(self, t: torch.Tensor, lo: int, span: int) -> bool:
+        """Whether a save of ``t`` (bytes ``lo`` to ``lo + span``) may share the creator's entry."""
+        if self.lo <= lo and lo + span <= self.hi:
+            return True
+        if self.moment is not None and self.moment == _moment():
+            return True
+        return self.geometry == (t.storage_offset(), t.shape, t.stride(), t.element_size())
+
+
+def _moment() -> tuple[int, int] | None:
+    """The autograd node being built on this thread, as (thread, next sequence number)."""
+    return None if _next_node is None else (threading.get_ident(), _next_node())
 
 
 def family_root(t: torch.Tensor) -> torch.Tensor:

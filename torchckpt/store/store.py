@@ -10,8 +10,8 @@
 #    rest become *entries*. Kept or moved, every saved tensor's version is checked at
 #    unpack as plain autograd checks it (NOTE [ Saved tensor identity ] Rule 1).
 # 2. An entry holds a byte span of a storage. If the saved tensor covers at least half of
-#    its storage, the span is the whole storage and the entry is shared by every later save
-#    of the same view family (same storage, same version counter, same version: NOTE
+#    its storage, the span is the whole storage and the entry is shared by later saves of the
+#    same view family at the same version whose bytes cannot have changed unseen (NOTE
 #    [ Saved tensor identity ] Rule 2): several views are moved once, and a view saved after
 #    an in-place change gets an entry of its own. Otherwise the span is just the bytes the
 #    view reaches. Unpack rebuilds the view with the same dtype, size, stride, offset within
@@ -72,7 +72,7 @@ from torchckpt.store.gpu_cache import GpuCache
 from torchckpt.store.host_pool import HostBlock, HostPool
 from torchckpt.store.lazy_pool import make_host_pool
 from torchckpt.store.plan import PACK, RELEASE, UNPACK, PrefetchPlan, plan_from_trace
-from torchckpt.store.saved import Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
+from torchckpt.store.saved import Coverage, Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
 from torchckpt.store.stats import Stats, timed_wait
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -90,7 +90,7 @@ _STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_
 class _Entry:
     __slots__ = (
         "id", "nbytes", "gpu", "base_off", "host", "d2h", "h2d", "h2d_stream",
-        "prefetched", "refs", "key", "codec", "dtype", "blob", "version", "root",
+        "prefetched", "refs", "key", "codec", "dtype", "blob", "version", "root", "cover",
     )
 
     def __init__(self, eid: int, nbytes: int, gpu: torch.Tensor, base_off: int, key: Any, version: Version,
@@ -110,7 +110,8 @@ class _Entry:
         self.dtype: torch.dtype = torch.uint8
         self.blob: Blob | None = None  # where the compressed buffers sit in the host block
         self.version = version  # NOTE [ Saved tensor identity ] Rule 1
-        self.root = root  # weak reference to the view family's root (Rule 2), or None
+        self.root = root  # weak reference to the view family's root (Rule 2a), or None
+        self.cover: Coverage | None = None  # what later saves may share it (Rule 2b)
 
 
 class _Handle:
@@ -449,7 +450,7 @@ class Store:
                 key: Any = (sptr, rid, t._version) if codec is None else (sptr, rid, t._version, t.dtype)
                 found = self._by_storage.get(key)
                 if (found is not None and found[0].refs > 0 and not found[1].expired()
-                        and found[0].root() is root()):
+                        and found[0].root() is root() and found[0].cover.admits(t, lo, span)):
                     c["deduplicated"] += 1
                     return _Handle(self, found[0], t, lo)
                 lo, span = 0, storage.nbytes()
@@ -457,6 +458,8 @@ class Store:
                 key = None
             src = torch.empty(0, dtype=torch.uint8, device=self.device).set_(storage, lo, (span,), (1,))
             e = _Entry(self._next_id, span, src, lo, key, Version(t), root)
+            if key is not None:
+                e.cover = Coverage(t, int(t.storage_offset()) * es, int(extent) * es)
             if codec is not None and span % es == 0 and lo % es == 0:
                 e.codec, e.dtype = codec, t.dtype
             self._next_id += 1
