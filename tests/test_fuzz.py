@@ -1,0 +1,178 @@
+"""Differential fuzzer: random programs under every policy and store setting, bit for bit against
+plain autograd.
+
+Design (details and the rules the interpreter follows: tests/fuzz_programs.py, NOTE [ Fuzzer
+semantics ]):
+
+- **Programs.** hypothesis draws a ``Program``: 1-3 leaf inputs that require grad (float32 or
+  float64, a few dozen elements each), up to ``TORCHCKPT_FUZZ_MAX_OPS`` ops, optional cuts into
+  segments, a seed. Every value left at the end enters a scalar loss with fixed random weights.
+- **Vocabulary.** views (view/reshape, transpose/permute/mT, slicing with steps, unbind, chunk,
+  ``unsafe_chunk``/``unsafe_split``, split, expand, ``as_strided`` with and without overlap, dtype
+  views: int round trips, float32 storage read as float64); in-place ops (add_, mul_, sigmoid_,
+  tanh_, addcmul_, div_, clamp_, exp_, in-place dropout) on non-leaf tensors, on views of them
+  (slices, ``unsafe_chunk`` pieces, transposes) and through ``.data`` (no version counter
+  moves); gates split with ``unsafe_chunk`` and activated in place as ATen's LSTM/GRU cells do; complex values (``view_as_complex``, ``.real``/``.imag``,
+  ``.conj()``, ``.conj().imag`` with its neg bit, products with conj views, ``m @ m.mH``,
+  ``torch.fft.rfft``/``irfft`` as in a Fourier neural operator's spectral convolution);
+  nn.GRUCell, nn.LSTMCell, nn.GRU, nn.LSTM (in the program's float32 or float64); casts to
+  float64/float32/bfloat16/float16; ``F.scaled_dot_product_attention`` (causal or not, with
+  dropout); batch norm (nn.BatchNorm1d and ``F.batch_norm``, train mode); dropout; unary, binary,
+  matmul, linear, layer norm, softmax, logsumexp. Deliberately invalid programs (rarely): a
+  tensor autograd saved is modified in place afterwards (``clobber``).
+- **Settings** (``fuzz_programs.default_settings()``): ``torchckpt.offload(store)`` around the
+  whole program with every store configuration; ``checkpoint(fn, *args, policy=...)`` per segment
+  with ``Offload(store)``, ``Offload(store, codec=Identity())``, ``Recompute()``,
+  ``Recompute(store=store)``, ``Keep()``; nested: a Recompute block inside an ``offload()``
+  region and inside an ``Offload`` block, an Offload block inside a Recompute block; one
+  policy per segment. Store configurations (``fuzz_programs.STORES``): resident (64 MiB
+  budget), evicted (``gpu_bytes=0``), a budget of a few tensors (some evicted), ``min_bytes``
+  that keeps the small ones, the identity codec (evicted and with a budget), prefetch off.
+  Each store runs the program 3 times: step 1 records the trace, steps 2-3 follow the plan.
+- **Comparison.** Every value, the loss and every gradient (inputs and parameters), compared as
+  bytes (NaN and -0.0 included), with dtype, shape and conj/neg flags, against the setting's
+  *twin* (the same layout with the store replaced by hooks that keep tensors by reference and
+  check their version as autograd does). Each twin is checked against plain autograd: bit for
+  bit, or, with a Recompute block, gradients within 1% of their largest magnitude, since
+  torch.utils.checkpoint may sum gradient contributions in another order. When plain
+  autograd raises "...modified by an inplace operation", the setting must raise that too
+  (inside a Recompute block torch.utils.checkpoint recomputes and raises nothing; the twin
+  says so). Batch norm's running statistics are not compared (Recompute updates them twice).
+
+Running longer (the GPU machine)::
+
+    TORCHCKPT_FUZZ_EXAMPLES=5000 TORCHCKPT_FUZZ_SEED=1 python -m pytest -q tests/test_fuzz.py
+
+``TORCHCKPT_FUZZ_EXAMPLES`` (default 500: about 2 minutes on the 2-core CPU machine; on an H100
+the CUDA test runs about 2.7 programs a second) sets the
+number of programs per test, ``TORCHCKPT_FUZZ_SEED`` (default 0) picks another reproducible
+stream, ``TORCHCKPT_FUZZ_MAX_OPS`` (default 8) the longest program. The CUDA test runs the same
+programs with ``Store(device="cuda", ...)`` and tensors on the GPU.
+
+Reproducing a failure: the assertion message holds the program's ``repr`` and the failing
+settings, and a listing of the program as it ran; paste them back::
+
+    import sys; sys.path.insert(0, "tests")
+    from fuzz_programs import *
+    print("\\n".join(check(Program(ops=(Op('conj', 0, 0, 2),)), settings=[Setting('ctx', 'resident')])))
+"""
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, note, seed, settings
+
+import fuzz_programs as fz
+import torchckpt
+from fuzz_programs import Op, Program, Setting
+
+EXAMPLES = int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500"))
+SEED = int(os.environ.get("TORCHCKPT_FUZZ_SEED", "0"))
+MAX_OPS = int(os.environ.get("TORCHCKPT_FUZZ_MAX_OPS", "8"))
+
+FUZZ = settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    database=None,  # reproducible: the stream depends only on the seed
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+)
+
+# The cases of issue 11 as programs: each failed on the store before its fix.
+KNOWN = [
+    Program(ops=(Op("rnn", 0, 0, 0),), dtype="float64"),  # nn.GRUCell: unsafe_chunk gates shared one entry
+    Program(ops=(Op("rnn", 0, 0, 1),), dtype="float64"),  # nn.LSTMCell
+    Program(ops=(Op("rnn", 0, 0, 2),), dtype="float64"),  # nn.GRU
+    Program(ops=(Op("rnn", 0, 0, 3),), dtype="float64"),  # nn.LSTM
+    Program(ops=(Op("lstm_cell", 0, 0, 0),)),  # gates activated in place, by hand
+    Program(ops=(Op("conj", 0, 0, 2),)),  # x * w.conj(): the conj bit was lost on unpack
+    Program(ops=(Op("conj", 0, 0, 3),)),  # x.conj().imag * y: the neg bit
+    Program(ops=(Op("conj", 0, 0, 4),)),  # m @ m.mH
+    Program(ops=(Op("clobber", 0, 0, 0),)),  # a saved tensor modified in place: no error was raised
+    Program(ops=(Op("clobber", 0, 0, 2),)),  # ... through a detached int32 view
+    Program(ops=(Op("clobber", 0, 0, 3),)),  # ... an unsafe_chunk piece
+    # Rows saved, other rows written through .data (no counter moves), then saved: the second save
+    # shared the first one's whole-storage entry and came back stale once evicted (torchdiffeq).
+    Program(ops=(Op("binary", 0, 0, 0), Op("slice", 0, 0, 4), Op("unary", 0, 0, 0), Op("inplace", 2, 0, 49),
+                 Op("slice", 4, 0, 28), Op("unary", 0, 0, 0))),
+]
+
+
+def _check(prog: Program, device: str) -> None:
+    note(repr(prog))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # casts of complex to real, checkpoint's notices
+        problems = fz.check(prog, device=device)
+    if problems:
+        raise AssertionError(fz.report(prog, problems, device))
+
+
+def _with_known(test):  # type: ignore[no-untyped-def]
+    for prog in KNOWN:
+        test = example(prog=prog)(test)
+    return test
+
+
+@seed(SEED)
+@FUZZ
+@_with_known
+@given(prog=fz.programs(max_ops=MAX_OPS))
+def test_fuzz_cpu(prog: Program) -> None:
+    _check(prog, "cpu")
+
+
+@pytest.mark.cuda
+@seed(SEED)
+@FUZZ
+@_with_known
+@given(prog=fz.programs(max_ops=MAX_OPS))
+def test_fuzz_cuda(prog: Program) -> None:
+    _check(prog, "cuda")
+
+
+# -- the fuzzer can fail --------------------------------------------------------------------------
+def test_fuzzer_catches_a_wrong_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that gives back one wrong element is reported for every setting that uses it."""
+    unpack = torchckpt.Store.unpack
+
+    def bad_unpack(self, h):  # type: ignore[no-untyped-def]
+        t = unpack(self, h)
+        if t.is_floating_point() and t.numel() > 1 and not isinstance(h, torch.Tensor):
+            t = t.clone()
+            t.view(-1)[0] += 1
+        return t
+
+    monkeypatch.setattr(torchckpt.Store, "unpack", bad_unpack)
+    problems = fz.check(Program(ops=(Op("unary", 0, 0, 0), Op("unary", 0, 0, 1)), shapes=((4, 6),)))
+    failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
+    assert "Setting('ctx', 'evicted')" in failing and "Setting('off', 'resident')" in failing
+    assert not any(p.startswith("Setting('rec',") or p.startswith("Setting('keep',") for p in problems)
+
+
+def test_fuzzer_catches_a_missing_version_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store that keeps tensors by reference without their version check is reported."""
+    monkeypatch.setattr(torchckpt.Store, "pack", lambda self, t, *a, **k: t.detach())
+    monkeypatch.setattr(torchckpt.Store, "unpack", lambda self, t: t)
+    problems = fz.check(Program(ops=(Op("clobber", 0, 0, 0),)), settings=[Setting("ctx", "resident")])
+    assert any("raised nothing where the reference raised" in p for p in problems), problems
+
+
+def test_invalid_program_raises_in_plain_autograd() -> None:
+    """A clobber program is invalid for plain autograd and its twins; a clone makes it valid."""
+    p = Program(ops=(Op("clobber", 0, 0, 0),))
+    out = fz.run(p, fz.PLAIN, fz.resolve(p))
+    assert out.error is not None and fz.VERSION_PHRASE in out.error[1]
+    p = Program(ops=(Op("unary", 0, 0, 2), Op("inplace", 0, 0, 3)))  # sigmoid, then mul_ of its result
+    assert fz.resolve(p) == frozenset({1})
+    assert fz.run(p, fz.PLAIN, fz.resolve(p)).error is None
+    p = Program(ops=(Op("unary", 0, 0, 2), Op("inplace", 0, 0, 3, clobber=True)))
+    err = fz.run(p, fz.PLAIN, fz.resolve(p)).error
+    assert err is not None and fz.VERSION_PHRASE in err[1]
+
+
+def test_program_repr_round_trips() -> None:
+    p = Program(ops=(Op("rnn", 1, 2, 3), Op("inplace", 0, 0, 5, clobber=True)), dtype="float64",
+                shapes=((4, 6), (8,)), cuts=(1,), seed=7)
+    assert eval(repr(p), {"Program": Program, "Op": Op}) == p
