@@ -450,7 +450,8 @@ class Store:
                 key: Any = (sptr, rid, t._version) if codec is None else (sptr, rid, t._version, t.dtype)
                 found = self._by_storage.get(key)
                 if (found is not None and found[0].refs > 0 and not found[1].expired()
-                        and found[0].root() is root() and found[0].cover.admits(t, lo, span)):
+                        and found[0].root() is root() and found[0].cover is not None
+                        and found[0].cover.admits(t, lo, span)):
                     c["deduplicated"] += 1
                     return _Handle(self, found[0], t, lo)
                 lo, span = 0, storage.nbytes()
