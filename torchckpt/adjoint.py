@@ -37,6 +37,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
 from torchckpt.captures import (
     Age, Swap, check_structure, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
@@ -126,11 +127,6 @@ def _check_callable(fn: str, name: str, value: object) -> None:
     if not callable(value):
         raise TypeError(f"torchckpt: {fn}({name}=...) expects a callable, found {type(value).__name__} {value!r}; "
                         f"pass a function (see help({fn})).")
-
-
-def _check_flag(fn: str, name: str, value: object) -> None:
-    if not isinstance(value, bool):
-        raise TypeError(f"torchckpt: {fn}({name}=...) expects True or False, found {value!r}.")
 
 
 def _check_slots(fn: str, slots: object) -> None:
@@ -260,8 +256,8 @@ def run_schedule(
         _check_callable("run_schedule", "end_forward", end_forward)
     _check_store("run_schedule", store, snapshot_store=True)
     _check_slots("run_schedule", slots)
-    _check_flag("run_schedule", "prefetch", prefetch)
-    _check_flag("run_schedule", "progress", progress)
+    check_flag("run_schedule", "prefetch", prefetch)
+    check_flag("run_schedule", "progress", progress)
     sched = _check_actions("run_schedule", schedule)
     snaps = store if isinstance(store, SnapshotStore) else None
     n_adj = getattr(schedule, "n_steps", 0)
@@ -590,7 +586,7 @@ def checkpointed_loop(
         given = [p for p in step.parameters() if p.requires_grad] + given
     _check_store("checkpointed_loop", store, snapshot_store=False)
     _check_slots("checkpointed_loop", slots)
-    _check_flag("checkpointed_loop", "prefetch", prefetch)
+    check_flag("checkpointed_loop", "prefetch", prefetch)
     if store is None:
         from torchckpt.api import default_store
 

@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from torchckpt._args import check_flag, check_host
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.codecs.base import Codec, Packed
 from torchckpt.profiling import nvtx_range
@@ -231,12 +232,8 @@ class SnapshotStore:
         if isinstance(slot_margin, bool) or not isinstance(slot_margin, (int, float)) or not slot_margin >= 0:
             raise ValueError(f"torchckpt: SnapshotStore(slot_margin=...) must be a number >= 0, got {slot_margin!r}; "
                              "pass e.g. slot_margin=0.25.")
-        if host is not None and not isinstance(host, HostPool):
-            raise TypeError(f"torchckpt: SnapshotStore(host=...) expects a torchckpt.HostPool or None, got "
-                            f"{type(host).__name__} {host!r}; pass e.g. "
-                            "host=torchckpt.HostPool(capacity_bytes=8 << 30).")
-        if not isinstance(timing, bool):
-            raise TypeError(f"torchckpt: SnapshotStore(timing=...) expects True or False, got {timing!r}.")
+        check_host("SnapshotStore", host)
+        check_flag("SnapshotStore", "timing", timing)
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(
                 f"torchckpt: SnapshotStore(codec=...) expects a torchckpt.codecs.Codec, got {type(codec).__name__}; "

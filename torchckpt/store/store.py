@@ -64,7 +64,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchckpt._errors import CheckpointError, internal_error
-from torchckpt._units import parse_bytes
+from torchckpt._args import check_flag, check_host, parse_bytes
 from torchckpt.codecs.base import Codec
 from torchckpt.profiling import nvtx_range
 from torchckpt.store.blob import Blob
@@ -310,15 +310,9 @@ class Store:
     ) -> None:
         self._config = dict(device=device, gpu_bytes=gpu_bytes, host=host, min_bytes=min_bytes, prefetch=prefetch,
                             timing=timing, codec=codec)
-        for name, flag in (("prefetch", prefetch), ("timing", timing)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"torchckpt: Store({name}=...) expects True or False, got {flag!r}.")
-        if host is not None and not isinstance(host, HostPool):
-            raise TypeError(
-                f"torchckpt: Store(host=...) expects a torchckpt.HostPool or None, got {type(host).__name__} {host!r}; "
-                "pass host=None for the default pool (pinned when CUDA is available) or e.g. "
-                "host=torchckpt.HostPool(capacity_bytes=8 << 30)."
-            )
+        check_flag("Store", "prefetch", prefetch)
+        check_flag("Store", "timing", timing)
+        check_host("Store", host)
         if not isinstance(device, (str, torch.device, type(None))):
             raise TypeError(f"torchckpt: Store(device=...) expects 'cuda', 'cuda:N', 'cpu' or None, got {device!r}.")
         if isinstance(device, str):

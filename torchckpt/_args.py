@@ -1,4 +1,7 @@
-"""Byte sizes as users write them: ``1 << 30``, ``"1GiB"``, ``"512 MB"``."""
+"""Checks of user arguments shared across the package: byte sizes (``1 << 30``, ``"1GiB"``), flags, host pools.
+
+Each raises at the call that received the value, naming it and what to pass (STYLE.md, practice 6).
+"""
 from __future__ import annotations
 
 import re
@@ -43,3 +46,21 @@ def parse_bytes(value: object, arg: str) -> int:
     if value < 0:
         raise ValueError(f"torchckpt: {arg} must be >= 0 bytes, got {value}.")
     return value
+
+
+def check_flag(owner: str, name: str, value: object) -> None:
+    """``value`` must be ``True`` or ``False`` (a string such as ``"no"`` is not taken as truthy)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"torchckpt: {owner}({name}=...) expects True or False, got {value!r}.")
+
+
+def check_host(owner: str, host: object) -> None:
+    """``host`` must be a ``torchckpt.HostPool`` or ``None``."""
+    from torchckpt.store.host_pool import HostPool  # the store imports this module
+
+    if host is not None and not isinstance(host, HostPool):
+        raise TypeError(
+            f"torchckpt: {owner}(host=...) expects a torchckpt.HostPool or None, got {type(host).__name__} {host!r}; "
+            "pass host=None for the default pool (pinned when CUDA is available) or e.g. "
+            "host=torchckpt.HostPool(capacity_bytes=8 << 30)."
+        )
