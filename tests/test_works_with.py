@@ -96,9 +96,9 @@ def _dynamo_breaks(fn: Callable[..., Any], *args: Any) -> tuple[int, int, int]:
 GRAPH_BREAKS = {
     "none": (0, 1, 0),
     "Keep": (0, 1, 0),
-    "Recompute": (3, 1, 0),
-    "Recompute(store)": (5, 0, -1),
-    "Offload": (5, 1, 0),
+    "Recompute": (0, 1, 0),
+    "Recompute(store)": (4, 0, -1),
+    "Offload": (4, 1, 0),
     "offload(store) around the compiled model": (0, 1, 0),
     "offload(store) inside the compiled function": (1, 1, 0),
 }
@@ -106,9 +106,8 @@ GRAPH_BREAKS = {
 
 # What Dynamo names as the cause of each break (substrings of its reasons).
 BREAK_CAUSES = {
-    "Recompute": {"_saved_tensors_hooks_get_disabled_error_message"},
-    "Offload": {"_saved_tensors_hooks_get_disabled_error_message", "is_functorch_wrapped_tensor"},
-    "Recompute(store)": {"_saved_tensors_hooks_get_disabled_error_message", "is_functorch_wrapped_tensor"},
+    "Offload": {"is_functorch_wrapped_tensor"},
+    "Recompute(store)": {"is_functorch_wrapped_tensor"},
     "offload(store) inside the compiled function": {"saved_tensors_hooks.__init__"},
 }
 

@@ -209,7 +209,9 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
         )
     if isinstance(policy, Keep) or not torch.is_grad_enabled():
         return fn(*args, **kwargs)
-    if _hooks_refused() is not None:  # torch.func.grad and friends: see _warn_hooks_refused
+    # torch.func.grad and friends (see _warn_hooks_refused); Dynamo cannot trace the check and
+    # does not run inside those transforms, so a compiled block skips it (no graph break).
+    if not torch.compiler.is_compiling() and _hooks_refused() is not None:
         _warn_hooks_refused(policy)
         return fn(*args, **kwargs)
     if isinstance(policy, Offload):
