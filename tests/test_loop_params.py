@@ -488,3 +488,32 @@ def test_no_probe_without_grad() -> None:
     with torch.no_grad():
         out = checkpointed_loop(step, torch.ones(3, dtype=D), 5, store=Store("cpu"))
     assert len(calls) == 5 and not out.requires_grad
+
+
+# -- grad-mode-dependent kernels (NOTE [ Adjoint executor ] Rule 2) -----------------------------------
+@pytest.mark.parametrize("kind", ["encoder_layer", "mha"])
+def test_eval_fast_paths_match_the_plain_loop(kind: str) -> None:
+    """In eval mode and under no_grad, nn.TransformerEncoderLayer and nn.MultiheadAttention take a
+    fused fast path whose values differ from the path plain autograd runs: steps that are not
+    recorded must still run under grad (this failed when they ran under no_grad)."""
+    torch.manual_seed(0)
+    if kind == "encoder_layer":
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True).eval()
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return x + 0.1 * layer(x)
+    else:
+        layer = nn.MultiheadAttention(32, 4, batch_first=True).eval()
+
+        def step(x: torch.Tensor) -> torch.Tensor:
+            return x + 0.1 * layer(x, x, x, need_weights=False)[0]
+
+    x0 = torch.randn(2, 8, 32, requires_grad=True)
+    wrt = [x0, *layer.parameters()]
+    x = x0
+    for _ in range(6):
+        x = step(x)
+    ref = torch.autograd.grad(x.square().sum(), wrt)
+    y = checkpointed_loop(step, x0, 6, schedule=Revolve(6, 2), store=Store("cpu", min_bytes=0))
+    got = torch.autograd.grad(y.square().sum(), wrt)
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))

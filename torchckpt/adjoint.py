@@ -17,6 +17,12 @@
 #    for bit for deterministic ops: a parameter's running sum is passed to each step's
 #    ``autograd.grad`` as the gradient of the parameter itself, so every use adds to it in
 #    the order plain autograd's accumulation would.
+#    Steps that are not recorded (the forward sweep, the advances between restores) still run
+#    as plain autograd runs them: under grad, with the state requiring grad, and their graph
+#    dropped at once. Kernels that choose by grad mode would otherwise compute other values:
+#    the eval-mode fast paths of ``nn.TransformerEncoderLayer`` and ``nn.MultiheadAttention``,
+#    attention backends that differ by whether inputs require grad. The price: autograd's
+#    bookkeeping on those steps, and one step's saved tensors alive until the step returns.
 #    One backward pass per loop: the schedule's snapshots are consumed by it. A loop run
 #    without grad, or dropped without a backward, gives its host blocks back.
 # 3. Captured tensors: every tensor from outside the loop that a step reads differentiably is
@@ -366,8 +372,13 @@ class _LoopRun:
         return flat_state(self.spec, x, self.step(tree_unflatten(x, self.spec)))
 
     def advance(self, x: list[torch.Tensor], n0: int, n1: int) -> list[torch.Tensor]:
+        """Steps ``n0`` to ``n1`` with no graph kept, in the grad mode plain autograd runs them in (Rule 2)."""
         for k in range(n0, n1):
-            x = self.state1 if k == 0 and self.state1 is not None else self.call(x)
+            if k == 0 and self.state1 is not None:
+                x = self.state1
+                continue
+            with torch.enable_grad():
+                x = [v.detach() for v in self.call([grad_leaf(v) for v in x])]
         return x
 
     def record(self, x: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -498,8 +509,7 @@ class _Loop(torch.autograd.Function):
                 x = run.restore(a.n, a.tier)
             elif t is Advance:
                 assert x is not None
-                with torch.no_grad():
-                    x = run.advance(x, a.n0, a.n1)
+                x = run.advance(x, a.n0, a.n1)
             elif t is Save:
                 assert x is not None
                 run.save(i, a.n, a.tier, x)
