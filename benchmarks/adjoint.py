@@ -54,7 +54,8 @@ from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.schedules import (  # noqa: E402
     Adjoint, Advance, End, EndForward, Free, Restore, Revolve, Save, Tier, simulate,
 )
-from torchckpt.store import HostPool, SnapshotStore  # noqa: E402
+from torchckpt.memory import HostPool  # noqa: E402
+from torchckpt.store import SnapshotStore  # noqa: E402
 from wave import (  # noqa: E402
     RTM, make_schedule, cfl_dt, dominant_frequency, layered_model, model_data, ricker, smooth, step_torch, step_triton,
     surface_survey, triton_available,

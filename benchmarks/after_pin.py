@@ -32,7 +32,7 @@ sys.path.insert(1, os.path.dirname(HERE))
 import torch
 from common import GiB, out_dir, parse_bytes, print_table, write_json
 
-from torchckpt.store.lazy_pool import LazyHostPool
+from torchckpt.memory.lazy_pool import LazyHostPool
 
 COUNTERS = ("pgmigrate_success", "pgmigrate_fail", "compact_stall", "compact_migrate_scanned", "compact_free_scanned",
             "compact_success", "thp_fault_alloc", "thp_fault_fallback", "pgalloc_normal", "pgalloc_movable",

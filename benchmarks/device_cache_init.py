@@ -1,7 +1,7 @@
 """How long until a process has a usable device cache: one cudaMalloc versus the VMM arena.
 
 Claim (issue 4, deliverables 1 and 3): a device cache reserved with ``cuMemAddressReserve`` and
-mapped chunk by chunk in a background thread (torchckpt.store.device_arena, csrc/vmm_cache.cpp)
+mapped chunk by chunk in a background thread (torchckpt.memory.device_arena, csrc/vmm_cache.cpp)
 gives the first slot in milliseconds, where one ``cudaMalloc`` of the whole cache (``torch.empty``
 through PyTorch's caching allocator) is usable only when all of it is backed; and it keeps that
 advantage when several processes start at once.
@@ -72,7 +72,7 @@ def worker(rank: int, device: int, method: str, nbytes: int, slot: int, chunk: i
         torch.cuda.set_device(device)
         torch.zeros(1, device="cuda")
         torch.cuda.synchronize()
-        from torchckpt.store import device_arena as da
+        from torchckpt.memory import device_arena as da
 
         rec["ctx_s"] = time.perf_counter() - t
         rec["gpu"] = torch.cuda.get_device_name(device)

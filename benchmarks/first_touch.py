@@ -25,9 +25,9 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))
 
 from common import GiB, out_dir, parse_bytes, print_table, write_json  # noqa: E402
-from torchckpt._ext import host_pool_available  # noqa: E402
+from torchckpt._native import host_pool_available  # noqa: E402
 from torchckpt.env import balloon_reporting  # noqa: E402
-from torchckpt.store.lazy_pool import LazyHostPool  # noqa: E402
+from torchckpt.memory.lazy_pool import LazyHostPool  # noqa: E402
 
 
 def one_pool(size: int) -> dict[str, Any]:

@@ -62,8 +62,8 @@ sys.path.insert(1, ROOT)  # the repo, when torchckpt is not installed
 import torch  # noqa: E402
 
 from common import GiB, fmt, out_dir, parse_bytes, print_table, pyplot, save_figure, write_json  # noqa: E402
-from torchckpt._ext import host_pool_can_register, touch_pages  # noqa: E402
-from torchckpt.store.lazy_pool import LazyHostPool  # noqa: E402
+from torchckpt._native import host_pool_can_register, touch_pages  # noqa: E402
+from torchckpt.memory.lazy_pool import LazyHostPool  # noqa: E402
 
 MiB = 1 << 20
 APPROACHES = ("direct_pin", "whole", "chunked", "unified", "memset")  # slowest to run last

@@ -35,7 +35,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 import host_init  # noqa: E402
 from common import GiB, fmt, out_dir, parse_bytes, print_table, write_json  # noqa: E402
-from torchckpt._ext import host_pool_can_register  # noqa: E402
+from torchckpt._native import host_pool_can_register  # noqa: E402
 
 
 def worker(rank: int, args: argparse.Namespace, approach: str, mode: str, barrier: Any, q: Any) -> None:

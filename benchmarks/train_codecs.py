@@ -82,7 +82,7 @@ def train_loss(codec, args, cuda: bool, data: list[torch.Tensor]) -> list[float]
     torch.manual_seed(1)
     model = LM(args.vocab, d, h, n, seq).to(dev)
     store = torchckpt.Store(dev, gpu_bytes=args.lm_gpu_bytes, min_bytes=0, codec=codec,
-                            host=torchckpt.HostPool() if cuda else torchckpt.HostPool(chunk_bytes=1 << 20, pin=False))
+                            host=torchckpt.memory.HostPool() if cuda else torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False))
     for b in model.blocks:
         torchckpt.checkpoint(b, policy=torchckpt.Offload(store))
     opt = torch.optim.AdamW(model.parameters(), lr=args.lr)

@@ -65,7 +65,7 @@ class Bench:
         self.blocks = nn.ModuleList(Block(d, h) for _ in range(n)).to(dev, dt)
         self.x = torch.randn(b, s, d, device=dev, dtype=dt, requires_grad=True)
         # One host pool for every store: pinning ~L GiB happens once, not once per config.
-        self.pool = torchckpt.HostPool() if cuda else torchckpt.HostPool(chunk_bytes=1 << 20, pin=False)
+        self.pool = torchckpt.memory.HostPool() if cuda else torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False)
 
     def new_store(self, gpu_bytes: int) -> torchckpt.Store:
         if self.cuda:

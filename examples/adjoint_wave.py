@@ -40,7 +40,8 @@ import torch  # noqa: E402
 from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.codecs import TritonQuant  # noqa: E402
 from torchckpt.schedules import Tier, simulate  # noqa: E402
-from torchckpt.store import HostPool, SnapshotStore  # noqa: E402
+from torchckpt.memory import HostPool  # noqa: E402
+from torchckpt.store import SnapshotStore  # noqa: E402
 from wave import (  # noqa: E402
     RTM, make_schedule, cfl_dt, dominant_frequency, laplacian, layered_model, model_data, ricker, rtm_keep_all, smooth,
     step_torch, step_triton, surface_survey, triton_available,

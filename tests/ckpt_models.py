@@ -12,9 +12,9 @@ from torch import nn
 import torchckpt
 
 
-def small_pool() -> torchckpt.HostPool:
+def small_pool() -> torchckpt.memory.HostPool:
     """A host pool with 1 MiB chunks: keeps CPU tests' memory small."""
-    return torchckpt.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=False)
+    return torchckpt.memory.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=False)
 
 
 def cpu_store(gpu_bytes: int, min_bytes: int = 0, **kw: Any) -> torchckpt.Store:

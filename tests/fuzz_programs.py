@@ -409,9 +409,9 @@ def compare(ref: Outcome, got: Outcome, grad_tol: float | None = None) -> list[s
 
 
 # -- settings -----------------------------------------------------------------------------------
-def small_host_pool(device: str) -> torchckpt.HostPool:
+def small_host_pool(device: str) -> torchckpt.memory.HostPool:
     """A host pool with 1 MiB chunks (pinned when the store is on CUDA)."""
-    return torchckpt.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=device != "cpu")
+    return torchckpt.memory.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=device != "cpu")
 
 
 BUDGET = 1536  # bytes: a cache that holds a few of the fuzzer's tensors, so some are evicted

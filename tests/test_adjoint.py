@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 
 import torchckpt
 from ckpt_models import small_pool
-from torchckpt import CheckpointError, SnapshotStats, SnapshotStore, Store, auto_schedule, checkpointed_loop, run_schedule
+from torchckpt import CheckpointError, SnapshotStore, Store, auto_schedule, checkpointed_loop, run_schedule
+from torchckpt.store import SnapshotStats
 from torchckpt.schedules import (
     Adjoint, Free, Multistage, Prefetch, Restore, Revolve, Save, Schedule, Tier, Uniform, ZCut, simulate,
 )
@@ -32,7 +33,7 @@ def cpu_store(**kw: Any) -> Store:
     return Store("cpu", host=small_pool(), **kw)
 
 
-def host_in_use(pool: torchckpt.HostPool) -> int:
+def host_in_use(pool: torchckpt.memory.HostPool) -> int:
     """Host bytes in use once parked blocks are reclaimed (a 1-byte alloc/free reclaims them)."""
     pool.free(pool.alloc(1))
     return pool.stats().in_use_bytes
@@ -353,7 +354,7 @@ def test_auto_bad_snapshot_bytes(nbytes: int) -> None:
 
 
 def test_auto_in_checkpointed_loop_with_no_room() -> None:
-    store = Store("cpu", gpu_bytes=0, host=torchckpt.HostPool(capacity_bytes=0, chunk_bytes=1 << 20, pin=False))
+    store = Store("cpu", gpu_bytes=0, host=torchckpt.memory.HostPool(capacity_bytes=0, chunk_bytes=1 << 20, pin=False))
     with pytest.raises(CheckpointError, match="^torchckpt:"):
         checkpointed_loop(torch.sin, torch.ones(2, requires_grad=True), 3, store=store)
 
@@ -517,8 +518,8 @@ def test_run_schedule_without_a_store_reuses_one_host_pool(monkeypatch: pytest.M
     """run_schedule given no store takes the process's shared pool (shared_host_pool) instead of
     touching and registering new host memory every call; TORCHCKPT_SHARED_POOL=0 gives each call
     its own. (checkpointed_loop without a store uses default_store's pool, shared already.)"""
-    from torchckpt import adjoint as adj
-    from torchckpt.store.lazy_pool import release_shared_host_pools, shared_host_pool
+    from torchckpt.adjoint import run as adj
+    from torchckpt.memory.lazy_pool import release_shared_host_pools, shared_host_pool
 
     release_shared_host_pools()
     cpu = torch.device("cpu")

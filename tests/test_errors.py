@@ -32,7 +32,7 @@ def test_unknown_policy_instance_and_class(bad: object) -> None:
 @pytest.mark.parametrize("bad", ["offload", 3, None])
 def test_unknown_policy_run(bad: object) -> None:
     with pytest.raises(TypeError, match="^torchckpt:"):
-        torchckpt.run(bad, f, torch.randn(4, requires_grad=True))
+        torchckpt.api.run(bad, f, torch.randn(4, requires_grad=True))
 
 
 @pytest.mark.parametrize("target", ["offload", 3])
@@ -64,12 +64,12 @@ def test_offload_store_type(bad: object) -> None:
 @pytest.mark.parametrize("kw", [{"gpu_bytes": -1}, {"min_bytes": -1}])
 def test_negative_budget(kw: dict) -> None:
     with pytest.raises(ValueError, match="^torchckpt:"):
-        torchckpt.Store(device="cpu", host=torchckpt.HostPool(chunk_bytes=1 << 20, pin=False), **kw)
+        torchckpt.Store(device="cpu", host=torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False), **kw)
 
 
 def test_gpu_cache_negative_budget() -> None:
     with pytest.raises(ValueError, match="^torchckpt:"):
-        torchckpt.GpuCache(-1)
+        torchckpt.schedules.cache.GpuCache(-1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
@@ -200,13 +200,13 @@ def test_run_bad_input() -> None:
     x = torch.randn(4, requires_grad=True)
     with torch.no_grad():  # checked before the no-grad shortcut
         with pytest.raises(TypeError, match=r"^torchckpt: run\(policy, \.\.\.\)"):
-            torchckpt.run("recompute", f, x)
+            torchckpt.api.run("recompute", f, x)
     with pytest.raises(TypeError, match="^torchckpt: run.* takes the policy first"):
-        torchckpt.run(f, Recompute(), x)  # type: ignore[arg-type]
+        torchckpt.api.run(f, Recompute(), x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="^torchckpt: run.* expects a callable fn"):
-        torchckpt.run(Recompute(), 3, x)  # type: ignore[arg-type]
+        torchckpt.api.run(Recompute(), 3, x)  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"^torchckpt: run\(\.\.\., module=\.\.\.\)"):
-        torchckpt.run(Offload(cpu_store(0)), f, x, module="lin")  # type: ignore[arg-type]
+        torchckpt.api.run(Offload(cpu_store(0)), f, x, module="lin")  # type: ignore[arg-type]
 
 
 def test_torch_checkpoint_options_in_the_call_form() -> None:
@@ -239,7 +239,7 @@ def test_checkpointed_loop_store_argument(store: object, match: str) -> None:
 
 
 def test_checkpointed_loop_store_snapshot_store_instance() -> None:
-    snaps = torchckpt.SnapshotStore("cpu", slots=2, host=torchckpt.HostPool(chunk_bytes=1 << 20, pin=False))
+    snaps = torchckpt.SnapshotStore("cpu", slots=2, host=torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False))
     with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(store=\.\.\.\).*SnapshotStore.*run_schedule"):
         _loop(store=snaps)
 
@@ -326,7 +326,7 @@ def test_run_schedule_bad_arguments(kw: dict, exc: type, match: str) -> None:
     ({"device": "cpu", "gpu_bytes": "1GB"}, ValueError, r"SnapshotStore\(gpu_bytes=\.\.\.\) must be a positive int"),
     ({"device": "cpu", "slot_bytes": 0}, ValueError, r"SnapshotStore\(slot_bytes=\.\.\.\) must be a positive int"),
     ({"device": "cpu", "slot_margin": "0.1"}, ValueError, r"SnapshotStore\(slot_margin=\.\.\.\) must be a number"),
-    ({"device": "cpu", "host": "pinned"}, TypeError, r"SnapshotStore\(host=\.\.\.\) expects a torchckpt\.HostPool"),
+    ({"device": "cpu", "host": "pinned"}, TypeError, r"SnapshotStore\(host=\.\.\.\) expects a torchckpt\.memory\.HostPool"),
     ({"device": "cpu", "timing": "no"}, TypeError, r"SnapshotStore\(timing=\.\.\.\) expects True or False"),
 ])
 def test_snapshot_store_bad_construction(kw: dict, exc: type, match: str) -> None:

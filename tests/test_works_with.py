@@ -253,7 +253,7 @@ def _func_expectation(policy: str, transform: str) -> str | type[BaseException]:
 def test_func_transforms(policy: str, transform: str) -> None:
     want = TRANSFORMS[transform](_scalar_fn(lambda fn, *a: fn(*a)))
     pol = _policy(policy)()
-    f = _scalar_fn(lambda fn, *a: torchckpt.run(pol, fn, *a))
+    f = _scalar_fn(lambda fn, *a: torchckpt.api.run(pol, fn, *a))
     expect = _func_expectation(policy, transform)
     with warnings.catch_warnings(record=True) as w:
         warnings.simplefilter("always")
@@ -289,11 +289,11 @@ def test_vmap_then_backward() -> None:
 
     want = go(lambda fn, *a: fn(*a))
     store = cpu_store(0)
-    got = go(lambda fn, *a: torchckpt.run(torchckpt.Offload(store), fn, *a))
+    got = go(lambda fn, *a: torchckpt.api.run(torchckpt.Offload(store), fn, *a))
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert store.stats().offloaded > 0
     with pytest.raises(RuntimeError, match="vmap"):
-        go(lambda fn, *a: torchckpt.run(torchckpt.Recompute(), fn, *a))
+        go(lambda fn, *a: torchckpt.api.run(torchckpt.Recompute(), fn, *a))
     with pytest.raises(RuntimeError, match="vmap"):
         go(lambda fn, *a: torch_checkpoint(fn, *a, use_reentrant=False))
 

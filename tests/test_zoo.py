@@ -90,7 +90,7 @@ def make_store(device: str, gpu_bytes: int, codec: bool) -> torchckpt.Store:
     if device == "cpu":
         host = small_pool()
     else:
-        host = torchckpt.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=True)
+        host = torchckpt.memory.HostPool(capacity_bytes=256 << 20, chunk_bytes=1 << 20, pin=True)
     return torchckpt.Store(device=device, gpu_bytes=gpu_bytes, min_bytes=0, host=host,
                            codec=Identity() if codec else None)
 

@@ -2,35 +2,33 @@
 
 Saved tensors go to recomputation or to a GPU cache backed by pinned host memory,
 moved on dedicated CUDA streams and prefetched before backward needs them.
+
+The public names are below; everything else stays importable from its module
+(``torchckpt.memory.HostPool``, ``torchckpt.store.Stats``, ``torchckpt.codecs.TritonQuant``...).
 """
-from torchckpt import schedules
+from torchckpt import codecs, schedules
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint import auto_schedule, checkpointed_loop, run_schedule
-from torchckpt.api import checkpoint, default_store, offload, run
+from torchckpt.api import checkpoint, default_store, offload
 from torchckpt.policies import Keep, Offload, Policy, Recompute
-from torchckpt.store import GpuCache, HostPool, PrefetchPlan, SnapshotStats, SnapshotStore, Stats, Store
+from torchckpt.store import SnapshotStore, Store
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError",
-    "GpuCache",
-    "HostPool",
     "Keep",
     "Offload",
     "Policy",
-    "PrefetchPlan",
     "Recompute",
-    "SnapshotStats",
     "SnapshotStore",
-    "Stats",
     "Store",
     "auto_schedule",
     "checkpoint",
     "checkpointed_loop",
+    "codecs",
     "default_store",
     "offload",
-    "run",
     "run_schedule",
     "schedules",
 ]

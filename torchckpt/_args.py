@@ -56,11 +56,11 @@ def check_flag(owner: str, name: str, value: object) -> None:
 
 def check_host(owner: str, host: object) -> None:
     """``host`` must be a ``torchckpt.HostPool`` or ``None``."""
-    from torchckpt.store.host_pool import HostPool  # the store imports this module
+    from torchckpt.memory.host_pool import HostPool  # the store imports this module
 
     if host is not None and not isinstance(host, HostPool):
         raise TypeError(
-            f"torchckpt: {owner}(host=...) expects a torchckpt.HostPool or None, got {type(host).__name__} {host!r}; "
+            f"torchckpt: {owner}(host=...) expects a torchckpt.memory.HostPool or None, got {type(host).__name__} {host!r}; "
             "pass host=None for the default pool (pinned when CUDA is available) or e.g. "
-            "host=torchckpt.HostPool(capacity_bytes=8 << 30)."
+            "host=torchckpt.memory.HostPool(capacity_bytes=8 << 30)."
         )

@@ -193,7 +193,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
 
         >>> import torchckpt
         >>> x = torch.randn(4, requires_grad=True)
-        >>> torchckpt.run(torchckpt.Recompute(), torch.sin, x).sum().backward()
+        >>> torchckpt.api.run(torchckpt.Recompute(), torch.sin, x).sum().backward()
         >>> bool(torch.equal(x.grad, x.detach().cos()))
         True
     """

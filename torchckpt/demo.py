@@ -77,7 +77,7 @@ def _forward(name: str, blocks: nn.ModuleList, store: torchckpt.Store | None) ->
     def policy(pick: Callable[[int], torchckpt.Policy]) -> Callable[[torch.Tensor], torch.Tensor]:
         def fwd(x: torch.Tensor) -> torch.Tensor:
             for i, b in enumerate(blocks):
-                x = torchckpt.run(pick(i), b, x, module=b)
+                x = torchckpt.api.run(pick(i), b, x, module=b)
             return x
 
         return fwd

@@ -21,7 +21,7 @@ import resource
 import torch
 
 import torchckpt
-from torchckpt._ext import host_pool_available, host_pool_can_register, native_available, native_error
+from torchckpt._native import host_pool_available, host_pool_can_register, native_available, native_error
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,9 +79,9 @@ def report() -> list[Line]:
     from torchckpt.codecs import _nvcomp
     from torchckpt.codecs.quant import _triton_reason
     from torchckpt.codecs.zfp import ZFP
-    from torchckpt.store import device_arena
-    from torchckpt.store.lazy_pool import available_memory_bytes, default_pool_kind, node_lock_default
-    from torchckpt.store.node_lock import default_lock_path
+    from torchckpt.memory import device_arena
+    from torchckpt.memory.lazy_pool import available_memory_bytes, default_pool_kind, node_lock_default
+    from torchckpt.memory.node_lock import default_lock_path
 
     cuda = torch.cuda.is_available()
     out = [

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-import torchckpt.store.device_arena as da
+import torchckpt.memory.device_arena as da
 from torchckpt._errors import CheckpointError
 from torchckpt.store.snapshots import _Layout
 

@@ -229,7 +229,7 @@ def test_default_store_is_cuda() -> None:
 
 
 def test_pinned_host_pool() -> None:
-    p = torchckpt.HostPool(capacity_bytes=64 << 20, chunk_bytes=1 << 20, pin=True)
+    p = torchckpt.memory.HostPool(capacity_bytes=64 << 20, chunk_bytes=1 << 20, pin=True)
     b = p.alloc(1000)
     assert b.pinned and b.tensor.is_pinned()
     ev = torch.cuda.Event()

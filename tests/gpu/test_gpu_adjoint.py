@@ -15,7 +15,8 @@ import pytest
 import torch
 
 import torchckpt
-from torchckpt import HostPool, SnapshotStore, Store, checkpointed_loop, run_schedule
+from torchckpt import SnapshotStore, Store, checkpointed_loop, run_schedule
+from torchckpt.memory import HostPool
 from torchckpt.schedules import Multistage, Restore, Revolve, Schedule, Tier, Uniform, ZCut, plan_prefetch
 
 pytestmark = pytest.mark.cuda
@@ -174,7 +175,7 @@ class Wave:
         self.order.append(n)
         self.at = -1
 
-    def run(self, schedule: Any, **kw: Any) -> torchckpt.SnapshotStats:
+    def run(self, schedule: Any, **kw: Any) -> torchckpt.store.SnapshotStats:
         return run_schedule(schedule, forward=self.forward, save=self.save, restore=self.restore,
                             backward=self.backward, **kw)
 

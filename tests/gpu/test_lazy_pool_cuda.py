@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from torchckpt._ext import host_pool_can_register
-from torchckpt.store.lazy_pool import REGISTERED, LazyHostPool, make_host_pool
+from torchckpt._native import host_pool_can_register
+from torchckpt.memory.lazy_pool import REGISTERED, LazyHostPool, make_host_pool
 
 pytestmark = [
     pytest.mark.cuda,
@@ -226,7 +226,7 @@ def test_factory_picks_the_lazy_pool_on_a_gpu(monkeypatch: pytest.MonkeyPatch) -
 LOW_MEMLOCK = """
 import resource, warnings, torch
 resource.setrlimit(resource.RLIMIT_MEMLOCK, (64 << 10, 64 << 10))
-from torchckpt.store.lazy_pool import LazyHostPool
+from torchckpt.memory.lazy_pool import LazyHostPool
 MiB = 1 << 20
 pool = LazyHostPool(capacity_bytes=256 * MiB, chunk_bytes=64 * MiB, first_chunk_bytes=64 * MiB, strategy="concurrent")
 pool.wait_ready(timeout=60)

@@ -47,8 +47,8 @@ def test_frozen_and_slotted(action: object) -> None:
 
 def test_schedule_iteration_and_plan_agree() -> None:
     r = S.Revolve(30, 4)
-    assert list(r) == r.actions() == list(r.plan())
-    assert len(r.plan()) == len(r.actions())
+    assert list(r) == r.actions() == list(r.pack())
+    assert len(r.pack()) == len(r.actions())
 
 
 @pytest.mark.parametrize(

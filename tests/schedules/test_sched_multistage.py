@@ -5,7 +5,7 @@ import itertools
 
 import pytest
 
-from torchckpt.schedules import Multistage, Plan, Revolve, Tier, optimal_forward_steps, simulate
+from torchckpt.schedules import Multistage, PackedSchedule, Revolve, Tier, optimal_forward_steps, simulate
 from torchckpt.schedules.revolve import binomial_codes
 
 
@@ -20,7 +20,7 @@ def test_forward_count_equals_single_level_revolve(n: int, g: int, h: int) -> No
 
 
 def _host_transfers(n: int, s: int, tiers: tuple[Tier, ...]) -> int:
-    r = simulate(Plan(binomial_codes(n, s), tiers))
+    r = simulate(PackedSchedule(binomial_codes(n, s), tiers))
     return r.saves[Tier.HOST] + r.restores[Tier.HOST]
 
 

@@ -41,7 +41,7 @@ def test_forward_count_exhaustive_n500_s30() -> None:
     cases = 0
     for n in range(2, 501):
         for s in range(1, min(30, n - 1) + 1):
-            plan = Revolve(n, s).plan()
+            plan = Revolve(n, s).pack()
             assert plan.forward_steps() == optimal_forward_steps(n, s), (n, s)
             cases += 1
     print(f"\n{cases} Revolve plans checked in {time.perf_counter() - t0:.2f} s")
@@ -81,7 +81,7 @@ def test_snapshots_beyond_need() -> None:
     ("n", "s"), [(20000, 7), (50000, 30), (100000, 2), (100000, 100), (100000, 1000)]
 )
 def test_forward_count_spot_checks_large(n: int, s: int) -> None:
-    assert Revolve(n, s).plan().forward_steps() == optimal_forward_steps(n, s)
+    assert Revolve(n, s).pack().forward_steps() == optimal_forward_steps(n, s)
 
 
 def test_simulate_large() -> None:
@@ -91,17 +91,17 @@ def test_simulate_large() -> None:
 
 
 def test_plan_time_n100000_s100() -> None:
-    Revolve(1000, 10).plan()  # warm up
+    Revolve(1000, 10).pack()  # warm up
     times = []
     for _ in range(5):
         t0 = time.perf_counter()
-        plan = Revolve(100000, 100).plan()
+        plan = Revolve(100000, 100).pack()
         times.append(time.perf_counter() - t0)
     best = min(times)
     t0 = time.perf_counter()
     actions = list(plan)
     materialize = time.perf_counter() - t0
-    print(f"\nRevolve(100000, 100).plan(): best {best * 1e3:.1f} ms, median "
+    print(f"\nRevolve(100000, 100).pack(): best {best * 1e3:.1f} ms, median "
           f"{sorted(times)[2] * 1e3:.1f} ms; {len(actions)} actions built in "
           f"{materialize * 1e3:.0f} ms")
     assert best < 0.5  # target 0.1 s; generous guard for loaded CI machines

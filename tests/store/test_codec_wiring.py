@@ -11,7 +11,8 @@ from ckpt_models import Echo
 from torchckpt.adjoint import checkpointed_loop, run_schedule
 from torchckpt.codecs import Identity, TritonQuant
 from torchckpt.schedules import Revolve, Tier
-from torchckpt.store import HostPool, SnapshotStore, Store
+from torchckpt.memory import HostPool
+from torchckpt.store import SnapshotStore, Store
 
 
 def _pool() -> HostPool:
@@ -293,7 +294,7 @@ def test_zfp_snapshots_fixed_rate() -> None:
 
 
 def test_checkpointed_loop_store_codec_is_used_and_buys_snapshots() -> None:
-    from torchckpt.adjoint import _snapshot_bytes, auto_schedule
+    from torchckpt.adjoint.run import _snapshot_bytes, auto_schedule
 
     torch.manual_seed(5)
     w = torch.tensor(0.7, requires_grad=True)

@@ -8,9 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-import torchckpt.store.device_arena as da
+import torchckpt.memory.device_arena as da
 from torchckpt._errors import CheckpointError
-from torchckpt._ext import native_available
+from torchckpt._native import native_available
 
 GRAN = 4096
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from ckpt_models import FakeEvent
 import torchckpt
-from torchckpt.store.host_pool import ALIGN, HostPool
+from torchckpt.memory.host_pool import ALIGN, HostPool
 
 MiB = 1 << 20
 

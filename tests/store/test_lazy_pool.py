@@ -14,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_models import FakeEvent
-import torchckpt.store.lazy_pool as lp
-import torchckpt.store.node_lock as nl
+import torchckpt.memory.lazy_pool as lp
+import torchckpt.memory.node_lock as nl
 from torchckpt._errors import CheckpointError
-from torchckpt._ext import host_pool_available
-from torchckpt.store.host_pool import ALIGN, HostPool
-from torchckpt.store.lazy_pool import (
+from torchckpt._native import host_pool_available
+from torchckpt.memory.host_pool import ALIGN, HostPool
+from torchckpt.memory.lazy_pool import (
     FAILED,
     REGISTERED,
     TOUCHED,
@@ -97,7 +97,7 @@ def test_docstring_examples(mod: object) -> None:
 
 
 def test_lazy_pool_without_native_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchckpt._ext as ext
+    import torchckpt._native as ext
 
     monkeypatch.setattr(ext, "host_pool_available", lambda: False)
     monkeypatch.setattr(lp, "native_host_pool_class", ext.native_host_pool_class)
@@ -368,7 +368,7 @@ def test_factory_serializes_registrations_unless_told_not_to(
 
 
 def test_huge_page_bytes_sums_the_mappings_inside_the_range(tmp_path: object) -> None:
-    from torchckpt.store.lazy_pool import huge_page_bytes
+    from torchckpt.memory.lazy_pool import huge_page_bytes
 
     smaps = os.path.join(str(tmp_path), "smaps")
     with open(smaps, "w") as f:

@@ -11,9 +11,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from torchckpt._ext import host_pool_available
-import torchckpt.store.node_lock as node_lock_module
-from torchckpt.store.node_lock import NodeLock, default_lock_path
+from torchckpt._native import host_pool_available
+import torchckpt.memory.node_lock as node_lock_module
+from torchckpt.memory.node_lock import NodeLock, default_lock_path
 
 MiB = 1 << 20
 
@@ -132,7 +132,7 @@ def test_unopenable_lock_file_says_what_to_do(tmp_path: object) -> None:
 def test_native_registration_waits_for_the_node_lock(
     lock_path: str, holder: subprocess.Popen[str], serialized: bool
 ) -> None:
-    from torchckpt.store.lazy_pool import REGISTERED, TOUCHED, LazyHostPool
+    from torchckpt.memory.lazy_pool import REGISTERED, TOUCHED, LazyHostPool
 
     p = LazyHostPool(capacity_bytes=4 * MiB, chunk_bytes=MiB, first_chunk_bytes=MiB, register_mode="fake",
                      strategy="concurrent", node_lock=serialized, lock_path=lock_path)

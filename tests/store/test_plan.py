@@ -1,4 +1,4 @@
-"""plan_from_trace on synthetic traces (NOTE [ Prefetch from a recorded trace ]), and the
+"""prefetch_from_trace on synthetic traces (NOTE [ Prefetch from a recorded trace ]), and the
 runtime replaying them: a CPU Store driven with plain uint8 tensors must do what the dry run says.
 """
 from __future__ import annotations
@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 
 import torchckpt
 from ckpt_models import cpu_store
-from torchckpt.store import plan_from_trace
-from torchckpt.store.plan import PACK, RELEASE, UNPACK
+from torchckpt.schedules.trace import prefetch_from_trace
+from torchckpt.schedules.trace import PACK, RELEASE, UNPACK
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 Trace = list[tuple[int, int, int]]
@@ -85,7 +85,7 @@ def unpack_order(trace: Sequence[tuple[int, int, int]]) -> list[int]:
 class Step:
     """What one replayed step did: the store's counters plus two the store does not count."""
 
-    def __init__(self, stats: torchckpt.Stats, loads: int, wasted: int) -> None:
+    def __init__(self, stats: torchckpt.store.Stats, loads: int, wasted: int) -> None:
         self.stats = stats
         self.loads = loads  # host-to-device copies: prefetches and loads on demand
         self.wasted = wasted  # prefetched entries whose GPU copy was dropped before their use
@@ -123,7 +123,7 @@ def store_replay(trace: Trace, budget: int, steps: int = 2) -> list[Step]:
                 del handles[i]
         assert not handles
         s = store.stats()
-        delta = torchckpt.Stats(
+        delta = torchckpt.store.Stats(
             cache_hits=s.cache_hits - prev.cache_hits,
             prefetch_hits=s.prefetch_hits - prev.prefetch_hits,
             misses=s.misses - prev.misses,
@@ -145,7 +145,7 @@ REPLAY = settings(max_examples=60, deadline=None, suppress_health_check=[HealthC
 
 # -- the dry run -----------------------------------------------------------------------------
 def test_docstring_example() -> None:
-    p = plan_from_trace(lifo([10, 10, 10]), budget_bytes=20)
+    p = prefetch_from_trace(lifo([10, 10, 10]), budget_bytes=20)
     # Entry 0 is evicted by the third pack (so it is written to host); after UNPACK 2 (position 3)
     # entry 1 is resident and pinned; after RELEASE 2 (position 4) entry 0 fits and is prefetched.
     assert p.misses == 0 and p.cache_hits == 2 and p.prefetch_hits == 1
@@ -154,12 +154,12 @@ def test_docstring_example() -> None:
 
 
 def test_budget_zero_loads_everything_on_demand() -> None:
-    p = plan_from_trace(lifo([8, 16, 4]), budget_bytes=0)
+    p = prefetch_from_trace(lifo([8, 16, 4]), budget_bytes=0)
     assert p.misses == 3 and p.cache_hits == 0 and p.prefetch_hits == 0 and p.actions == {}
 
 
 def test_everything_fits_no_prefetch_needed() -> None:
-    p = plan_from_trace(lifo([8, 16, 4]), budget_bytes=1000)
+    p = prefetch_from_trace(lifo([8, 16, 4]), budget_bytes=1000)
     assert p.cache_hits == 3 and p.misses == 0 and p.prefetch_hits == 0 and p.peak_bytes == 28
 
 
@@ -167,7 +167,7 @@ def test_everything_fits_no_prefetch_needed() -> None:
 @given(lifo_case())
 def test_lifo_no_misses_when_two_largest_fit(case: tuple[Trace, int]) -> None:
     trace, budget = case
-    plan = plan_from_trace(trace, budget)
+    plan = prefetch_from_trace(trace, budget)
     assert plan.misses == 0
     assert plan.cache_hits + plan.prefetch_hits == len(unpack_order(trace))
 
@@ -179,12 +179,12 @@ def test_predicted_peak_within_budget(case: tuple[Trace, int]) -> None:
     trace, budget = case
     if max(n for kind, _, n in trace if kind == PACK) > budget:
         return
-    plan = plan_from_trace(trace, budget)
+    plan = prefetch_from_trace(trace, budget)
     assert plan.peak_bytes <= budget, f"predicted peak {plan.peak_bytes} > budget {budget}"
 
 
 def test_predicted_peak_within_budget_minimal() -> None:
-    plan = plan_from_trace(lifo([10, 10, 10]), budget_bytes=20)
+    plan = prefetch_from_trace(lifo([10, 10, 10]), budget_bytes=20)
     assert plan.peak_bytes <= 20, plan.peak_bytes
 
 
@@ -194,7 +194,7 @@ def test_prefetches_in_order_of_use(case: tuple[Trace, int]) -> None:
     # Rule 3: after each event the walk schedules the next unpacks one by one, never skipping one;
     # an eviction it asks for (~v) makes room from an entry whose next use comes later.
     trace, budget = case
-    plan = plan_from_trace(trace, budget)
+    plan = prefetch_from_trace(trace, budget)
     order = unpack_order(trace)
     seen = [0]  # seen[pos + 1]: unpacks at positions <= pos
     for kind, _, _ in trace:
@@ -219,9 +219,9 @@ def test_prefetches_in_order_of_use(case: tuple[Trace, int]) -> None:
 
 def test_writes_are_the_entries_the_dry_run_evicts() -> None:
     # NOTE Rule 5: only entries evicted at some point need a host copy.
-    assert plan_from_trace(lifo([8, 8, 8]), budget_bytes=1000).writes == frozenset()
-    assert plan_from_trace(lifo([8, 8, 8]), budget_bytes=0).writes == frozenset({0, 1, 2})
-    assert plan_from_trace(lifo([8, 8, 8]), budget_bytes=16).writes == frozenset({0})
+    assert prefetch_from_trace(lifo([8, 8, 8]), budget_bytes=1000).writes == frozenset()
+    assert prefetch_from_trace(lifo([8, 8, 8]), budget_bytes=0).writes == frozenset({0, 1, 2})
+    assert prefetch_from_trace(lifo([8, 8, 8]), budget_bytes=16).writes == frozenset({0})
 
 
 # -- the runtime follows the dry run ---------------------------------------------------------
@@ -230,7 +230,7 @@ def test_writes_are_the_entries_the_dry_run_evicts() -> None:
 def test_store_lifo_replay_no_misses_after_step_one(case: tuple[Trace, int]) -> None:
     trace, budget = case
     first, second = store_replay(trace, budget)
-    plan = plan_from_trace(trace, budget)
+    plan = prefetch_from_trace(trace, budget)
     assert second.stats.misses == 0 and second.stats.plan_divergences == 0
     assert (second.stats.cache_hits, second.stats.prefetch_hits) == (plan.cache_hits, plan.prefetch_hits)
     assert first.stats.prefetch_hits == 0
@@ -242,7 +242,7 @@ def test_store_runtime_hits_equal_dry_run(case: tuple[Trace, int]) -> None:
     # NOTE Rule 4: "Because both use the same cache rules, the runtime's hits are the dry run's hits."
     trace, budget = case
     _, second = store_replay(trace, budget)
-    plan = plan_from_trace(trace, budget)
+    plan = prefetch_from_trace(trace, budget)
     s = second.stats
     assert s.plan_divergences == 0
     assert (s.cache_hits, s.prefetch_hits, s.misses) == (plan.cache_hits, plan.prefetch_hits, plan.misses)
@@ -271,5 +271,5 @@ def test_store_step_one_matches_planless_dry_run() -> None:
 
 def test_lookahead_bounds_the_walk() -> None:
     trace = lifo([4] * 20)
-    p = plan_from_trace(trace, budget_bytes=1000, lookahead=3)
+    p = prefetch_from_trace(trace, budget_bytes=1000, lookahead=3)
     assert all(len(v) <= 3 for v in p.actions.values())

@@ -259,7 +259,7 @@ def test_policy_under_torch_func_grad_runs_as_keep(name: str) -> None:
 
 # -- NOTE [ Store ] Rule 10: overlapping graphs ----------------------------------------------------
 def test_trace_bounded_when_graphs_overlap(monkeypatch: pytest.MonkeyPatch) -> None:
-    import torchckpt.store.store as store_mod
+    import torchckpt.store.saved as store_mod
 
     monkeypatch.setattr(store_mod, "_TRACE_MIN", 64)
     store = cpu_store(1 << 30)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from ckpt_models import small_pool
-from torchckpt import CheckpointError, HostPool, SnapshotStore
+from torchckpt import CheckpointError, SnapshotStore
+from torchckpt.memory import HostPool
 from torchckpt.schedules import (
     Action, Free, Multistage, Prefetch, Restore, Revolve, Save, Schedule, Tier, Uniform, ZCut, plan_flushes,
     plan_prefetch, simulate_cache,

@@ -17,7 +17,7 @@ from torchckpt.schedules.actions import (
     Tier,
 )
 from torchckpt.schedules.multistage import Multistage
-from torchckpt.schedules.plan import Plan
+from torchckpt.schedules.packed import PackedSchedule
 from torchckpt.schedules.prefetch import CacheStats, PrefetchedSchedule, plan_flushes, plan_prefetch, simulate_cache
 from torchckpt.schedules.revolve import Revolve, optimal_forward_steps, repetition_number
 from torchckpt.schedules.schedule import Schedule
@@ -34,7 +34,7 @@ __all__ = [
     "EndForward",
     "Free",
     "Multistage",
-    "Plan",
+    "PackedSchedule",
     "Prefetch",
     "PrefetchedSchedule",
     "Restore",

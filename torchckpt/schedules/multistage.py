@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from torchckpt.schedules.actions import Tier
-from torchckpt.schedules.plan import RESTORE, SAVE, Plan
+from torchckpt.schedules.packed import RESTORE, SAVE, PackedSchedule
 from torchckpt.schedules.revolve import binomial_codes, optimal_forward_steps
 from torchckpt.schedules.schedule import Schedule, check_int
 
@@ -123,6 +123,6 @@ class Multistage(Schedule):
         """Forward advances: single-level Revolve's optimum with all slots (Rule 1)."""
         return optimal_forward_steps(self.n_steps, self.gpu_slots + self.host_slots)
 
-    def plan(self) -> Plan:
-        """Plan the schedule; iterate the result for actions."""
-        return Plan(binomial_codes(self.n_steps, self.slots_used), self._tiers)
+    def pack(self) -> PackedSchedule:
+        """Pack the schedule; iterate the result for actions."""
+        return PackedSchedule(binomial_codes(self.n_steps, self.slots_used), self._tiers)

@@ -30,7 +30,7 @@ ACM TOMS 26(1), 19-45, doi:10.1145/347837.347846.
 #    slots, so at most s slots are busy. Each snapshot is freed right after its last
 #    restore, so the slot is available to a cache or prefetcher as early as possible.
 # 6. The construction is an explicit-stack loop (no recursion, no generators), so it
-#    handles any s, and packs its actions (NOTE [ Packed plans ]): 10^5 steps with 100
+#    handles any s, and packs its actions (NOTE [ Packed schedules ]): 10^5 steps with 100
 #    slots plan in about 50 ms.
 # 7. Once l <= c + 1 (t = 1) the optimal split is m = 1 all the way down: every state
 #    a+1 .. a+l-2 is saved on one sweep and the steps are reversed from them. That case is
@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from math import comb
 
 from torchckpt.schedules.actions import Tier
-from torchckpt.schedules.plan import ADJOINT, END, END_FORWARD, FREE, RESTORE, SAVE, Plan
+from torchckpt.schedules.packed import ADJOINT, END, END_FORWARD, FREE, RESTORE, SAVE, PackedSchedule
 from torchckpt.schedules.schedule import check_steps_snapshots_tier, Schedule, check_int
 
 __all__ = ["Revolve", "optimal_forward_steps", "repetition_number"]
@@ -95,7 +95,7 @@ def optimal_forward_steps(n_steps: int, snapshots: int) -> int:
 
 
 def binomial_codes(n_steps: int, snapshots: int) -> list[int]:
-    """Plan Revolve, packed (NOTE [ Packed plans ]); slot k is slot class k.
+    """Revolve, packed (NOTE [ Packed schedules ]); slot k is slot class k.
 
     Internal to the package (``Revolve`` and ``Multistage`` share it).
 
@@ -210,7 +210,7 @@ class Revolve(Schedule):
         """The forward advances this schedule performs (the optimum)."""
         return optimal_forward_steps(self.n_steps, self.snapshots)
 
-    def plan(self) -> Plan:
-        """Plan the schedule: O(1) integer work per action; iterate the result for actions."""
+    def pack(self) -> PackedSchedule:
+        """Pack the schedule: O(1) integer work per action; iterate the result for actions."""
         s = self.slots_used
-        return Plan(binomial_codes(self.n_steps, s), (self.tier,) * s)
+        return PackedSchedule(binomial_codes(self.n_steps, s), (self.tier,) * s)

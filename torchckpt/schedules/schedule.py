@@ -5,7 +5,7 @@
 #    validated in ``__post_init__`` and raises ``ValueError``/``TypeError`` naming the
 #    argument to change. The actions are built when asked for (``actions()`` or ``iter``),
 #    fresh each time, so a schedule can be shared and reused.
-# 2. ``plan()`` does the planning and returns the actions packed (NOTE [ Packed plans ]);
+# 2. ``plan()`` does the planning and returns the actions packed (NOTE [ Packed schedules ]);
 #    iterating a schedule decodes its plan action by action; ``actions()`` builds a list.
 # 3. ``capacity`` says how many snapshot slots the schedule may hold at once per tier;
 #    ``simulate`` checks the actions against it.
@@ -16,7 +16,7 @@ import abc
 from collections.abc import Iterator, Mapping
 
 from torchckpt.schedules.actions import Action, Tier
-from torchckpt.schedules.plan import Plan
+from torchckpt.schedules.packed import PackedSchedule
 
 __all__ = ["Schedule"]
 
@@ -42,15 +42,15 @@ class Schedule(abc.ABC):
         """Most snapshots held at once, per tier."""
 
     @abc.abstractmethod
-    def plan(self) -> Plan:
-        """Plan the schedule: its actions packed one int each (NOTE [ Packed plans ])."""
+    def pack(self) -> PackedSchedule:
+        """Pack the schedule: its actions packed one int each (NOTE [ Packed schedules ])."""
 
     def actions(self) -> list[Action]:
         """All actions of the schedule, in order, ending with ``End()``."""
-        return list(self.plan())
+        return list(self.pack())
 
     def __iter__(self) -> Iterator[Action]:
-        return iter(self.plan())
+        return iter(self.pack())
 
 
 def check_int(name: str, value: object, minimum: int, hint: str) -> int:

@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from torchckpt.schedules.actions import Tier
-from torchckpt.schedules.plan import Plan, PlanBuilder
+from torchckpt.schedules.packed import PackedSchedule, PackedBuilder
 from torchckpt.schedules.schedule import check_steps_snapshots_tier, Schedule
 
 __all__ = ["Uniform"]
@@ -60,10 +60,10 @@ class Uniform(Schedule):
         """``{tier: snapshots}``."""
         return {self.tier: self.snapshots}
 
-    def plan(self) -> Plan:
-        """Plan the schedule; iterate the result for actions."""
+    def pack(self) -> PackedSchedule:
+        """Pack the schedule; iterate the result for actions."""
         n, k = self.n_steps, self.interval
-        b = PlanBuilder((self.tier,))
+        b = PackedBuilder((self.tier,))
         for p in range(0, n - 1, k):  # Rule 1
             if p:
                 b.advance(p)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from math import isqrt
 
 from torchckpt.schedules.actions import Tier
-from torchckpt.schedules.plan import Plan, PlanBuilder
+from torchckpt.schedules.packed import PackedSchedule, PackedBuilder
 from torchckpt.schedules.schedule import Schedule, check_int
 
 __all__ = ["ZCut", "zcut_cost"]
@@ -149,10 +149,10 @@ class ZCut(Schedule):
         """Forward advances of this schedule (Rule 3)."""
         return zcut_cost(self.n_steps, self._length)[0]
 
-    def plan(self) -> Plan:
-        """Plan the schedule; iterate the result for actions."""
+    def pack(self) -> PackedSchedule:
+        """Pack the schedule; iterate the result for actions."""
         n, length = self.n_steps, self._length
-        b = PlanBuilder((self.tier,))
+        b = PackedBuilder((self.tier,))
         last = (n - 1) // length * length  # first state of the last segment
         # Rule 1: boundaries, then every state of the last segment, up to state n-2.
         for p in range(0, n - 1):

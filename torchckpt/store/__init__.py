@@ -1,12 +1,13 @@
-"""The tiered store: a GPU cache backed by a host pool, with trace-planned prefetch."""
-from torchckpt.store.gpu_cache import GpuCache
-from torchckpt.store.host_pool import HostBlock, HostPool, HostPoolStats
-from torchckpt.store.lazy_pool import LazyHostPool, make_host_pool, release_shared_host_pools, shared_host_pool
-from torchckpt.store.plan import PrefetchPlan, plan_from_trace
-from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
-from torchckpt.store.stats import Stats
-from torchckpt.store.store import Store
+"""The stores: where saved tensors (``Store``) and snapshots (``SnapshotStore``) live between
+forward and backward: a GPU cache in front of a host pool, with prefetch planned by a dry run.
 
-__all__ = ["GpuCache", "HostBlock", "HostPool", "HostPoolStats", "LazyHostPool", "PrefetchPlan", "SnapshotStats",
-           "SnapshotStore", "Stats", "Store", "make_host_pool", "plan_from_trace", "release_shared_host_pools",
-           "shared_host_pool"]
+``saved.py`` holds ``Store`` (saved-tensor hooks), ``snapshots.py`` ``SnapshotStore`` (a
+schedule's snapshots), ``streams.py`` the mover both use for every device/host copy,
+``identity.py`` the rules that make an unpacked tensor the one autograd saved, ``stats.py``
+what the stores count.
+"""
+from torchckpt.store.saved import Store
+from torchckpt.store.snapshots import SnapshotStore
+from torchckpt.store.stats import SnapshotStats, Stats
+
+__all__ = ["SnapshotStats", "SnapshotStore", "Stats", "Store"]

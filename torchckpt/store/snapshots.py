@@ -38,7 +38,7 @@
 #    than its slot grows that slot (a new buffer; the old one is released behind its
 #    streams): the result stays exact to the codec's guarantee, GPU memory exceeds the
 #    budget by the difference, ``stats().slot_grows`` counts it and the store warns once.
-# 10. The slots are one range of device memory from ``arena_slots`` (store/device_arena.py): on
+# 10. The slots are one range of device memory from ``arena_slots`` (memory/device_arena.py): on
 #    a GPU with the native extension, a CUDA virtual-memory arena whose first slot is mapped
 #    at once and the rest in the background (a slot's first use waits for its own range only);
 #    elsewhere one ``torch.empty``. ``TORCHCKPT_DEVICE_CACHE=caching`` forces the latter. Arena
@@ -58,66 +58,16 @@ import torch
 from torchckpt._args import check_flag, check_host
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.codecs.base import Codec, Packed
-from torchckpt.profiling import nvtx_range
+from torchckpt.store.streams import nvtx_range
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.prefetch import _Cache
-from torchckpt.store.blob import Blob
-from torchckpt.store.device_arena import ArenaSlots, DeviceArena, arena_slots
-from torchckpt.store.host_pool import HostBlock, HostPool
-from torchckpt.store.stats import timed_wait
-from torchckpt.store.lazy_pool import make_host_pool
+from torchckpt.codecs.blob import Blob
+from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
+from torchckpt.memory.host_pool import HostBlock, HostPool
+from torchckpt.store.stats import SnapshotStats, timed_wait
+from torchckpt.memory.lazy_pool import make_host_pool
 
 _ALIGN = 256
-
-
-@dataclasses.dataclass(frozen=True)
-class SnapshotStats:
-    """What a snapshot store did. Times in seconds; on CUDA from device events.
-
-    Attributes:
-        saves: snapshots saved (all tiers); host_saves: of them, to an off-GPU tier.
-        restores: snapshots restored; hits: off-GPU restores served by a slot.
-        prefetches: host-to-device prefetch copies; late_prefetches / late_wait_s: those that
-            ended after the restore needed them, and by how much in total.
-        misses: off-GPU restores loaded on demand; miss_wait_s: the compute stream's wait for them.
-        save_waits / save_wait_s: saves that had to wait for their slot's previous flush.
-        bytes_to_host / bytes_to_device: bytes copied each way.
-        raw_bytes / packed_bytes: with a codec, the bytes of the snapshots saved and of their
-            compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
-            (NOTE [ Snapshot store ] Rule 9).
-    """
-
-    saves: int = 0
-    host_saves: int = 0
-    restores: int = 0
-    hits: int = 0
-    prefetches: int = 0
-    late_prefetches: int = 0
-    late_wait_s: float = 0.0
-    misses: int = 0
-    miss_wait_s: float = 0.0
-    save_waits: int = 0
-    save_wait_s: float = 0.0
-    bytes_to_host: int = 0
-    bytes_to_device: int = 0
-    raw_bytes: int = 0
-    packed_bytes: int = 0
-    slot_grows: int = 0
-
-    @property
-    def ratio(self) -> float:
-        """Compression ratio of the snapshots saved (1.0 without a codec)."""
-        return self.raw_bytes / self.packed_bytes if self.packed_bytes else 1.0
-
-    @property
-    def hit_rate(self) -> float:
-        """Off-GPU restores served by a slot, as a fraction (1.0 when there were none)."""
-        n = self.hits + self.misses
-        return self.hits / n if n else 1.0
-
-    @property
-    def exposed_transfer_s(self) -> float:
-        return self.late_wait_s + self.miss_wait_s + self.save_wait_s
 
 
 class _Layout:

@@ -1,4 +1,4 @@
-"""Transfer statistics of a ``Store``."""
+"""What the stores count: ``Stats`` (``Store``) and ``SnapshotStats`` (``SnapshotStore``)."""
 from __future__ import annotations
 
 import dataclasses
@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from torchckpt.store.host_pool import HostPoolStats
+from torchckpt.memory.host_pool import HostPoolStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +91,56 @@ class Stats:
             f"{self.misses} misses ({self.miss_wait_s * 1e3:.1f} ms); exposed transfer "
             f"{self.exposed_transfer_s * 1e3:.1f} ms"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class SnapshotStats:
+    """What a snapshot store did. Times in seconds; on CUDA from device events.
+
+    Attributes:
+        saves: snapshots saved (all tiers); host_saves: of them, to an off-GPU tier.
+        restores: snapshots restored; hits: off-GPU restores served by a slot.
+        prefetches: host-to-device prefetch copies; late_prefetches / late_wait_s: those that
+            ended after the restore needed them, and by how much in total.
+        misses: off-GPU restores loaded on demand; miss_wait_s: the compute stream's wait for them.
+        save_waits / save_wait_s: saves that had to wait for their slot's previous flush.
+        bytes_to_host / bytes_to_device: bytes copied each way.
+        raw_bytes / packed_bytes: with a codec, the bytes of the snapshots saved and of their
+            compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
+            (NOTE [ Snapshot store ] Rule 9).
+    """
+
+    saves: int = 0
+    host_saves: int = 0
+    restores: int = 0
+    hits: int = 0
+    prefetches: int = 0
+    late_prefetches: int = 0
+    late_wait_s: float = 0.0
+    misses: int = 0
+    miss_wait_s: float = 0.0
+    save_waits: int = 0
+    save_wait_s: float = 0.0
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+    raw_bytes: int = 0
+    packed_bytes: int = 0
+    slot_grows: int = 0
+
+    @property
+    def ratio(self) -> float:
+        """Compression ratio of the snapshots saved (1.0 without a codec)."""
+        return self.raw_bytes / self.packed_bytes if self.packed_bytes else 1.0
+
+    @property
+    def hit_rate(self) -> float:
+        """Off-GPU restores served by a slot, as a fraction (1.0 when there were none)."""
+        n = self.hits + self.misses
+        return self.hits / n if n else 1.0
+
+    @property
+    def exposed_transfer_s(self) -> float:
+        return self.late_wait_s + self.miss_wait_s + self.save_wait_s
 
 
 def timed_wait(stream: Any, done: Any, timing: bool) -> Any:

@@ -1,15 +1,15 @@
 """A schedule's actions packed one int each, decoded into action objects on demand.
 
-# NOTE [ Packed plans ]
+# NOTE [ Packed schedules ]
 # A schedule of 10^5 steps has ~5*10^5 actions. Building that many Python objects costs
 # ~0.4 s in CPython, half of it in the cyclic garbage collector scanning them, while
 # planning itself (the decisions) takes a few tens of milliseconds. So schedules plan into
-# a ``Plan``: a list of ints, one per action, and executors iterate it, which creates each
+# a ``PackedSchedule``: a list of ints, one per action, and executors iterate it, which creates each
 # action as it is consumed (O(1) memory per action for a streaming executor).
 # 1. An action code is ``value << 3 | op``. The state an ``Advance`` starts from, and the
 #    state a ``Save`` or ``Adjoint`` applies to, is the current state, tracked while
 #    decoding (a valid schedule never does otherwise, NOTE [ Schedule actions ]).
-# 2. Snapshots are placed by a *slot class* k, an index into ``Plan.tiers``: ``Save``'s
+# 2. Snapshots are placed by a *slot class* k, an index into ``PackedSchedule.tiers``: ``Save``'s
 #    value is k; ``Restore``/``Free`` carry ``n * len(tiers) + k``. Revolve uses one class
 #    per slot, so a two-tier variant (Multistage) only changes ``tiers``.
 """
@@ -31,14 +31,14 @@ from torchckpt.schedules.actions import (
     Tier,
 )
 
-__all__ = ["Plan", "PlanBuilder"]
+__all__ = ["PackedSchedule", "PackedBuilder"]
 
 ADVANCE, SAVE, RESTORE, FREE, ADJOINT, END_FORWARD, END = range(7)
 
 
 @dataclass(frozen=True, slots=True)
-class Plan:
-    """Packed actions of a schedule (NOTE [ Packed plans ]); iterate it for the actions.
+class PackedSchedule:
+    """Packed actions of a schedule (NOTE [ Packed schedules ]); iterate it for the actions.
 
     Args:
         codes: one int per action (Rule 1).
@@ -50,7 +50,7 @@ class Plan:
     Example::
 
         >>> from torchckpt.schedules import Revolve
-        >>> p = Revolve(3, 2).plan()
+        >>> p = Revolve(3, 2).pack()
         >>> len(p), next(iter(p))
         (13, Save(0, Tier.GPU))
     """
@@ -97,7 +97,7 @@ class Plan:
         Example::
 
             >>> from torchckpt.schedules import Revolve
-            >>> Revolve(100, 5).plan().forward_steps()
+            >>> Revolve(100, 5).pack().forward_steps()
             316
         """
         k_count = len(self.tiers)
@@ -113,15 +113,15 @@ class Plan:
         return total
 
 
-class PlanBuilder:
-    """Accumulates action codes for a ``Plan`` (NOTE [ Packed plans ]).
+class PackedBuilder:
+    """Accumulates action codes for a ``PackedSchedule`` (NOTE [ Packed schedules ]).
 
     Args:
         tiers: tier of each slot class.
 
     Example::
 
-        >>> b = PlanBuilder((Tier.GPU,))
+        >>> b = PackedBuilder((Tier.GPU,))
         >>> b.end_forward(); b.adjoint()
         >>> list(b.build())
         [EndForward(), Adjoint(0), End()]
@@ -158,7 +158,7 @@ class PlanBuilder:
         """``EndForward()``."""
         self.codes.append(END_FORWARD)
 
-    def build(self) -> Plan:
+    def build(self) -> PackedSchedule:
         """Append ``End()`` and return the plan."""
         self.codes.append(END)
-        return Plan(self.codes, self.tiers)
+        return PackedSchedule(self.codes, self.tiers)

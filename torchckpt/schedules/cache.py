@@ -13,7 +13,7 @@
 # 4. ``victims(extra)`` names, LRU first, the unpinned keys to evict so that ``extra`` more
 #    bytes fit. The store evicts them; evicting one whose device-to-host copy is still in
 #    flight waits on that copy's event first (the SAVE-waits-on-slot rule of GPUZIP).
-# 5. The same class serves the dry run (store/plan.py): runtime and plan rank identically.
+# 5. The same class serves the dry run (schedules/trace.py): runtime and plan rank identically.
 """
 from __future__ import annotations
 

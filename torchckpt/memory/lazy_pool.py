@@ -97,9 +97,9 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt._ext import host_pool_available, host_pool_can_register, native_host_pool_class
-from torchckpt.store.host_pool import ALIGN, HostBlock, HostPool, HostPoolStats, _Chunk, _round_up, physical_memory_bytes
-from torchckpt.store.node_lock import default_lock_path
+from torchckpt._native import host_pool_available, host_pool_can_register, native_host_pool_class
+from torchckpt.memory.host_pool import ALIGN, HostBlock, HostPool, HostPoolStats, _Chunk, _round_up, physical_memory_bytes
+from torchckpt.memory.node_lock import default_lock_path
 
 UNTOUCHED, TOUCHED, REGISTERED, FAILED = 0, 1, 2, 3
 STRATEGIES = ("auto", "concurrent", "sequential", "whole")

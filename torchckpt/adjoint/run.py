@@ -26,7 +26,7 @@
 #    One backward pass per loop: the schedule's snapshots are consumed by it. A loop run
 #    without grad, or dropped without a backward, gives its host blocks back.
 # 3. Captured tensors: every tensor from outside the loop that a step reads differentiably is
-#    an input of the Function (NOTE [ Captured tensors ], torchckpt/captures.py): found by a
+#    an input of the Function (NOTE [ Captured tensors ], torchckpt/adjoint/captures.py): found by a
 #    probe of step 0, whose output is state 1, where the forward sweep starts.
 # 4. Bad arguments (``store``, ``schedule``, ``params``, ``slots``, the callbacks) raise at the
 #    call, naming the argument and what to pass (``_check_store`` and its neighbours).
@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
-from torchckpt.captures import (
+from torchckpt.adjoint.captures import (
     Age, Swap, check_structure, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
 )
 from torchckpt.schedules import (
@@ -56,9 +56,9 @@ from torchckpt.schedules import (
 from torchckpt.schedules.schedule import Schedule, check_int
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
-from torchckpt.store.blob import Blob
-from torchckpt.store.host_pool import HostPool  # noqa: F401  (run_schedule's docstring example uses it)
-from torchckpt.store.lazy_pool import shared_host_pool
+from torchckpt.codecs.blob import Blob
+from torchckpt.memory.host_pool import HostPool  # noqa: F401  (run_schedule's docstring example uses it)
+from torchckpt.memory.lazy_pool import shared_host_pool
 from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 
 __all__ = ["checkpointed_loop", "run_schedule", "auto_schedule"]

@@ -39,14 +39,14 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from torchckpt.store.gpu_cache import GpuCache
+from torchckpt.schedules.cache import GpuCache
 
 PACK, UNPACK, RELEASE = 0, 1, 2
 Event = tuple[int, int, int]  # (kind, entry id, nbytes or 0)
 
 
 @dataclasses.dataclass(frozen=True)
-class PrefetchPlan:
+class TracePrefetch:
     """What the dry run decided and predicts for a trace (see NOTE [ Prefetch from a recorded trace ]).
 
     Attributes:
@@ -76,7 +76,7 @@ class PrefetchPlan:
         return tuple(i for kind, i, _ in self.trace if kind == UNPACK)
 
 
-def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 256) -> PrefetchPlan:
+def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 256) -> TracePrefetch:
     """Dry-run the GPU cache over ``trace`` and derive prefetch actions.
 
     Args:
@@ -91,7 +91,7 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
 
         >>> t = [(PACK, 0, 10), (PACK, 1, 10), (PACK, 2, 10), (UNPACK, 2, 0), (RELEASE, 2, 0),
         ...      (UNPACK, 1, 0), (RELEASE, 1, 0), (UNPACK, 0, 0), (RELEASE, 0, 0)]
-        >>> p = plan_from_trace(t, budget_bytes=20)
+        >>> p = prefetch_from_trace(t, budget_bytes=20)
         >>> p.actions, sorted(p.writes), p.misses
         ({3: (1,), 4: (0,)}, [0], 0)
     """
@@ -181,4 +181,4 @@ def plan_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: int = 
             nxt += 1
         if chosen:
             actions[pos] = tuple(chosen)
-    return PrefetchPlan(tuple(trace), actions, frozenset(writes), hits, pf_hits, misses, cache.peak_bytes)
+    return TracePrefetch(tuple(trace), actions, frozenset(writes), hits, pf_hits, misses, cache.peak_bytes)

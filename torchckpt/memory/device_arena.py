@@ -41,7 +41,7 @@ from typing import Any, Protocol, overload
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt._ext import native_available, native_error
+from torchckpt._native import native_available, native_error
 
 _log = logging.getLogger("torchckpt")
 

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError, internal_error
-from torchckpt._ext import touch_pages
+from torchckpt._native import touch_pages
 
 ALIGN = 512
 _DEFAULT_CHUNK = 256 << 20

@@ -1,0 +1,220 @@
+"""What autograd saved: which tensors can move, how their identity and version are checked.
+
+# NOTE [ Saved tensor identity ]
+# A saved tensor must come back as autograd saved it: same values, same metadata bits, same
+# version check. Saved-tensor hooks take three things off autograd's hands, and these rules
+# give them back.
+# 1. Version check. Plain autograd raises at unpack when a saved tensor was modified in place
+#    after it was saved. With hooks set, ``SavedVariable::unpack`` skips that check, so the
+#    store checks itself: every saved tensor, moved or kept by reference, carries its version
+#    at save time and a *version alias*, a tensor that shares the saved tensor's version
+#    counter but none of its memory (``detach()`` shares the counter; assigning ``.data``
+#    swaps the storage for an empty one and keeps the counter). Unpack raises autograd's own
+#    error (same type, same text) when the counter moved, whether the entry is resident,
+#    evicted or compressed.
+# 2. Sharing an entry. Two saves may share one copy only if they are provably the same bytes
+#    at the same moment: the same storage, the same version counter, the same version, and
+#    bytes that nothing can have written in between unseen.
+#    a. A storage alone is not enough: ``unsafe_chunk`` and ``unsafe_split`` (ATen's LSTM and
+#       GRU cells split their gates with them), ``.data`` and ``set_`` make tensors that share
+#       a storage but count versions independently, so two of them can sit at the same version
+#       while one was written in between. The counter is identified by the *family root*: a
+#       view shares its counter with its ``_base`` (the root of the view chain), a tensor that
+#       is not a view is its own root. The root is held by weak reference; PyTorch keeps a
+#       tensor's Python object for as long as the tensor lives, so a live weak reference names
+#       one counter. Different roots never share an entry, even when they do share a counter
+#       (``detach()``): a lost deduplication, never a wrong value.
+#    b. A counter alone is not enough either: a write through ``.data`` (torchdiffeq's
+#       Runge-Kutta step fills its stage buffer ``k`` with ``k.data[..., i] = f`` and saves
+#       ``k[..., :i + 1]`` after each write) moves no counter. An entry copies a whole storage,
+#       so a later save of bytes its creator did not read may find them changed. A later save
+#       shares the entry only if (``Coverage.admits``) it is made while the same autograd node
+#       is being built (the same thread and the same next sequence number: no op ran in
+#       between, as when ``scaled_dot_product_attention`` saves q, k and v of one ``unbind``),
+#       or its bytes lie within the creator's own elements (the same view, or inside a
+#       creator that covers its byte range densely). Bytes a saved tensor reads are its own:
+#       writing them after the save, even unseen, changes plain autograd's result as well.
+# 3. Metadata. Unpack rebuilds dtype, size, stride and storage offset from the handle, then
+#    the bits that change values: ``_neg_view()`` for the neg bit, ``conj()`` for the conj bit
+#    (complex models, FFT layers). The rebuilt tensor has a fresh version counter: Rule 1
+#    checks the original one.
+# 4. What stays by reference, and why (``keep_reason``): tensors that moving would not free
+#    or cannot move. Leaves that require grad, parameters and views of them; tensors on
+#    another device; non-strided layouts, quantized and nested tensors, zero tensors (forward
+#    AD), tensor subclasses and functorch's wrappers (``torch.func`` transforms: their storage
+#    is not accessible), and tensors under ``min_bytes``.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+_is_functorch_wrapped = getattr(getattr(torch._C, "_functorch", None), "is_functorch_wrapped_tensor", None)
+_is_batched = getattr(getattr(torch._C, "_functorch", None), "is_batchedtensor", lambda t: False)
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | None:
+    """Why ``t`` must stay by reference (Rule 4), or ``None`` if the store may move it."""
+    if type(t) not in _PLAIN:
+        return "subclass"
+    if _is_functorch_wrapped is not None and (_is_functorch_wrapped(t) or _is_batched(t)):
+        return "functorch"
+    if t.device != device:
+        return "device"
+    if t.layout != torch.strided or t.is_quantized or t.is_nested:
+        return "layout"
+    if t._is_zerotensor():
+        return "zerotensor"
+    if t.numel() * t.element_size() < max(min_bytes, 1):
+        return "small"
+    if isinstance(t, torch.nn.Parameter) or (t.requires_grad and t.is_leaf):
+        return "leaf"
+    b = t._base
+    if b is not None and (isinstance(b, torch.nn.Parameter) or (b.requires_grad and b.is_leaf)):
+        return "leaf"
+    return None
+
+
+def storage_ptrs(tensors: Iterable[torch.Tensor]) -> frozenset[int]:
+    """The data pointers of the storages of ``tensors`` that have one (functorch's wrappers do not)."""
+    ptrs = set()
+    for t in tensors:
+        if _is_functorch_wrapped is not None and (_is_functorch_wrapped(t) or _is_batched(t)):
+            continue
+        ptrs.add(t.untyped_storage().data_ptr())
+    return frozenset(ptrs)
+
+
+_next_node = getattr(torch._C._autograd, "_get_sequence_nr", None)
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its byte range exactly (no gaps, no overlap)."""
+    expect = 1
+    for size, stride in sorted(((n, st) for n, st in zip(t.shape, t.stride()) if n != 1), key=lambda p: p[1]):
+        if stride != expect:
+            return False
+        expect *= size
+    return True
+
+
+class Coverage:
+    """What a shared entry's creator guarantees about the bytes a later save reads (Rule 2b)."""
+
+    __slots__ = ("moment", "geometry", "lo", "hi")
+
+    def __init__(self, t: torch.Tensor, lo: int, span: int) -> None:
+        self.moment = _moment()
+        self.geometry = (t.storage_offset(), t.shape, t.stride(), t.element_size())
+        self.lo, self.hi = (lo, lo + span) if _dense(t) else (0, -1)
+
+    def admits(self, t: torch.Tensor, lo: int, span: int) -> bool:
+        """Whether a save of ``t`` (bytes ``lo`` to ``lo + span``) may share the creator's entry."""
+        if self.lo <= lo and lo + span <= self.hi:
+            return True
+        if self.moment is not None and self.moment == _moment():
+            return True
+        return self.geometry == (t.storage_offset(), t.shape, t.stride(), t.element_size())
+
+
+def _moment() -> tuple[int, int] | None:
+    """The autograd node being built on this thread, as (thread, next sequence number)."""
+    return None if _next_node is None else (threading.get_ident(), _next_node())
+
+
+def family_root(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose version counter ``t`` shares through views (Rule 2)."""
+    b = t._base
+    return t if b is None else b
+
+
+def _modified(t: torch.Tensor, sizes: tuple[int, ...], grad_fn: str | None, output_nr: int, now: int,
+              saved: int) -> RuntimeError:
+    """Plain autograd's error for a saved tensor modified in place (the text of ``SavedVariable::unpack``)."""
+    origin = "" if grad_fn is None else f", which is output {output_nr} of {grad_fn},"
+    hint = (
+        " Hint: the backtrace further above shows the operation that failed to compute its gradient. "
+        "The variable in question was changed in there or anywhere later. Good luck!"
+        if torch.is_anomaly_enabled() else
+        " Hint: enable anomaly detection to find the operation that failed to compute its gradient, "
+        "with torch.autograd.set_detect_anomaly(True, check_nan=False)."
+    )
+    return RuntimeError(
+        "one of the variables needed for gradient computation has been modified by an inplace operation: "
+        f"[{t.type()} [{', '.join(map(str, sizes))}]]{origin} is at version {now}; "
+        f"expected version {saved} instead.{hint}"
+    )
+
+
+def _origin(t: torch.Tensor) -> str | None:
+    gf = t.grad_fn
+    return None if gf is None else type(gf).__name__
+
+
+class Version:
+    """A saved tensor's version at save time and a memory-free alias of its counter (Rule 1)."""
+
+    __slots__ = ("alias", "saved", "grad_fn", "output_nr", "sizes")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        alias = t.detach()
+        alias.data = torch.empty(0, dtype=t.dtype, device=t.device)
+        self.alias = alias
+        self.saved = t._version
+        self.grad_fn = _origin(t)
+        self.output_nr = t.output_nr
+        self.sizes = tuple(t.shape)
+
+    def check(self) -> None:
+        """Raise autograd's error if the saved tensor was modified in place since it was saved."""
+        now = self.alias._version
+        if now != self.saved:
+            raise _modified(self.alias, self.sizes, self.grad_fn, self.output_nr, now, self.saved)
+
+
+class Kept:
+    """A saved tensor kept by reference, with its version check (Rule 1)."""
+
+    __slots__ = ("tensor", "version")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.version = t._version
+
+    def get(self) -> torch.Tensor:
+        """The tensor, or autograd's error if it was modified in place since it was saved."""
+        t = self.tensor
+        now = t._version
+        if now != self.version:
+            raise _modified(t, tuple(t.shape), _origin(t), t.output_nr, now, self.version)
+        return t
+
+
+def rebuild(storage: torch.UntypedStorage, offset: int, dtype: torch.dtype, size: torch.Size,
+            stride: tuple[int, ...], bits: int, device: torch.device) -> torch.Tensor:
+    """The saved tensor's view of ``storage``, with the neg and conj bits of ``bits`` (Rule 3)."""
+    out = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
+    if bits & NEG:
+        out = out._neg_view()
+    if bits & CONJ:
+        out = out.conj()
+    return out
+
+
+CONJ, NEG = 1, 2
+
+
+def value_bits(t: torch.Tensor) -> int:
+    """The metadata bits that change ``t``'s values (Rule 3)."""
+    return (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
+
+
+def root_ref(t: torch.Tensor) -> tuple[int, Any]:
+    """``(id, weak reference)`` of ``t``'s family root (Rule 2)."""
+    r = family_root(t)
+    return id(r), weakref.ref(r)
