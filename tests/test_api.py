@@ -78,7 +78,7 @@ def test_gradients_identical(kind: str, pname: str, form: str) -> None:
     if store is not None:
         s = store.stats()
         assert s.offloaded > 0 and s.host.in_use_bytes == 0
-        if store.cache.budget_bytes == 0:
+        if store.cache.capacity == 0:
             assert s.misses == s.unpacks and s.cache_hits == 0
 
 

@@ -67,9 +67,9 @@ def test_negative_budget(kw: dict) -> None:
         torchckpt.Store(device="cpu", host=torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False), **kw)
 
 
-def test_gpu_cache_negative_budget() -> None:
+def test_cache_negative_capacity() -> None:
     with pytest.raises(ValueError, match="^torchckpt:"):
-        torchckpt.schedules.cache.GpuCache(-1)
+        torchckpt.schedules.cache.Cache(-1)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")

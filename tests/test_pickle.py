@@ -79,7 +79,7 @@ def policy_of(m: nn.Module) -> torchckpt.Policy:
 
 
 def assert_same_settings(a: torchckpt.Store, b: torchckpt.Store) -> None:
-    assert (a.device, a.cache.budget_bytes, a.min_bytes, a.prefetch) == (b.device, b.cache.budget_bytes, b.min_bytes, b.prefetch)
+    assert (a.device, a.cache.capacity, a.min_bytes, a.prefetch) == (b.device, b.cache.capacity, b.min_bytes, b.prefetch)
     assert type(a.codec) is type(b.codec)
     assert (a.host.capacity_bytes, a.host.chunk_bytes, a.host.pin) == (b.host.capacity_bytes, b.host.chunk_bytes, b.host.pin)
 

@@ -161,7 +161,7 @@ def test_memory_flat_over_many_steps() -> None:
             mem = torch.cuda.memory_allocated()
         elif i > 1:
             assert torch.cuda.memory_allocated() == mem, f"step {i + 1}: {torch.cuda.memory_allocated()} != {mem}"
-    assert s.cache.used_bytes == 0
+    assert s.cache.used == 0
 
 
 def test_stats_after_warmup() -> None:

@@ -303,7 +303,7 @@ def test_store_arguments_checked_at_construction(kw: dict[str, Any], err: type, 
 
 def test_store_sizes_as_strings() -> None:
     s = torchckpt.Store(device="cpu", gpu_bytes="1.5GiB", min_bytes="4KiB", host=small_pool())
-    assert s.cache.budget_bytes == 3 << 29 and s.min_bytes == 4096
+    assert s.cache.capacity == 3 << 29 and s.min_bytes == 4096
 
 
 def test_store_pickles_as_its_configuration() -> None:
@@ -312,7 +312,7 @@ def test_store_pickles_as_its_configuration() -> None:
     with s.hooks():
         y = x.exp()  # something in flight: it does not travel
     t = pickle.loads(pickle.dumps(s))
-    assert t is not s and t.device == s.device and t.cache.budget_bytes == 2 << 20
+    assert t is not s and t.device == s.device and t.cache.capacity == 2 << 20
     assert t.min_bytes == 0 and t.prefetch is False and isinstance(t.codec, Identity)
     assert t.host is not s.host and t.host.capacity_bytes == s.host.capacity_bytes
     assert t.host.chunk_bytes == s.host.chunk_bytes and t.stats().packed == 0

@@ -257,7 +257,7 @@ def test_budget_smaller_than_tensors_still_exact(budget: int) -> None:
         assert_same_grads(got[2], ref[2])
     st = s.stats()
     assert st.misses > 0 and st.host.in_use_bytes == 0
-    assert s.cache.used_bytes == 0 and len(s.cache) == 0
+    assert s.cache.used == 0 and len(s.cache) == 0
 
 
 # -- the host pool over many steps -----------------------------------------------------------

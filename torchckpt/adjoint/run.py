@@ -57,8 +57,7 @@ from torchckpt.schedules.schedule import Schedule, check_int
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
 from torchckpt.codecs.blob import Blob
-from torchckpt.memory.host_pool import HostPool  # noqa: F401  (run_schedule's docstring example uses it)
-from torchckpt.memory.lazy_pool import shared_host_pool
+from torchckpt.memory import HostPool, shared_host_pool  # noqa: F401  (HostPool: run_schedule docstring example)
 from torchckpt.store.snapshots import SnapshotStats, SnapshotStore
 
 __all__ = ["checkpointed_loop", "run_schedule", "auto_schedule"]
@@ -606,7 +605,7 @@ def checkpointed_loop(
             raise ValueError(f"torchckpt: schedule must be a schedule object, 'auto', Revolve or Uniform, got {schedule!r}.")
         nbytes = _snapshot_bytes(flat, store.codec)
         kind = Uniform if schedule is Uniform else Revolve
-        schedule = auto_schedule(n_steps, nbytes, store.cache.budget_bytes, store.host.capacity_bytes, slots, kind=kind)
+        schedule = auto_schedule(n_steps, nbytes, store.cache.capacity, store.host.capacity_bytes, slots, kind=kind)
     if isinstance(schedule, type):
         raise TypeError(
             f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), 'auto', Revolve or Uniform; "

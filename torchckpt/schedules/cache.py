@@ -1,111 +1,168 @@
-"""Which offloaded tensors stay resident on the GPU: a byte budget ranked LRU.
+"""The one model of a GPU cache: LRU ranking, pins and capacity, for dry runs and runtimes alike.
 
-# NOTE [ GPU cache ]
-# 1. The cache does bookkeeping only: it ranks keys least- to most-recently used in an
-#    ordered dict (moving a key is O(1); no tensor data ever moves to change rank) and
-#    counts their bytes against ``budget_bytes``.
-# 2. Residency is a reference. For training activations the cached copy *is* the tensor
-#    autograd saved (zero-copy); a restored tensor is the buffer its host-to-device copy
-#    filled. Memory comes from PyTorch's caching allocator, so the budget bounds what
-#    torchckpt holds on the GPU beyond what the model itself holds.
-# 3. A key can be pinned: a prefetched tensor awaiting its use, which eviction must skip
-#    (a prefetch is never wasted by evicting it before use).
-# 4. ``victims(extra)`` names, LRU first, the unpinned keys to evict so that ``extra`` more
-#    bytes fit. The store evicts them; evicting one whose device-to-host copy is still in
-#    flight waits on that copy's event first (the SAVE-waits-on-slot rule of GPUZIP).
-# 5. The same class serves the dry run (schedules/trace.py): runtime and plan rank identically.
+# NOTE [ Cache model ]
+# Both GPUZIP caches are this class: the training store's cache of saved tensors (capacity
+# in bytes; the runtime in store/saved.py and the dry run of schedules/trace.py) and the
+# snapshot cache of an adjoint (capacity in slots, every snapshot of size 1; the dry runs of
+# schedules/prefetch.py and the runtime in store/snapshots.py). A runtime and its dry run
+# replay the same events on it, so they rank, evict and pin identically.
+# 1. Bookkeeping only: keys are ranked least- to most-recently used in an ordered dict
+#    (O(1) to move a key; no tensor data moves to change rank), and their sizes are counted
+#    against ``capacity``. Residency itself is a reference held by the runtime.
+# 2. A key can be pinned, once per future use: a prefetched entry awaiting its use. Eviction
+#    never takes a pinned key, so a prefetch is never wasted by evicting it before its use.
+#    ``use`` ends one pin (a snapshot's Restore); ``touch`` ends them all (an unpack).
+# 3. ``victims(extra)`` names, least recently used first, the unpinned keys to evict so that
+#    ``extra`` more fit; ``admit`` evicts them and inserts. ``can_take(size)`` says whether
+#    that can succeed (free capacity plus unpinned sizes suffice).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Hashable
+
+__all__ = ["Cache"]
 
 
-class GpuCache:
-    """LRU ranking and byte accounting of GPU-resident entries.
+class Cache:
+    """LRU ranking, pins and capacity accounting of a GPU cache (NOTE [ Cache model ]).
 
     Args:
-        budget_bytes: most bytes the resident entries may occupy (>= 0).
+        capacity: most units the resident entries may occupy (bytes, or slots with every
+            entry of size 1); >= 0.
 
     Example::
 
-        >>> c = GpuCache(100)
+        >>> c = Cache(100)
         >>> c.insert("a", 60); c.insert("b", 30)
-        >>> list(c.victims(20))
+        >>> c.victims(20)
         ['a']
+        >>> slots = Cache(2)
+        >>> slots.admit(1), slots.admit(2), slots.admit(3)
+        ([], [], [1])
     """
 
-    __slots__ = ("budget_bytes", "used_bytes", "_rank", "_pinned", "peak_bytes")
+    __slots__ = ("capacity", "used", "peak", "_rank", "_pins", "_pinned_size")
 
-    def __init__(self, budget_bytes: int) -> None:
-        if budget_bytes < 0:
+    def __init__(self, capacity: int) -> None:
+        if not isinstance(capacity, int) or isinstance(capacity, bool) or capacity < 0:
             raise ValueError(
-                f"torchckpt: the GPU cache budget must be >= 0 bytes, got {budget_bytes}; "
+                f"torchckpt: a GPU cache's capacity must be an int >= 0, got {capacity!r}; "
                 "pass gpu_bytes=0 to send every offloaded tensor straight to host memory."
             )
-        self.budget_bytes = int(budget_bytes)
-        self.used_bytes = 0
-        self.peak_bytes = 0
-        self._rank: OrderedDict[object, int] = OrderedDict()
-        self._pinned: set[object] = set()
+        self.capacity = capacity
+        self.used = 0
+        self.peak = 0
+        self._rank: OrderedDict[Hashable, int] = OrderedDict()  # key -> size, LRU first
+        self._pins: dict[Hashable, int] = {}  # key -> pins (> 0)
+        self._pinned_size = 0  # sum of the sizes of pinned keys
 
-    def __contains__(self, key: object) -> bool:
+    def __contains__(self, key: Hashable) -> bool:
         return key in self._rank
 
     def __len__(self) -> int:
         return len(self._rank)
 
-    def fits(self, nbytes: int) -> bool:
-        """Whether ``nbytes`` more fit without evicting anything."""
-        return self.used_bytes + nbytes <= self.budget_bytes
+    @property
+    def pinned(self) -> int:
+        """How many resident keys hold a pin."""
+        return len(self._pins)
 
-    def insert(self, key: object, nbytes: int, pinned: bool = False) -> None:
-        """Add ``key`` as most recently used (the caller evicts ``victims`` afterwards)."""
-        self._rank[key] = nbytes
-        self.used_bytes += nbytes
-        if self.used_bytes > self.peak_bytes:
-            self.peak_bytes = self.used_bytes
-        if pinned:
-            self._pinned.add(key)
+    def is_pinned(self, key: Hashable) -> bool:
+        """Whether ``key`` holds a pin."""
+        return key in self._pins
 
-    def pin(self, key: object) -> None:
-        """Protect resident ``key`` from eviction until it is touched (Rule 3)."""
-        if key in self._rank:
-            self._pinned.add(key)
-
-    def touch(self, key: object) -> None:
-        """Mark ``key`` most recently used and unpin it (its prefetch has been used)."""
-        self._rank.move_to_end(key)
-        self._pinned.discard(key)
-
-    def remove(self, key: object) -> None:
-        """Forget ``key`` if it is resident."""
-        nbytes = self._rank.pop(key, None)
-        if nbytes is not None:
-            self.used_bytes -= nbytes
-            self._pinned.discard(key)
-
-    def size(self, key: object) -> int:
-        """Bytes of resident ``key``."""
+    def size(self, key: Hashable) -> int:
+        """Size of resident ``key``."""
         return self._rank[key]
 
-    def unpinned(self) -> list[object]:
-        """Resident keys that eviction may take, LRU first."""
-        return [k for k in self._rank if k not in self._pinned]
+    def fits(self, size: int) -> bool:
+        """Whether ``size`` more fit without evicting anything."""
+        return self.used + size <= self.capacity
 
-    def victims(self, extra: int = 0) -> list[object]:
-        """Unpinned keys, LRU first, whose removal brings usage to the budget with ``extra`` more (Rule 4).
+    def can_take(self, size: int = 1) -> bool:
+        """Whether ``admit`` of ``size`` can succeed: free capacity plus unpinned entries suffice (Rule 3)."""
+        return self.capacity - self._pinned_size >= size  # free + unpinned = capacity - pinned
+
+    def insert(self, key: Hashable, size: int = 1, pinned: bool = False) -> None:
+        """Add ``key`` as most recently used, evicting nothing (the caller evicts ``victims``)."""
+        self._rank[key] = size
+        self.used += size
+        if self.used > self.peak:
+            self.peak = self.used
+        if pinned:
+            self.pin(key)
+
+    def admit(self, key: Hashable, size: int = 1) -> list[Hashable]:
+        """Make ``key`` most recently used, inserting it after evicting ``victims(size)``.
+
+        Returns the evicted keys (none when ``key`` was resident). The caller checked ``can_take``.
+        """
+        if key in self._rank:
+            self._rank.move_to_end(key)
+            return []
+        out = self.victims(size)
+        for v in out:
+            self.remove(v)
+        self.insert(key, size)
+        return out
+
+    def pin(self, key: Hashable) -> None:
+        """Add one pin to resident ``key`` (Rule 2); a key not resident is left alone."""
+        if key in self._rank:
+            count = self._pins.get(key, 0)
+            if count == 0:
+                self._pinned_size += self._rank[key]
+            self._pins[key] = count + 1
+
+    def use(self, key: Hashable) -> bool:
+        """One use of ``key``: a hit makes it most recently used; one pin ends (Rule 2). Returns the hit."""
+        hit = key in self._rank
+        if hit:
+            self._rank.move_to_end(key)
+        count = self._pins.get(key, 0)
+        if count == 1:
+            del self._pins[key]
+            self._pinned_size -= self._rank[key]
+        elif count > 1:
+            self._pins[key] = count - 1
+        return hit
+
+    def touch(self, key: Hashable) -> None:
+        """Mark resident ``key`` most recently used and end all its pins."""
+        self._rank.move_to_end(key)
+        if self._pins.pop(key, 0):
+            self._pinned_size -= self._rank[key]
+
+    def remove(self, key: Hashable) -> bool:
+        """Forget ``key`` if resident; returns whether it was pinned (a prefetch wasted)."""
+        size = self._rank.pop(key, None)
+        if size is None:
+            return False
+        self.used -= size
+        if self._pins.pop(key, 0):
+            self._pinned_size -= size
+            return True
+        return False
+
+    def unpinned(self) -> list[Hashable]:
+        """Resident keys that eviction may take, least recently used first."""
+        return [k for k in self._rank if k not in self._pins]
+
+    def victims(self, extra: int = 0) -> list[Hashable]:
+        """Unpinned keys, LRU first, whose removal brings usage to the capacity with ``extra`` more (Rule 3).
 
         Fewer (all unpinned keys) when even that does not suffice; the caller removes them.
         """
-        over = self.used_bytes + extra - self.budget_bytes
-        out: list[object] = []
+        over = self.used + extra - self.capacity
+        out: list[Hashable] = []
         if over <= 0:
             return out
-        for key, nbytes in self._rank.items():
-            if key in self._pinned:
+        for key, size in self._rank.items():
+            if key in self._pins:
                 continue
             out.append(key)
-            over -= nbytes
+            over -= size
             if over <= 0:
                 break
         return out

@@ -6,7 +6,8 @@ miss, and its Prefetch Setup Algorithm turns each into a prefetch issued early e
 overlap the copy with computation.
 
 # NOTE [ Snapshot cache ]
-# The cache model, shared by ``plan_prefetch``, ``simulate_cache`` and the runtime store.
+# The snapshot cache is the ``Cache`` of NOTE [ Cache model ] with every snapshot of size 1,
+# shared by ``plan_prefetch``, ``plan_flushes``, ``simulate_cache`` and the runtime store.
 # 1. The cache has ``cache_slots`` slots of one snapshot each. It fronts the snapshots a
 #    schedule keeps off the GPU (tier HOST or DISK); snapshots saved to Tier.GPU are
 #    already on the device and bypass it. A snapshot is named by its step (a schedule
@@ -45,11 +46,11 @@ overlap the copy with computation.
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torchckpt._errors import CheckpointError, internal_error
+from torchckpt.schedules.cache import Cache
 from torchckpt.schedules.actions import (
     Action,
     Adjoint,
@@ -63,71 +64,6 @@ from torchckpt.schedules.actions import (
 from torchckpt.schedules.schedule import check_int
 
 __all__ = ["CacheStats", "PrefetchedSchedule", "plan_flushes", "plan_prefetch", "simulate_cache"]
-
-
-class _Cache:
-    """Slots, LRU ranking and pins of NOTE [ Snapshot cache ] (bookkeeping only)."""
-
-    __slots__ = ("slots", "rank", "pins", "pinned")
-
-    def __init__(self, slots: int) -> None:
-        self.slots = slots
-        self.rank: OrderedDict[int, None] = OrderedDict()  # LRU first
-        self.pins: dict[int, int] = {}
-        self.pinned = 0  # slots with a pin
-
-    def victim(self) -> int | None:
-        """The slot content to give up for a new entry: None if a slot is empty (Rule 2)."""
-        if len(self.rank) < self.slots:
-            return None
-        for n in self.rank:
-            if n not in self.pins:
-                return n
-        raise LookupError
-
-    def can_take(self) -> bool:
-        return len(self.rank) < self.slots or self.pinned < len(self.rank)
-
-    def insert(self, n: int) -> int | None:
-        """Put n in as most recently used, evicting per Rule 2 (caller checked can_take).
-
-        Returns the evicted step, if any.
-        """
-        if n in self.rank:
-            self.rank.move_to_end(n)
-            return None
-        old = self.victim()
-        if old is not None:
-            del self.rank[old]
-        self.rank[n] = None
-        return old
-
-    def pin(self, n: int) -> None:
-        count = self.pins.get(n, 0)
-        if count == 0:
-            self.pinned += 1
-        self.pins[n] = count + 1
-
-    def use(self, n: int) -> bool:
-        """A restore of n: hit or miss; ends one pin (Rule 4)."""
-        hit = n in self.rank
-        if hit:
-            self.rank.move_to_end(n)
-        count = self.pins.get(n, 0)
-        if count == 1:
-            del self.pins[n]
-            self.pinned -= 1
-        elif count > 1:
-            self.pins[n] = count - 1
-        return hit
-
-    def drop(self, n: int) -> bool:
-        """A free of n; returns whether n was pinned (a prefetch wasted)."""
-        self.rank.pop(n, None)
-        count = self.pins.pop(n, 0)
-        if count:
-            self.pinned -= 1
-        return count > 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -204,7 +140,7 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
         elif isinstance(act, Free) and _cached(act):
             last_save.pop(act.n, None)
 
-    cache = _Cache(cache_slots)
+    cache = Cache(cache_slots)
     ahead = cache_slots - 1  # Rule 3
     out: list[Action] = []
     put = out.append
@@ -216,15 +152,15 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
             if saved_at >= i:
                 break
             limit = cache_slots if pos == i else ahead
-            if n in cache.rank:
-                if n not in cache.pins and cache.pinned + 1 > limit:
+            if n in cache:
+                if not cache.is_pinned(n) and cache.pinned + 1 > limit:
                     break
                 put(Prefetch(n, Tier.GPU, Tier.GPU))
                 pins += 1
             else:
                 if cache.pinned + 1 > limit or not cache.can_take():
                     break
-                cache.insert(n)
+                cache.admit(n)
                 put(Prefetch(n, tier, Tier.GPU))
                 copies += 1
             cache.pin(n)
@@ -234,12 +170,12 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
             if _cached(act):
                 if not cache.can_take():
                     raise internal_error("plan_prefetch left no slot for a Save")
-                cache.insert(act.n)
+                cache.admit(act.n)
         elif isinstance(act, Restore):
             if _cached(act) and not cache.use(act.n):
                 raise internal_error(f"plan_prefetch planned a miss at action {i}")
         elif isinstance(act, Free):
-            if _cached(act) and cache.drop(act.n):
+            if _cached(act) and cache.remove(act.n):
                 raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
     if h != len(restores):
         raise internal_error("plan_prefetch left restores unhandled")
@@ -273,7 +209,7 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
     acts = list(actions)
-    cache = _Cache(cache_slots)
+    cache = Cache(cache_slots)
     saved_at: dict[int, int] = {}
     flush: set[int] = set()
     evictions: list[tuple[int, int, int]] = []  # (position, step, position of its Save)
@@ -281,9 +217,9 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
     ends: dict[int, list[int]] = {}  # step -> positions of Save / Free
 
     def put(i: int, n: int) -> None:
-        old = cache.insert(n)
-        if old is not None and old in saved_at:
-            evictions.append((i, old, saved_at[old]))
+        for old in cache.admit(n):
+            if old in saved_at:
+                evictions.append((i, old, saved_at[old]))
 
     for i, act in enumerate(acts):
         if isinstance(act, Save) and _cached(act):
@@ -295,9 +231,9 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
                 flush.add(i)
         elif isinstance(act, Prefetch):
             if act.src is act.dst:
-                if act.n in cache.rank:
+                if act.n in cache:
                     cache.pin(act.n)
-            elif act.n in cache.rank:
+            elif act.n in cache:
                 cache.pin(act.n)
             else:
                 reads.setdefault(act.n, []).append(i)
@@ -311,7 +247,7 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
                     put(i, act.n)
         elif isinstance(act, Free) and _cached(act):
             ends.setdefault(act.n, []).append(i)
-            cache.drop(act.n)
+            cache.remove(act.n)
             saved_at.pop(act.n, None)
     for pos, n, save_pos in evictions:
         r = reads.get(n, [])
@@ -392,17 +328,17 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
         1.0
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    cache = _Cache(cache_slots)
+    cache = Cache(cache_slots)
     restores = hits = saves = evictions = copies = pins = failed = bypassed = lost = peak = 0
     work = 0  # steps computed so far
     awaiting: dict[int, int] = {}  # step -> work done when its copy was issued, until used
     leads: list[int] = []
 
-    def evicted(old: int | None) -> None:
+    def evicted(old: list[int]) -> None:
         nonlocal evictions, lost
-        if old is not None:
+        for n in old:
             evictions += 1
-            if awaiting.pop(old, None) is not None:
+            if awaiting.pop(n, None) is not None:
                 lost += 1
 
     for act in actions:
@@ -414,7 +350,7 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
             if _cached(act):
                 saves += 1
                 if cache.can_take():
-                    evicted(cache.insert(act.n))
+                    evicted(cache.admit(act.n))
                 else:
                     bypassed += 1
         elif isinstance(act, Restore):
@@ -423,24 +359,24 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
                 hit = cache.use(act.n)
                 hits += hit
                 if not hit and cache.can_take():  # Rule 4: the on-demand copy lands in a slot
-                    evicted(cache.insert(act.n))
+                    evicted(cache.admit(act.n))
                 issued_at = awaiting.pop(act.n, None)
                 if issued_at is not None:
                     leads.append(work - issued_at)
         elif isinstance(act, Free):
             if _cached(act):
-                cache.drop(act.n)
+                cache.remove(act.n)
                 if awaiting.pop(act.n, None) is not None:
                     lost += 1
         elif isinstance(act, Prefetch):
             n = act.n
-            if n in cache.rank:
+            if n in cache:
                 cache.pin(n)
                 pins += 1
             elif act.src is act.dst or not cache.can_take():
                 failed += 1
             else:
-                evicted(cache.insert(n))
+                evicted(cache.admit(n))
                 cache.pin(n)
                 copies += 1
                 awaiting[n] = work

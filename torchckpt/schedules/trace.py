@@ -7,7 +7,7 @@
 # 1. A step's trace is the sequence of events PACK(i, nbytes), UNPACK(i), RELEASE(i), where
 #    i numbers the step's entries in pack order. A step begins at the first pack made while
 #    no entry of the store is alive (the graph of the previous step has been freed).
-# 2. The dry run replays the trace through a ``GpuCache`` with the store's budget, with
+# 2. The dry run replays the trace through a ``Cache`` with the store's budget, with
 #    exactly the rules the runtime applies: a pack evicts LRU victims until it fits, then is
 #    inserted (one larger than the free budget is evicted at once); an unpack of a resident
 #    entry is a hit; of an absent one, a load on demand (a miss, admitted the same way);
@@ -39,7 +39,7 @@ import bisect
 import dataclasses
 from collections.abc import Sequence
 
-from torchckpt.schedules.cache import GpuCache
+from torchckpt.schedules.cache import Cache
 
 PACK, UNPACK, RELEASE = 0, 1, 2
 Event = tuple[int, int, int]  # (kind, entry id, nbytes or 0)
@@ -105,7 +105,7 @@ def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: in
         u = uses.get(i, ())
         n = bisect.bisect_right(u, after)  # type: ignore[arg-type]
         return u[n] if n < len(u) else len(unpacks)
-    cache = GpuCache(budget_bytes)
+    cache = Cache(budget_bytes)
     prefetched: set[int] = set()
     released: set[int] = set()
     writes: set[int] = set()
@@ -161,7 +161,7 @@ def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: in
             if j in cache:
                 cache.pin(j)
             else:
-                short = cache.used_bytes + sizes[j] - cache.budget_bytes
+                short = cache.used + sizes[j] - cache.capacity
                 if short > 0:  # Rule 3: make room from entries used after j, if they suffice
                     # Entries with no later use are about to be released: wait for that instead.
                     later = [(next_use(v, nxt), v) for v in cache.unpinned()]  # type: ignore[arg-type]
@@ -181,4 +181,4 @@ def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: in
             nxt += 1
         if chosen:
             actions[pos] = tuple(chosen)
-    return TracePrefetch(tuple(trace), actions, frozenset(writes), hits, pf_hits, misses, cache.peak_bytes)
+    return TracePrefetch(tuple(trace), actions, frozenset(writes), hits, pf_hits, misses, cache.peak)

@@ -68,9 +68,8 @@ from torchckpt._args import check_flag, check_host, parse_bytes
 from torchckpt.codecs.base import Codec
 from torchckpt.store.streams import nvtx_range
 from torchckpt.codecs.blob import Blob
-from torchckpt.schedules.cache import GpuCache
-from torchckpt.memory.host_pool import HostBlock, HostPool
-from torchckpt.memory.lazy_pool import make_host_pool
+from torchckpt.schedules.cache import Cache
+from torchckpt.memory import HostBlock, HostPool, make_host_pool
 from torchckpt.schedules.trace import PACK, RELEASE, UNPACK, TracePrefetch, prefetch_from_trace
 from torchckpt.store.identity import Coverage, Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
 from torchckpt.store.stats import Stats, timed_wait
@@ -350,7 +349,7 @@ class Store:
         if gpu_bytes is None:
             gpu_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
         self.device = device
-        self.cache = GpuCache(gpu_bytes)
+        self.cache = Cache(gpu_bytes)
         self.host = host if host is not None else make_host_pool(pin=device.type == "cuda")
         self.min_bytes = int(min_bytes)
         self.prefetch = bool(prefetch)
@@ -399,7 +398,7 @@ class Store:
             c = dict(self._c)
             if self._live == 0 and (self._trace or not self._tracing):  # the step has ended; no pack has closed it yet
                 c["steps"] += 1
-            return Stats(**c, gpu_peak_bytes=self.cache.peak_bytes, host=self.host.stats())
+            return Stats(**c, gpu_peak_bytes=self.cache.peak, host=self.host.stats())
 
     def reset_stats(self) -> None:
         """Zero the counters (the plan and the pools are kept)."""
@@ -407,7 +406,7 @@ class Store:
             self._resolve_timings(block=True)
             self._c = dict.fromkeys(_STAT_FIELDS, 0)
             self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
-            self.cache.peak_bytes = self.cache.used_bytes
+            self.cache.peak = self.cache.used
 
     @property
     def plan(self) -> TracePrefetch | None:
@@ -669,7 +668,7 @@ class Store:
             self._plan, self._on_plan = None, False
             return
         if self._plan is None or self._plan.trace != trace:
-            self._plan = prefetch_from_trace(trace, self.cache.budget_bytes)
+            self._plan = prefetch_from_trace(trace, self.cache.capacity)
             self._c["plans"] += 1
         self._on_plan = True
 

@@ -60,12 +60,11 @@ from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.codecs.base import Codec, Packed
 from torchckpt.store.streams import nvtx_range
 from torchckpt.schedules.actions import Tier
-from torchckpt.schedules.prefetch import _Cache
+from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
-from torchckpt.memory.host_pool import HostBlock, HostPool
+from torchckpt.memory import HostBlock, HostPool, make_host_pool
 from torchckpt.store.stats import SnapshotStats, timed_wait
-from torchckpt.memory.lazy_pool import make_host_pool
 
 _ALIGN = 256
 
@@ -198,7 +197,7 @@ class SnapshotStore:
         self.slot_margin = float(slot_margin)
         self._slot_bytes = slot_bytes
         self.nslots: int = slots if slots is not None else 0  # 0 until calibrate() (gpu_bytes=)
-        self._rank = _Cache(max(self.nslots, 1))
+        self._rank = Cache(max(self.nslots, 1))
         self._layout: _Layout | None = None
         self._blobs: dict[int, Blob] = {}  # off-GPU snapshot -> its blob layout (with a codec)
         self._packs: dict[int, list[Packed]] = {}  # GPU-tier snapshots, compressed (with a codec)
@@ -349,7 +348,7 @@ class SnapshotStore:
             self._packs.pop(n, None)
             return
         self._blobs.pop(n, None)
-        self._rank.drop(n)
+        self._rank.remove(n)
         self._prefetched.discard(n)
         self._dirty.discard(n)
         s = self._slot_of.pop(n, None)
@@ -446,7 +445,7 @@ class SnapshotStore:
                              "and there is no codec; pass slot_bytes=None.")
         if self.gpu_bytes is not None:
             self.nslots = max(1, self.gpu_bytes // nb)
-            self._rank = _Cache(self.nslots)
+            self._rank = Cache(self.nslots)
         self._layout = lay
         self._slot_bytes = nb
         use_vmm = False if os.environ.get("TORCHCKPT_DEVICE_CACHE", "auto") == "caching" else None
@@ -523,10 +522,11 @@ class SnapshotStore:
         self._dirty.discard(n)
 
     def _take_slot(self, n: int) -> int:
-        old = self._rank.insert(n)
+        evicted = self._rank.admit(n)
         if n in self._slot_of:
             return self._slot_of[n]
-        if old is not None:
+        if evicted:
+            (old,) = evicted
             if old in self._dirty:  # written back only now: the new content waits for it (Rule 3)
                 self._flush(old, self._slot_of[old])
             s = self._slot_of.pop(old)

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from torchckpt.memory.host_pool import HostPoolStats
+from torchckpt.memory import HostPoolStats
 
 
 @dataclasses.dataclass(frozen=True)
