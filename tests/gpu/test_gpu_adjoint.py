@@ -42,12 +42,12 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[random.Random]:
     fill, to_host = SnapshotStore._fill, SnapshotStore._to_host
 
     def slow_fill(self: SnapshotStore, s: int, n: int) -> Any:
-        with torch.cuda.stream(self._prefetch):
+        with torch.cuda.stream(self._mover.prefetch):
             torch.cuda._sleep(rng.randrange(MAX_SLEEP))
         return fill(self, s, n)
 
     def slow_to_host(self: SnapshotStore, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        with torch.cuda.stream(self._offload):
+        with torch.cuda.stream(self._mover.offload):
             torch.cuda._sleep(rng.randrange(MAX_SLEEP))
         return to_host(self, dst, src)
 

@@ -66,13 +66,13 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt._args import check_flag, check_host, parse_bytes
 from torchckpt.codecs.base import Codec
-from torchckpt.store.streams import nvtx_range
+from torchckpt.store.streams import Mover, nvtx_range
 from torchckpt.codecs.blob import Blob
 from torchckpt.schedules.cache import Cache
 from torchckpt.memory import HostBlock, HostPool, make_host_pool
 from torchckpt.schedules.trace import PACK, RELEASE, UNPACK, TracePrefetch, prefetch_from_trace
 from torchckpt.store.identity import Coverage, Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
-from torchckpt.store.stats import Stats, timed_wait
+from torchckpt.store.stats import Stats
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -133,116 +133,6 @@ class _Handle:
             self.store._drop(self.entry)
         except Exception:  # interpreter shutdown; nothing to give back then
             pass
-
-
-class _CudaMover:
-    """Copies on dedicated streams, each recording the event its consumers wait on."""
-
-    def __init__(self, device: torch.device, timing: bool) -> None:
-        self.device = device
-        self.timing = timing
-        self.offload = torch.cuda.Stream(device)
-        self.prefetch = torch.cuda.Stream(device)
-        self.delay: Callable[[str, torch.cuda.Stream], None] | None = None  # test hook
-
-    def current(self) -> torch.cuda.Stream:
-        return torch.cuda.current_stream(self.device)
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
-        s = self.offload
-        s.wait_stream(self.current())
-        if after is not None:  # the host block's previous copy
-            s.wait_event(after)
-        with torch.cuda.stream(s), nvtx_range("torchckpt.d2h"):
-            if self.delay is not None:
-                self.delay("d2h", s)
-            dst.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event(enable_timing=self.timing)
-            ev.record(s)
-        return ev
-
-    def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], HostBlock]) -> tuple[HostBlock, Blob, Any]:
-        """Compress ``x`` on the offload stream and copy the result into a new host block (Rule 9).
-
-        Each packed buffer is copied straight to its place in the block; the buffers were
-        allocated on the offload stream, so their memory is reused only after these copies.
-        """
-        s = self.offload
-        s.wait_stream(self.current())
-        with torch.cuda.stream(s), nvtx_range("torchckpt.compress+d2h"):
-            if self.delay is not None:
-                self.delay("d2h", s)
-            p = codec.compress(x, stream=s)
-            blob = Blob([p])
-            block = alloc(blob.nbytes)
-            blob.write(block.tensor, [p], non_blocking=True)
-            ev = torch.cuda.Event(enable_timing=self.timing)
-            ev.record(s)
-        return block, blob, ev
-
-    def to_device_packed(self, codec: Codec, blob: Blob, src: torch.Tensor, nbytes: int, dtype: torch.dtype,
-                         after: Any) -> tuple[torch.Tensor, Any, Any]:
-        """Copy a compressed entry back (``to_device``) and decompress it on the prefetch stream (Rule 9)."""
-        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur, before to_device's wait: Rule 5
-        staged, _, cur = self.to_device(src, src.numel(), after)
-        s = self.prefetch
-        with torch.cuda.stream(s), nvtx_range("torchckpt.decompress"):
-            codec.decompress(blob.read(staged)[0], out=out.view(dtype), stream=s)
-            staged.record_stream(s)  # allocated on cur, read here
-            ev = torch.cuda.Event(enable_timing=self.timing)
-            ev.record(s)
-        return out, ev, cur
-
-    def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
-        cur = self.current()
-        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur: Rule 5
-        s = self.prefetch
-        s.wait_stream(cur)
-        if after is not None:
-            s.wait_event(after)
-        with torch.cuda.stream(s), nvtx_range("torchckpt.h2d"):
-            if self.delay is not None:
-                self.delay("h2d", s)
-            buf.copy_(src, non_blocking=True)
-            ev = torch.cuda.Event(enable_timing=self.timing)
-            ev.record(s)
-        return buf, ev, cur
-
-    def use(self, done: Any) -> Any:
-        """Make the compute stream wait for ``done``; return a timing event for Stats."""
-        return timed_wait(self.current(), done, self.timing)
-
-
-
-class _CpuMover:
-    """Synchronous copies between CPU tensors: the simulated two-tier store."""
-
-    timing = False
-    delay = None
-
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any) -> Any:
-        dst.copy_(src)
-        return None
-
-    def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
-        return src.clone(), None, None
-
-    def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], HostBlock]) -> tuple[HostBlock, Blob, Any]:
-        p = codec.compress(x)
-        blob = Blob([p])
-        block = alloc(blob.nbytes)
-        blob.write(block.tensor, [p])
-        return block, blob, None
-
-    def to_device_packed(self, codec: Codec, blob: Blob, src: torch.Tensor, nbytes: int, dtype: torch.dtype,
-                         after: Any) -> tuple[torch.Tensor, Any, Any]:
-        out = torch.empty(nbytes, dtype=torch.uint8)
-        codec.decompress(blob.read(src)[0], out=out.view(dtype))
-        return out, None, None
-
-    def use(self, done: Any) -> Any:
-        return None
-
 
 
 class _Hooks(torch.autograd.graph.saved_tensors_hooks):
@@ -341,16 +231,14 @@ class Store:
                 )
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
-            self._mover: Any = _CudaMover(device, timing)
-        elif device.type == "cpu":
-            self._mover = _CpuMover()
-        else:
+        elif device.type != "cpu":
             raise ValueError(f"torchckpt: Store supports 'cuda' and 'cpu' devices, got {str(device)!r}; pass 'cuda' or 'cpu'.")
         if gpu_bytes is None:
             gpu_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
         self.device = device
         self.cache = Cache(gpu_bytes)
         self.host = host if host is not None else make_host_pool(pin=device.type == "cuda")
+        self._mover = Mover(device, timing, self.host)
         self.min_bytes = int(min_bytes)
         self.prefetch = bool(prefetch)
         self.codec = codec
@@ -487,11 +375,11 @@ class Store:
                 if e.prefetched:
                     e.prefetched = False
                     c["prefetch_hits"] += 1
-                    need = self._mover.use(e.h2d)
+                    need = self._mover.wait(e.h2d)
                     if need is not None:
                         self._timings.append(("late", need, e.h2d))
                 elif e.h2d is not None:
-                    self._mover.use(e.h2d)
+                    self._mover.wait(e.h2d)
                     c["cache_hits"] += 1
                 else:
                     c["cache_hits"] += 1
@@ -501,10 +389,10 @@ class Store:
                 t0 = time.perf_counter()
                 self._make_room(e.nbytes)  # before allocating the buffer: the budget is real memory
                 gpu = self._load(e)
-                need = self._mover.use(e.h2d)
+                need = self._mover.wait(e.h2d)
                 if need is not None:
                     self._timings.append(("miss", need, e.h2d))
-                elif isinstance(self._mover, _CpuMover):
+                elif not self._mover.cuda:
                     c["miss_wait_s"] += time.perf_counter() - t0
                 if self.cache.fits(e.nbytes):
                     self.cache.insert(e.id, e.nbytes)
@@ -547,7 +435,6 @@ class Store:
         else:
             e.host = self.host.alloc(e.nbytes)
             e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)
-        self._note_copy(getattr(self._mover, "offload", None))
         self._c["offloaded"] += 1
         self._c["offloaded_bytes"] += e.nbytes
 
@@ -557,19 +444,12 @@ class Store:
         if e.codec is not None and e.blob is not None:
             buf, ev, stream = self._mover.to_device_packed(e.codec, e.blob, e.host.tensor, e.nbytes, e.dtype, e.d2h)
             e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
-            self._note_copy(getattr(self._mover, "prefetch", None))
             self._c["loaded_bytes"] += e.host.tensor.numel()
             return buf
         buf, ev, stream = self._mover.to_device(e.host.tensor, e.nbytes, e.d2h)
         e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
-        self._note_copy(getattr(self._mover, "prefetch", None))
         self._c["loaded_bytes"] += e.nbytes
         return buf
-
-    def _note_copy(self, stream: Any) -> None:
-        """Tell the host pool of a copy just issued on ``stream`` (NOTE [ Lazy host pool ], Rule 7)."""
-        if stream is not None:
-            self.host.note_copy(stream)
 
     def _run_actions(self, pos: int) -> None:
         plan = self._plan
@@ -618,7 +498,7 @@ class Store:
             self._write(e)
         if e.d2h is not None and not e.d2h.query():
             c["eviction_waits"] += 1
-            need = self._mover.use(e.d2h)  # Rule 3: the compute stream waits, not the host
+            need = self._mover.wait(e.d2h)  # Rule 3: the compute stream waits, not the host
             if need is not None:
                 self._timings.append(("evict", need, e.d2h))
         self._drop_gpu(e)

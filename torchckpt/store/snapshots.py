@@ -58,13 +58,13 @@ import torch
 from torchckpt._args import check_flag, check_host
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.codecs.base import Codec, Packed
-from torchckpt.store.streams import nvtx_range
+from torchckpt.store.streams import Mover, nvtx_range
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
 from torchckpt.memory import HostBlock, HostPool, make_host_pool
-from torchckpt.store.stats import SnapshotStats, timed_wait
+from torchckpt.store.stats import SnapshotStats
 
 _ALIGN = 256
 
@@ -218,9 +218,7 @@ class SnapshotStore:
         self._c: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(SnapshotStats)}
         for k in ("late_wait_s", "miss_wait_s", "save_wait_s"):
             self._c[k] = 0.0
-        if self.cuda:
-            self._offload = torch.cuda.Stream(device)
-            self._prefetch = torch.cuda.Stream(device)
+        self._mover = Mover(device, self.timing, self.host)
 
     # -- actions -------------------------------------------------------------------------
     def save(self, n: int, tier: Tier, tensors: Sequence[torch.Tensor], flush: bool = True) -> None:
@@ -255,7 +253,7 @@ class SnapshotStore:
                 ev = self._to_host(block.tensor, flat)
                 self._on_host[n] = (block, ev)
                 if self.cuda:
-                    torch.cuda.current_stream(self.device).wait_event(ev)  # flat must outlive the copy
+                    self._mover.current().wait_event(ev)  # flat must outlive the copy
                 return
             s = self._take_slot(n)
             if self.cuda and self._flush_ev[s] is not None and not self._flush_ev[s].query():
@@ -386,9 +384,7 @@ class SnapshotStore:
             self.free(n, Tier.HOST)
         self._gpu.clear()
         self._packs.clear()
-        if self.cuda:
-            torch.cuda.current_stream(self.device).wait_stream(self._offload)
-            torch.cuda.current_stream(self.device).wait_stream(self._prefetch)
+        self._mover.drain()
         self._slots.release()
         self._slots = _Slots()
         if self._arena is not None:
@@ -496,9 +492,7 @@ class SnapshotStore:
         old = self._slots[s]
         if nbytes <= old.numel():
             return
-        if self.cuda:  # the old buffer may still be read by a flush or written by a fill
-            old.record_stream(self._offload)
-            old.record_stream(self._prefetch)
+        self._mover.keep_alive(old)  # the old buffer may still be read by a flush or written by a fill
         self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._c["slot_grows"] += 1
         if not self._warned_grow:
@@ -543,49 +537,20 @@ class SnapshotStore:
         self._ensure_room(s, block.tensor.numel())
         slot = self._slots[s]
         self._c["bytes_to_device"] += block.tensor.numel()
-        if not self.cuda:
-            slot[: block.tensor.numel()].copy_(block.tensor)
-            self._fill_ev[s] = None
-            self._fill_of[s] = n
-            return None
-        p = self._prefetch
-        for ev in (flushed, self._flush_ev[s], self._use_ev[s]):  # Rule 3
-            if ev is not None:
-                p.wait_event(ev)
-        if self._use_ev[s] is None or grown:  # no record of the last use, or a new buffer: after everything so far
-            p.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(p):
-            slot[: block.tensor.numel()].copy_(block.tensor, non_blocking=True)
-            ev = torch.cuda.Event(enable_timing=self.timing)
-            ev.record(p)
-        self.host.note_copy(p)  # NOTE [ Lazy host pool ], Rule 7
+        # Rule 3; with no record of the slot's last use, or a new buffer: after everything so far.
+        ev = self._mover.fill(slot[: block.tensor.numel()], block.tensor, (flushed, self._flush_ev[s], self._use_ev[s]),
+                              after_all=self._use_ev[s] is None or grown)
         self._fill_ev[s] = ev
         self._fill_of[s] = n
         return ev
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
         self._c["bytes_to_host"] += dst.numel()
-        if not self.cuda:
-            dst.copy_(src[: dst.numel()])
-            return None
-        o = self._offload
-        o.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(o):
-            dst.copy_(src[: dst.numel()], non_blocking=True)
-            ev = torch.cuda.Event(enable_timing=self.timing)
-            ev.record(o)
-        self.host.note_copy(o)  # NOTE [ Lazy host pool ], Rule 7
-        return ev
+        return self._mover.to_host(dst, src[: dst.numel()])
 
     def _record(self) -> Any:
-        if not self.cuda:
-            return None
-        ev = torch.cuda.Event()
-        ev.record(torch.cuda.current_stream(self.device))
-        return ev
+        return self._mover.record()
 
     def _wait(self, ev: Any) -> Any:
         """The compute stream waits on ``ev``; returns a timing event marking when it started to."""
-        if not self.cuda or ev is None:
-            return None
-        return timed_wait(torch.cuda.current_stream(self.device), ev, self.timing)
+        return self._mover.wait(ev)

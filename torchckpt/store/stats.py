@@ -2,9 +2,6 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
-
-import torch
 
 from torchckpt.memory import HostPoolStats
 
@@ -141,15 +138,3 @@ class SnapshotStats:
     @property
     def exposed_transfer_s(self) -> float:
         return self.late_wait_s + self.miss_wait_s + self.save_wait_s
-
-
-def timed_wait(stream: Any, done: Any, timing: bool) -> Any:
-    """Make ``stream`` wait for the event ``done`` (GPU-side); with ``timing``, return an event
-    recorded on ``stream`` just before the wait, so that ``need.elapsed_time(done)`` is how late
-    ``done`` was (the lateness figures of ``Stats`` and ``SnapshotStats``)."""
-    need = None
-    if timing:
-        need = torch.cuda.Event(enable_timing=True)
-        need.record(stream)
-    stream.wait_event(done)
-    return need

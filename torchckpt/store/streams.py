@@ -1,21 +1,41 @@
-"""NVTX ranges around pack, unpack and every copy (visible in Nsight Systems).
+"""The mover: every copy between device and host memory that the stores make.
 
-Ranges are pushed only when CUDA is available, so CPU runs pay nothing.
+# NOTE [ Mover ]
+# ``Store`` (saved tensors) and ``SnapshotStore`` (snapshots) copy through one ``Mover``.
+# 1. On CUDA it owns two dedicated streams: ``offload`` (device to host) and ``prefetch``
+#    (host to device). A copy first makes its stream wait for the compute stream (the data
+#    it reads was written there, and a buffer it writes may still be read there) and for
+#    the events the caller names; it then records an event that its consumers wait on.
+# 2. Consumers wait on the device, never on the host: ``wait(event)`` makes the compute
+#    stream wait. With ``timing`` it returns an event recorded just before the wait, so that
+#    ``need.elapsed_time(done)`` is how late the copy was (the stores' lateness figures).
+# 3. After every copy to or from host memory the host pool hears of it
+#    (``HostPool.note_copy``): the lazy pool tracks copies while it still pins memory.
+# 4. Every copy runs inside an NVTX range named ``torchckpt.<what>`` (visible in Nsight
+#    Systems); ranges are pushed only when CUDA is available.
+# 5. On the CPU (the simulated two-tier store) copies are synchronous, events are ``None``,
+#    and ``wait`` does nothing.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 
-_ENABLED = torch.cuda.is_available()
+from torchckpt.codecs.base import Codec
+from torchckpt.codecs.blob import Blob
+
+__all__ = ["Mover", "nvtx_range", "timed_wait"]
+
+_NVTX = torch.cuda.is_available()
 
 
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
-    """Mark ``name`` as an NVTX range on the calling thread (no-op without CUDA)."""
-    if not _ENABLED:
+    """Mark ``name`` as an NVTX range on the calling thread (no-op without CUDA; Rule 4)."""
+    if not _NVTX:
         yield
         return
     torch.cuda.nvtx.range_push(name)
@@ -23,3 +43,185 @@ def nvtx_range(name: str) -> Iterator[None]:
         yield
     finally:
         torch.cuda.nvtx.range_pop()
+
+
+def timed_wait(stream: Any, done: Any, timing: bool) -> Any:
+    """Make ``stream`` wait for the event ``done`` on the device; with ``timing``, return an event
+    recorded on ``stream`` just before the wait (Rule 2)."""
+    need = None
+    if timing:
+        need = torch.cuda.Event(enable_timing=True)
+        need.record(stream)
+    stream.wait_event(done)
+    return need
+
+
+class Mover:
+    """Copies between device and host for the stores (NOTE [ Mover ]).
+
+    Args:
+        device: the store's device; ``cpu`` simulates both tiers with synchronous copies.
+        timing: record timing events so that late copies can be measured (CUDA only).
+        host: the host pool whose memory the copies read and write (told of each copy).
+
+    Example::
+
+        >>> m = Mover(torch.device("cpu"))
+        >>> dst = torch.empty(3)
+        >>> m.to_host(dst, torch.arange(3.0)) is None, dst
+        (True, tensor([0., 1., 2.]))
+    """
+
+    def __init__(self, device: torch.device, timing: bool = False, host: Any = None) -> None:
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.timing = bool(timing) and self.cuda
+        self.host = host
+        self.delay: Callable[[str, Any], None] | None = None  # test hook: runs on the copy stream before each copy
+        self.offload: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.prefetch: Any = torch.cuda.Stream(device) if self.cuda else None
+
+    # -- the compute stream ---------------------------------------------------------------
+    def current(self) -> Any:
+        return torch.cuda.current_stream(self.device)
+
+    def record(self) -> Any:
+        """An event at the compute stream's current position (``None`` on the CPU)."""
+        if not self.cuda:
+            return None
+        ev = torch.cuda.Event()
+        ev.record(self.current())
+        return ev
+
+    def wait(self, done: Any) -> Any:
+        """The compute stream waits for ``done``; returns a timing event, or ``None`` (Rule 2)."""
+        if not self.cuda or done is None:
+            return None
+        return timed_wait(self.current(), done, self.timing)
+
+    def drain(self) -> None:
+        """The compute stream waits for every copy issued so far."""
+        if self.cuda:
+            cur = self.current()
+            cur.wait_stream(self.offload)
+            cur.wait_stream(self.prefetch)
+
+    def keep_alive(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s memory from reuse until the copies issued so far on both streams are done."""
+        if self.cuda:
+            t.record_stream(self.offload)
+            t.record_stream(self.prefetch)
+
+    # -- copies --------------------------------------------------------------------------
+    def _event(self, stream: Any) -> Any:
+        ev = torch.cuda.Event(enable_timing=self.timing)
+        ev.record(stream)
+        return ev
+
+    def _heard(self, stream: Any) -> None:
+        if self.host is not None:
+            self.host.note_copy(stream)  # Rule 3
+
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
+        """Copy ``src`` into host memory ``dst`` on the offload stream, after ``after``; returns its event."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        s = self.offload
+        s.wait_stream(self.current())
+        if after is not None:
+            s.wait_event(after)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.d2h"):
+            if self.delay is not None:
+                self.delay("d2h", s)
+            dst.copy_(src, non_blocking=True)
+            ev = self._event(s)
+        self._heard(s)
+        return ev
+
+    def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
+        """Copy host bytes ``src`` into a new device buffer on the prefetch stream, after ``after``.
+
+        Returns the buffer, the copy's event and the compute stream the buffer was allocated on
+        (``None``, ``None`` on the CPU, where the buffer is a clone).
+        """
+        if not self.cuda:
+            return src.clone(), None, None
+        cur = self.current()
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # allocated on cur
+        s = self.prefetch
+        s.wait_stream(cur)
+        if after is not None:
+            s.wait_event(after)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.h2d"):
+            if self.delay is not None:
+                self.delay("h2d", s)
+            buf.copy_(src, non_blocking=True)
+            ev = self._event(s)
+        self._heard(s)
+        return buf, ev, cur
+
+    def fill(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Any] = (), after_all: bool = False) -> Any:
+        """Copy host bytes ``src`` into the existing device buffer ``dst`` on the prefetch stream.
+
+        The copy waits for the events ``after`` (``None`` entries are skipped), and with ``after_all`` for
+        everything issued on the compute stream so far. Returns its event (``None`` on the CPU).
+        """
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        p = self.prefetch
+        for ev in after:
+            if ev is not None:
+                p.wait_event(ev)
+        if after_all:
+            p.wait_stream(self.current())
+        with torch.cuda.stream(p), nvtx_range("torchckpt.h2d"):
+            if self.delay is not None:
+                self.delay("h2d", p)
+            dst.copy_(src, non_blocking=True)
+            ev = self._event(p)
+        self._heard(p)
+        return ev
+
+    def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], Any]) -> tuple[Any, Blob, Any]:
+        """Compress ``x`` on the offload stream and copy the result into a new host block from ``alloc``.
+
+        Each packed buffer is copied straight to its place in the block; the buffers were allocated on
+        the offload stream, so their memory is reused only after these copies. Returns the block, its
+        layout and the event of the last copy.
+        """
+        if not self.cuda:
+            p = codec.compress(x)
+            blob = Blob([p])
+            block = alloc(blob.nbytes)
+            blob.write(block.tensor, [p])
+            return block, blob, None
+        s = self.offload
+        s.wait_stream(self.current())
+        with torch.cuda.stream(s), nvtx_range("torchckpt.compress+d2h"):
+            if self.delay is not None:
+                self.delay("d2h", s)
+            p = codec.compress(x, stream=s)
+            blob = Blob([p])
+            block = alloc(blob.nbytes)
+            blob.write(block.tensor, [p], non_blocking=True)
+            ev = self._event(s)
+        self._heard(s)
+        return block, blob, ev
+
+    def to_device_packed(self, codec: Codec, blob: Blob, src: torch.Tensor, nbytes: int, dtype: torch.dtype,
+                         after: Any) -> tuple[torch.Tensor, Any, Any]:
+        """Copy a compressed entry back (``to_device``) and decompress it on the prefetch stream."""
+        if not self.cuda:
+            out = torch.empty(nbytes, dtype=torch.uint8)
+            codec.decompress(blob.read(src)[0], out=out.view(dtype))
+            return out, None, None
+        out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur, before to_device's wait
+        staged, _, cur = self.to_device(src, src.numel(), after)
+        s = self.prefetch
+        with torch.cuda.stream(s), nvtx_range("torchckpt.decompress"):
+            codec.decompress(blob.read(staged)[0], out=out.view(dtype), stream=s)
+            staged.record_stream(s)  # allocated on cur, read here
+            ev = self._event(s)
+        return out, ev, cur
