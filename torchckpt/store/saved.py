@@ -16,9 +16,11 @@
 #    an in-place change gets an entry of its own. Otherwise the span is just the bytes the
 #    view reaches. Unpack rebuilds the view with the same dtype, size, stride, offset within
 #    the span and value bits (conj, neg): gradients are bit-identical to plain autograd.
-# 3. An entry's device-to-host copy starts at pack, on the offload stream, after an event of
-#    the compute stream (every entry in a step without a plan; from then on only the ones
-#    the plan will evict, NOTE [ Prefetch from a recorded trace ] Rule 5). The saved tensor
+# 3. Every copy goes through the mover (NOTE [ Mover ], store/streams.py); the GPU cache is
+#    the ``Cache`` of NOTE [ Cache model ] in bytes. An entry's device-to-host copy starts at
+#    pack, on the offload stream, after the compute stream (every entry in a step without a
+#    plan; from then on only the ones the plan will evict, NOTE [ Prefetch from a recorded
+#    trace ] Rule 5). The saved tensor
 #    itself stays in the GPU cache (zero-copy) while the budget allows. Evicting an entry
 #    makes the compute stream wait on its copy's event, then drops the reference: the
 #    caching allocator hands the memory out again in compute-stream order, so no later

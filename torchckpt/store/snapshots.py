@@ -1,8 +1,9 @@
 """Snapshots of a time-stepping loop's state, held for a checkpoint schedule.
 
 # NOTE [ Snapshot store ]
-# The runtime of NOTE [ Snapshot cache ] (schedules/prefetch.py): the same ranking and pins,
-# now with memory and streams.
+# The runtime of NOTE [ Snapshot cache ] (schedules/prefetch.py): the same ``Cache`` ranks the
+# slots and holds the pins; the memory is real and every copy goes through the mover
+# (NOTE [ Mover ], store/streams.py).
 # 1. A snapshot is a tuple of tensors (a wave equation carries u_t and u_{t-1}); every
 #    snapshot of one loop has the same layout (shapes, dtypes), checked at each save.
 # 2. ``Tier.GPU`` snapshots are device copies held by reference. Off-GPU snapshots
