@@ -14,7 +14,7 @@ import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ckpt_models import Echo, assert_same_grads, clone
-from test_gpu import ACT, B, D, T, apply, host_in_use, run_step, stack, store
+from test_saved_cuda import ACT, B, D, T, apply, host_in_use, run_step, stack, store
 from torchckpt import Offload, Recompute
 from torchckpt.adjoint import run_schedule
 from torchckpt.codecs import Identity, TritonQuant
