@@ -33,7 +33,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-import threading
 import types
 import warnings
 from collections.abc import Callable, Iterable
@@ -44,36 +43,13 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from torchckpt.policies import Keep, Offload, Policy, Recompute
-from torchckpt.store import Store
+from torchckpt.store import Store, default_store
 
 T = TypeVar("T")
-_stores: dict[torch.device, Store] = {}
-_stores_lock = threading.Lock()
 _POLICY_TYPES = (Recompute, Offload, Keep)
 _POLICY_NAMES = {"recompute": "Recompute()", "offload": "Offload(store)", "keep": "Keep()"}
 # torch.utils.checkpoint.checkpoint's keywords: never passed to the block (Rule 4).
 _TORCH_KEYWORDS = ("use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state")
-
-
-def default_store(device: str | torch.device | None = None) -> Store:
-    """The store ``Offload()`` and ``offload()`` use when given none: one per device, made on first use.
-
-    Args:
-        device: ``None``: the current CUDA device if CUDA is available, else ``"cpu"``
-            (a simulated store, for tests and demos).
-
-    Returns:
-        The process-wide default ``Store`` for that device.
-    """
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    with _stores_lock:
-        if device not in _stores:
-            _stores[device] = Store(device)
-        return _stores[device]
 
 
 def _device_of(args: Iterable[Any]) -> torch.device | None:

@@ -6,8 +6,8 @@ schedule's snapshots), ``streams.py`` the mover both use for every device/host c
 ``identity.py`` the rules that make an unpacked tensor the one autograd saved, ``stats.py``
 what the stores count.
 """
-from torchckpt.store.saved import Store
+from torchckpt.store.saved import Store, default_store
 from torchckpt.store.snapshots import SnapshotStore
 from torchckpt.store.stats import SnapshotStats, Stats
 
-__all__ = ["SnapshotStats", "SnapshotStore", "Stats", "Store"]
+__all__ = ["SnapshotStats", "SnapshotStore", "Stats", "Store", "default_store"]

@@ -578,3 +578,28 @@ class Store:
     def _set_delay(self, fn: Callable[[str, Any], None] | None) -> None:
         """Test hook: ``fn(kind, stream)`` runs on the copy stream right before each copy."""
         self._mover.delay = fn
+
+
+_stores: dict[torch.device, Store] = {}
+_stores_lock = threading.Lock()
+
+
+def default_store(device: str | torch.device | None = None) -> Store:
+    """The store ``Offload()`` and ``offload()`` use when given none: one per device, made on first use.
+
+    Args:
+        device: ``None``: the current CUDA device if CUDA is available, else ``"cpu"``
+            (a simulated store, for tests and demos).
+
+    Returns:
+        The process-wide default ``Store`` for that device.
+    """
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _stores_lock:
+        if device not in _stores:
+            _stores[device] = Store(device)
+        return _stores[device]
