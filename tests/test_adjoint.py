@@ -17,7 +17,8 @@ from torch.utils._pytree import tree_flatten
 
 import torchckpt
 from ckpt_models import small_pool
-from torchckpt import CheckpointError, SnapshotStore, Store, auto_schedule, checkpointed_loop, run_schedule
+from torchckpt import CheckpointError, SnapshotStore, Store, checkpointed_loop, run_schedule
+from torchckpt.adjoint import Auto, auto_schedule
 from torchckpt.store import SnapshotStats
 from torchckpt.schedules import (
     Adjoint, Free, Multistage, Prefetch, Restore, Revolve, Save, Schedule, Tier, Uniform, ZCut, simulate,
@@ -42,9 +43,9 @@ def host_in_use(pool: torchckpt.memory.HostPool) -> int:
 def make_schedule(name: str, n: int, state_bytes: int, slots: int) -> tuple[Schedule | str, Store]:
     """A schedule for ``n`` steps and the store to run it with."""
     if name == "auto":  # room on the GPU tier for everything: Revolve(n, n, GPU)
-        return "auto", cpu_store()
+        return Auto(), cpu_store()
     if name == "auto-host":  # one GPU snapshot beyond the cache slots: Multistage over GPU and host
-        return "auto", cpu_store(gpu_bytes=(slots + 1) * state_bytes)
+        return Auto(), cpu_store(gpu_bytes=(slots + 1) * state_bytes)
     sched: Schedule = {
         "revolve-gpu": lambda: Revolve(n, min(3, n)),
         "revolve-host": lambda: Revolve(n, min(3, n), tier=Tier.HOST),
@@ -281,7 +282,7 @@ def test_host_snapshots_released(mode: str) -> None:
 
 
 def test_default_store_and_auto_schedule() -> None:
-    """store=None uses the default CPU store; schedule='auto' is the default."""
+    """store=None uses the default CPU store; schedule=Auto() is the default."""
     x0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
     step = torch.tanh
     ref = unrolled(step, x0, 7)
@@ -290,6 +291,24 @@ def test_default_store_and_auto_schedule() -> None:
     assert torch.equal(out, ref)
     (g,) = torch.autograd.grad(out.sum(), x0)
     assert torch.equal(g, g_ref)
+
+
+@pytest.mark.parametrize("old,new", [("auto", Auto()), (Revolve, Auto()), (Uniform, Auto(kind=Uniform))])
+def test_auto_shorthands_warn_and_mean_auto(old: object, new: Auto) -> None:
+    """The string "auto" and the classes Revolve/Uniform still work, as Auto values, with a DeprecationWarning."""
+    x0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    with pytest.warns(DeprecationWarning, match="torchckpt.Auto"):
+        a = checkpointed_loop(torch.tanh, x0, 9, schedule=old, store=cpu_store())  # type: ignore[arg-type]
+    b = checkpointed_loop(torch.tanh, x0, 9, schedule=new, store=cpu_store())
+    assert torch.equal(torch.autograd.grad(a.sum(), x0)[0], torch.autograd.grad(b.sum(), x0)[0])
+
+
+def test_auto_is_a_value() -> None:
+    assert Auto() == Auto(kind=Revolve, margin=0.25) and hash(Auto()) == hash(Auto())
+    with pytest.raises(TypeError, match="^torchckpt: Auto\\(kind=...\\) takes Revolve or Uniform"):
+        Auto(kind=int)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^torchckpt: Auto\\(margin=...\\)"):
+        Auto(margin=-1)
 
 
 # -- checkpointed_loop: bad arguments ---------------------------------------------------------

@@ -8,7 +8,7 @@ The public names are below; everything else stays importable from its module
 """
 from torchckpt import codecs, schedules
 from torchckpt._errors import CheckpointError
-from torchckpt.adjoint import auto_schedule, checkpointed_loop, run_schedule
+from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
 from torchckpt.api import checkpoint, default_store, offload
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.store import SnapshotStore, Store
@@ -16,6 +16,7 @@ from torchckpt.store import SnapshotStore, Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "Auto",
     "CheckpointError",
     "Keep",
     "Offload",
@@ -23,7 +24,6 @@ __all__ = [
     "Recompute",
     "SnapshotStore",
     "Store",
-    "auto_schedule",
     "checkpoint",
     "checkpointed_loop",
     "codecs",

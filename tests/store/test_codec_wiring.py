@@ -8,7 +8,7 @@ import torch
 
 import torchckpt
 from ckpt_models import Echo
-from torchckpt.adjoint import checkpointed_loop, run_schedule
+from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
 from torchckpt.codecs import Identity, TritonQuant
 from torchckpt.schedules import Revolve, Tier
 from torchckpt.memory import HostPool
@@ -294,7 +294,7 @@ def test_zfp_snapshots_fixed_rate() -> None:
 
 
 def test_checkpointed_loop_store_codec_is_used_and_buys_snapshots() -> None:
-    from torchckpt.adjoint.run import _snapshot_bytes, auto_schedule
+    from torchckpt.adjoint.auto import _snapshot_bytes, auto_schedule
 
     torch.manual_seed(5)
     w = torch.tensor(0.7, requires_grad=True)
@@ -345,7 +345,7 @@ def test_uniform_sized_by_the_budget_uses_the_room_a_codec_makes() -> None:
     gx = x0.grad.clone()
     x0.grad = None
     store = Store("cpu", gpu_bytes=8 * 2048 * 4, min_bytes=0, host=_pool(), codec=Identity())
-    checkpointed_loop(step, x0, 25, schedule=Uniform, params=[w], store=store).sum().backward()
+    checkpointed_loop(step, x0, 25, schedule=Auto(kind=Uniform), params=[w], store=store).sum().backward()
     assert torch.equal(x0.grad, gx)
     from torchckpt.schedules import ZCut
 
