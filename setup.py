@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import sys
 
 from setuptools import find_packages, setup
 
@@ -68,74 +69,12 @@ def _extensions():
 ext_modules, cmdclass = _extensions()
 
 
-# ---- BEGIN ZFP (issue 5) --------------------------------------------------------------------
-# With TORCHCKPT_BUILD_ZFP=1 (and only then) build the SEPARATE extension torchckpt._zfp from
-# zfp 1.0.1's sources, fetched at build time into .deps/zfp-1.0.1 by tools/fetch_zfp.py (never
-# committed), plus our glue csrc/zfp/zfp_ops.cpp. torchckpt._C above is left as it is (it globs
-# csrc/*.cpp, not csrc/zfp/). zfp's .c files are compiled as C by a plain C compiler before the
-# extension (torch's compile wrapper would add C++ flags); cuZFP.cu goes through nvcc when a
-# CUDA toolkit is found, with -DZFP_WITH_CUDA so that zfp_exec_cuda exists.
-#   TORCHCKPT_BUILD_ZFP=1 pip install --no-build-isolation -e .
-def _zfp_extension(ext_modules, cmdclass):
-    import importlib.util
-    from concurrent.futures import ThreadPoolExecutor
+if os.environ.get("TORCHCKPT_BUILD_ZFP", "0") == "1":  # the optional torchckpt._zfp: tools/zfp_build.py
+    sys.path.insert(0, os.path.join(ROOT, "tools"))
+    import zfp_build
 
-    _find_cuda_home()  # before torch's cpp_extension reads CUDA_HOME at import
-    try:
-        from torch.utils import cpp_extension
-    except ImportError:
-        raise SystemExit("torchckpt: TORCHCKPT_BUILD_ZFP=1 needs torch at build time; "
-                         "use `TORCHCKPT_BUILD_ZFP=1 pip install --no-build-isolation -e .`.")
-    spec = importlib.util.spec_from_file_location("_torchckpt_fetch_zfp", os.path.join(ROOT, "tools", "fetch_zfp.py"))
-    fetch = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fetch)
-    try:
-        zdir = fetch.ensure_zfp()
-    except fetch.FetchError as e:
-        raise SystemExit(str(e))
-    rel = os.path.relpath(zdir, ROOT)
-    inc = [os.path.join(ROOT, rel, "include")]
-    c_files = [os.path.relpath(p, ROOT) for p in fetch.c_sources(zdir)]
-    cuda = _has_cuda_headers(cpp_extension.CUDA_HOME)
-    c_macros = [("ZFP_WITH_CUDA", None)] if cuda else []
-    glue = [os.path.join("csrc", "zfp", "zfp_ops.cpp")]
-    cxx = ["-O3", "-std=c++17"] + (["-DTORCHCKPT_ZFP_CUDA", "-DZFP_WITH_CUDA"] if cuda else [])
-    if cuda:
-        nvcc = ["-O3", "-DZFP_WITH_CUDA", "-gencode=arch=compute_90,code=sm_90", "-gencode=arch=compute_80,code=sm_80"]
-        ext = cpp_extension.CUDAExtension(
-            "torchckpt._zfp", glue + [os.path.join(rel, "src", "cuda_zfp", "cuZFP.cu")],
-            include_dirs=inc, extra_compile_args={"cxx": cxx, "nvcc": nvcc})
-    else:
-        print("torchckpt: no CUDA toolkit with headers found; torchckpt._zfp gets the CPU (serial zfp) path only")
-        ext = cpp_extension.CppExtension("torchckpt._zfp", glue, include_dirs=inc, extra_compile_args={"cxx": cxx})
-    base = cmdclass.get("build_ext") or cpp_extension.BuildExtension.with_options(use_ninja=False)
+    ext_modules, cmdclass = zfp_build.zfp_extension(ext_modules, cmdclass, _find_cuda_home, _has_cuda_headers)
 
-    class BuildWithZfp(base):  # type: ignore[misc, valid-type]
-        """Compiles zfp's C sources as C (own compiler, in parallel) before linking torchckpt._zfp."""
-
-        def build_extension(self, e):
-            if e.name == "torchckpt._zfp":
-                from setuptools._distutils.ccompiler import new_compiler
-                from setuptools._distutils.sysconfig import customize_compiler
-
-                out = os.path.join(self.build_temp, "zfp_c")
-
-                def one(src):
-                    cc = new_compiler()
-                    customize_compiler(cc)
-                    return cc.compile([src], output_dir=out, macros=c_macros, include_dirs=inc,
-                                      extra_postargs=["-O3", "-std=gnu11", "-fPIC"])[0]
-
-                with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as pool:
-                    e.extra_objects = list(pool.map(one, c_files))
-            super().build_extension(e)
-
-    return ext_modules + [ext], dict(cmdclass, build_ext=BuildWithZfp)
-
-
-if os.environ.get("TORCHCKPT_BUILD_ZFP", "0") == "1":
-    ext_modules, cmdclass = _zfp_extension(ext_modules, cmdclass)
-# ---- END ZFP --------------------------------------------------------------------------------
 
 setup(
     name="torchckpt",

@@ -116,7 +116,7 @@ _PURE = """
 import sys
 sys.modules["torchckpt._C"] = None      # import torchckpt._C raises ImportError
 sys.modules["torchckpt._zfp"] = None
-import torchckpt.codecs._nvcomp as nv
+import torchckpt._native.nvcomp as nv
 nv._candidates = lambda: ["/nonexistent/libnvcomp.so.6"]
 import pytest
 sys.exit(pytest.main(["-v", "-rs", "-p", "no:cacheprovider", sys.argv[1], "-k", "not pure_python_install"]))

@@ -13,7 +13,7 @@ Usage::
     python tools/fetch_zfp.py --sdist hdf5plugin-7.1.0.tar.gz   # offline, from a local sdist
     TORCHCKPT_ZFP_SDIST=/path/to/hdf5plugin-7.1.0.tar.gz python tools/fetch_zfp.py
 
-``setup.py`` calls ``ensure_zfp()`` when ``TORCHCKPT_BUILD_ZFP=1``.
+``zfp_build.py`` (imported by setup.py) calls ``ensure_zfp()`` when ``TORCHCKPT_BUILD_ZFP=1``.
 """
 from __future__ import annotations
 

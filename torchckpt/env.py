@@ -76,11 +76,12 @@ def _memlock() -> str:
 
 def report() -> list[Line]:
     """Probe this machine; one :class:`Line` per capability, in a fixed order."""
-    from torchckpt.codecs import _nvcomp
-    from torchckpt.codecs.quant import _triton_reason
+    from torchckpt._native import nvcomp
+    from torchckpt.codecs import TritonQuant
     from torchckpt.codecs.zfp import ZFP
     from torchckpt.memory import device_arena
-    from torchckpt.memory.lazy_pool import available_memory_bytes, default_pool_kind, node_lock_default
+    from torchckpt.memory.factory import default_pool_kind, node_lock_default
+    from torchckpt.memory.sysinfo import available_memory_bytes
     from torchckpt.memory.node_lock import default_lock_path
 
     cuda = torch.cuda.is_available()
@@ -129,10 +130,10 @@ def report() -> list[Line]:
     out.append(Line("available host memory", f"{available_memory_bytes() / (1 << 30):.1f} GiB"))
     arena = device_arena.unavailable_reason() if cuda else "no CUDA device"
     out.append(Line("VMM device arena", "available" if arena is None else f"not available ({arena})"))
-    triton = _triton_reason()
+    triton = TritonQuant().unavailable_reason()
     out.append(Line("TritonQuant GPU kernels", "available" if triton is None else "not available", triton or ""))
-    nv = _nvcomp.unavailable_reason()
-    out.append(Line("Bitcomp (nvCOMP)", f"available ({_nvcomp.library_path()})" if nv is None else "not available",
+    nv = nvcomp.unavailable_reason()
+    out.append(Line("Bitcomp (nvCOMP)", f"available ({nvcomp.library_path()})" if nv is None else "not available",
                     nv or ""))
     zfp = ZFP(rate=8).unavailable_reason()
     out.append(Line("ZFP (cuZFP)", "available" if zfp is None else "not available", zfp or ""))

@@ -11,7 +11,7 @@ import torch
 
 from bitcomp_checks import LOSSLESS_DTYPES, LOSSY, bits, check_bound, sample
 from torchckpt.codecs import Packed
-from torchckpt.codecs import _nvcomp as nv
+from torchckpt._native import nvcomp as nv
 from torchckpt.codecs import bitcomp as bc
 from torchckpt.codecs.bitcomp import Bitcomp
 

@@ -44,7 +44,7 @@
 #    Plain autograd adds a use recorded before the loop after all the loop's uses: then the
 #    result is bit-identical. A use recorded after the loop (a regularizer on ``w`` in the
 #    loss) is added by plain autograd before the loop's uses; here it is added to their sum,
-#    which can differ in the last bit (tests/test_loop_params.py checks both).
+#    which can differ in the last bit (tests/adjoint/test_loop_params.py checks both).
 """
 from __future__ import annotations
 

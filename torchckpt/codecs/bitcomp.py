@@ -1,7 +1,7 @@
 """Bitcomp: nvCOMP's Bitcomp codec, lossless for any dtype or lossy with an absolute bound.
 
 nvCOMP 6 (``nvidia-libnvcomp-cu13==6.0.0.12``) through its native C API, called with ctypes
-(_nvcomp.py): the device functions for CUDA tensors, the host twins (``bitcompHost*``,
+(torchckpt/_native/nvcomp.py): the device functions for CUDA tensors, the host twins (``bitcompHost*``,
 which need no GPU) for CPU tensors. Bitcomp is the lossy mode GPUZIP (Maltempi 2025) used
 with cuZFP for adjoint snapshots.
 
@@ -77,7 +77,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import internal_error
-from torchckpt.codecs import _nvcomp as nv
+from torchckpt._native import nvcomp as nv
 from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
 
 _ALIGN = 16  # Rule 8

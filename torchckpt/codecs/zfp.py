@@ -59,6 +59,7 @@ import torch
 import torch.nn.functional as F
 
 from torchckpt._errors import CheckpointError, internal_error
+from torchckpt._native import ops, zfp_error
 from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
 
 _BITS = {torch.float32: 32, torch.float64: 64}
@@ -67,37 +68,9 @@ _MAX_PADDED = 2**31 - 1  # Rule 6
 _MODES = ("nan", "raise")
 _BUILD = "TORCHCKPT_BUILD_ZFP=1 pip install --no-build-isolation -e ."
 
-_ext_error: str | None = None
-_ext_loaded = False
-
-
-def _load() -> str | None:
-    """Import ``torchckpt._zfp`` once; ``None`` when its ops are registered, else why not."""
-    global _ext_error, _ext_loaded
-    if not _ext_loaded:
-        _ext_loaded = True
-        try:
-            import torchckpt._zfp  # noqa: F401  (registers torch.ops.torchckpt.zfp_*)
-        except ImportError as e:
-            _ext_error = str(e)
-        else:
-            _register_fakes()
-    return _ext_error
-
-
-def _register_fakes() -> None:
-    """Meta/fake kernels so that the mutating ops trace under torch.compile."""
-    lib = "torchckpt::"
-    for op in ("zfp_compress", "zfp_decompress"):
-        try:
-            torch.library.register_fake(lib + op)(lambda *args: None)
-        except (RuntimeError, AttributeError):  # already registered, or an older torch
-            pass
-
-
 def ext_has_cuda() -> bool:
     """Whether ``torchckpt._zfp`` is loaded and was built with cuZFP (a CUDA toolkit at build time)."""
-    return _load() is None and bool(torch.ops.torchckpt.zfp_has_cuda())
+    return zfp_error() is None and ops.zfp_has_cuda()
 
 
 def field_shape(shape: Sequence[int]) -> tuple[int, ...]:
@@ -226,7 +199,7 @@ class ZFP(Codec):
 
     def unavailable_reason(self) -> str | None:
         """``None`` when ZFP runs here: the extension is built (with cuZFP where a GPU is visible)."""
-        err = _load()
+        err = zfp_error()
         if err is not None:
             return (f"ZFP needs the optional extension torchckpt._zfp, which is not built here ({err}). "
                     f"Build it with `{_BUILD}` (fetches the zfp 1.0.1 sources, see tools/fetch_zfp.py).")
@@ -237,7 +210,7 @@ class ZFP(Codec):
 
     # -- checks ------------------------------------------------------------------------
     def _require_ext(self, device: torch.device) -> None:
-        err = _load()
+        err = zfp_error()
         if err is not None:
             raise CheckpointError(
                 f"torchckpt: ZFP needs the optional extension torchckpt._zfp, which is not built ({err}). "
@@ -300,7 +273,7 @@ class ZFP(Codec):
                 )
             data = torch.empty(total, dtype=torch.uint8, device=x.device)
             data[max(sbytes - 8, 0):sbytes + 8].zero_()  # the last, maybe partial, word and the pad word: Rule 1
-            torch.ops.torchckpt.zfp_compress(f, list(field), self.rate, data)
+            ops.zfp_compress(f, field, self.rate, data)
             if flags:
                 data[sbytes + 8:] = _flags_pack(f)
         params.update(bits_per_block=bits, stream_bytes=sbytes, rate_effective=bits / 4 ** len(field))
@@ -329,7 +302,7 @@ class ZFP(Codec):
         with on_stream(stream, p.device, data):
             dst = out if out.is_contiguous() else torch.empty(p.meta.shape, dtype=out.dtype, device=out.device)
             f = dst.view(field)
-            torch.ops.torchckpt.zfp_decompress(data, list(field), rate, f)
+            ops.zfp_decompress(data, field, rate, f)
             if flags:
                 _flags_apply(data[sbytes + 8:], f)
             if dst is not out:

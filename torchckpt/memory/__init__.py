@@ -1,8 +1,12 @@
-"""Memory the stores draw on: pinned host pools (eager and lazy), the device arena, the
-node-wide lock that shares pinning among processes, and what the machine offers.
+"""Memory the stores draw on, one concept a module: ``host_pool`` (the eager pinned pool and its
+blocks), ``lazy_pool`` (one mapping pinned chunk by chunk in the background), ``link_model`` (the
+host link's measured bandwidths and the strategy model), ``sysinfo`` (what the machine offers),
+``factory`` (which pool a store gets, and the shared pools), ``node_lock`` (registrations
+serialized across processes), ``device_arena`` (snapshot slots in CUDA virtual memory).
 """
+from torchckpt.memory.factory import make_host_pool, release_shared_host_pools, shared_host_pool
 from torchckpt.memory.host_pool import HostBlock, HostPool, HostPoolStats
-from torchckpt.memory.lazy_pool import LazyHostPool, make_host_pool, release_shared_host_pools, shared_host_pool
+from torchckpt.memory.lazy_pool import LazyHostPool
 
 __all__ = ["HostBlock", "HostPool", "HostPoolStats", "LazyHostPool", "make_host_pool", "release_shared_host_pools",
            "shared_host_pool"]

@@ -41,7 +41,7 @@ from typing import Any, Protocol, overload
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt._native import native_available, native_error
+from torchckpt._native import device_arena_class, ops, vmm_error
 
 _log = logging.getLogger("torchckpt")
 
@@ -80,31 +80,17 @@ def _device(device: str | torch.device | int) -> torch.device:
 
 def _native_class() -> Any:
     """The compiled ``torchckpt::DeviceArena`` class (tests replace this function with a stub)."""
-    return torch.classes.torchckpt.DeviceArena
+    return device_arena_class()
 
 
 def _native_status(index: int) -> str:
     """The native capability check: "" when device ``index`` supports VMM (tests stub this)."""
-    return str(torch.ops.torchckpt.vmm_status(index))
+    return ops.vmm_status(index)
 
 
 def _native_loaded() -> str | None:
     """Why the native arena cannot be used at all (``None`` when it is compiled in)."""
-    if not native_available():
-        return (
-            f"torchckpt: the native extension torchckpt._C is not loaded ({native_error()}), so the VMM device "
-            "arena is unavailable. Fix: build it with `pip install --no-build-isolation -e .` in an "
-            "environment with torch and a CUDA toolkit, or use make_device_slots(..., use_vmm=False)."
-        )
-    try:
-        _native_class()
-        torch.ops.torchckpt.vmm_status  # noqa: B018  (raises AttributeError when absent)
-    except (RuntimeError, AttributeError):
-        return (
-            "torchckpt: the native extension is loaded but has no DeviceArena (built before "
-            "csrc/vmm_cache.cpp existed). Fix: rebuild with `pip install --no-build-isolation -e .`."
-        )
-    return None
+    return vmm_error()
 
 
 def unavailable_reason(device: str | torch.device | int = "cuda") -> str | None:

@@ -22,7 +22,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
 import threading
 import warnings
 from typing import Any
@@ -31,6 +30,7 @@ import torch
 
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt._native import touch_pages
+from torchckpt.memory.sysinfo import physical_memory_bytes
 
 ALIGN = 512
 _DEFAULT_CHUNK = 256 << 20
@@ -42,14 +42,6 @@ def _round_up(n: int, a: int) -> int:
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def physical_memory_bytes() -> int:
-    """Total physical RAM of this machine in bytes (0 when unknown)."""
-    try:
-        return int(os.sysconf("SC_PAGE_SIZE")) * int(os.sysconf("SC_PHYS_PAGES"))
-    except (ValueError, OSError, AttributeError):
-        return 0
 
 
 class HostBlock:

@@ -60,28 +60,6 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 #    registration time, 1.1-1.4 s for 32 GiB. The paper's whole-region variant registers once,
 #    after its touch, and blocks less when checkpoints are far apart (20 ms: 0.73 against 1.10 s);
 #    it blocks more when they are close (5 ms), because its flushes stay pageable until then.
-#
-# NOTE [ Lazy pool strategy model ]
-# ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
-# bandwidths measured once per process and device (``measure_link``, 16 MiB copies, ~tens of ms,
-# run in a background thread once the pool's first chunk is registered, so that neither creating
-# the pool nor its first pinned copy waits for it; the pool runs "concurrent" until the model has
-# spoken):
-#   b_pin       pinned D2H into a registered chunk, link otherwise idle
-#   b_pin_busy  the same while another thread touches fresh pages (touching competes with the
-#               copy for memory bandwidth and the page-table lock)
-#   b_page      pageable D2H into already touched memory (b_untouched is kept for reports)
-#   r           bytes/s the worker makes ready: 1 / (1/touch_rate + 1/register_rate)
-#   w           the checkpoint write rate: ``write_rate`` if given, else b_pin / 2
-# Concurrent: the ready frontier advances at v_c = r, copies into ready memory run at b_pin_busy.
-# Sequential: the worker touches only while no tracked copy runs, a fraction (1 - d) of the time
-# with duty d = min(1, w / b_pin): v_s = r (1 - d), copies into ready memory run at b_pin.
-# While the pool warms up, a fraction f = min(1, v / w) of the written bytes lands in ready
-# memory and the rest in pageable memory, so the copy time per written byte is
-#   t(v, b) = f / b + (1 - f) / b_page.
-# "auto" picks sequential only when t(v_s, b_pin) < t(v_c, b_pin_busy): a slow write rate and
-# copies that suffer from touching. Sequential needs copies to be tracked (``track_copy``;
-# the stores do it, Rule 7); untracked, it behaves as concurrent.
 """
 from __future__ import annotations
 
@@ -97,172 +75,15 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt._native import host_pool_available, host_pool_can_register, native_host_pool_class
-from torchckpt.memory.host_pool import ALIGN, HostBlock, HostPool, HostPoolStats, _Chunk, _round_up, physical_memory_bytes
+from torchckpt._native import host_pool_can_register, native_host_pool_class
+from torchckpt.memory.host_pool import ALIGN, HostBlock, HostPool, HostPoolStats, _Chunk, _round_up
+from torchckpt.memory.link_model import LinkProfile, cached_profile, choose_strategy, measure_link
+from torchckpt.memory.sysinfo import available_memory_bytes, device_index, huge_page_bytes, page_bytes, physical_memory_bytes
 from torchckpt.memory.node_lock import default_lock_path
 
 UNTOUCHED, TOUCHED, REGISTERED, FAILED = 0, 1, 2, 3
 STRATEGIES = ("auto", "concurrent", "sequential", "whole")
 _MiB = 1 << 20
-
-
-def page_bytes() -> int:
-    """The host page size in bytes (chunk sizes must be multiples of it)."""
-    return int(os.sysconf("SC_PAGE_SIZE"))
-
-
-def _device_index(device: int | torch.device | None) -> int:
-    if device is None:
-        return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
-    if isinstance(device, int):
-        return device
-    if device.index is None:
-        return int(torch.cuda.current_device()) if torch.cuda.is_available() else 0
-    return int(device.index)
-
-
-def available_memory_bytes() -> int:
-    """``MemAvailable`` from /proc/meminfo in bytes (physical RAM when unknown)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return physical_memory_bytes()
-
-
-@dataclasses.dataclass(frozen=True)
-class LinkProfile:
-    """Bandwidths (bytes/s) the strategy model uses (NOTE [ Lazy pool strategy model ])."""
-
-    pinned_d2h: float
-    pinned_busy_d2h: float
-    touched_d2h: float
-    untouched_d2h: float
-    touch_rate: float
-    register_rate: float
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            v = getattr(self, f.name)
-            if not v > 0:
-                raise ValueError(f"torchckpt: LinkProfile.{f.name} must be a positive rate in bytes/s, got {v}.")
-
-    @property
-    def ready_rate(self) -> float:
-        """Bytes/s the background worker makes pinned (touch, then register)."""
-        return 1.0 / (1.0 / self.touch_rate + 1.0 / self.register_rate)
-
-
-def choose_strategy(profile: LinkProfile, write_rate: float | None = None) -> str:
-    """The model of NOTE [ Lazy pool strategy model ]: ``"concurrent"`` or ``"sequential"``.
-
-    Args:
-        profile: measured bandwidths (``measure_link``).
-        write_rate: checkpoint bytes written per second (``None``: half the pinned D2H bandwidth).
-
-    Returns:
-        The strategy with the smaller modelled copy time per written byte (ties: concurrent).
-
-    Example::
-
-        >>> G = 1e9
-        >>> choose_strategy(LinkProfile(55 * G, 50 * G, 13 * G, 2 * G, 40 * G, 400 * G))
-        'concurrent'
-        >>> choose_strategy(LinkProfile(55 * G, 10 * G, 13 * G, 2 * G, 40 * G, 400 * G), write_rate=1 * G)
-        'sequential'
-    """
-    w = write_rate if write_rate is not None else profile.pinned_d2h / 2
-    if not w > 0:
-        raise ValueError(f"torchckpt: write_rate must be positive bytes/s, got {write_rate}.")
-    r = profile.ready_rate
-
-    def per_byte(v: float, b: float) -> float:
-        f = min(1.0, v / w)
-        return f / b + (1.0 - f) / profile.touched_d2h
-
-    duty = min(1.0, w / profile.pinned_d2h)
-    t_con = per_byte(r, profile.pinned_busy_d2h)
-    t_seq = per_byte(r * (1.0 - duty), profile.pinned_d2h)
-    return "sequential" if t_seq < t_con else "concurrent"
-
-
-_profiles: dict[int, LinkProfile] = {}
-_profile_lock = threading.Lock()
-
-
-def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _MiB) -> LinkProfile:
-    """Measure the bandwidths of NOTE [ Lazy pool strategy model ] on ``device`` (cached per device).
-
-    Args:
-        device: a CUDA device (``None``: the current one).
-        nbytes: bytes per timed copy.
-
-    Returns:
-        A ``LinkProfile``.
-
-    Example::
-
-        >>> if torch.cuda.is_available() and host_pool_can_register():  # doctest: +SKIP
-        ...     measure_link().pinned_d2h > 0
-        True
-    """
-    if not torch.cuda.is_available():
-        raise CheckpointError("torchckpt: measure_link needs CUDA; torch.cuda.is_available() is False.")
-    idx = _device_index(device)
-    dev = torch.device("cuda", idx)
-    with _profile_lock:
-        if idx in _profiles:
-            return _profiles[idx]
-    native = native_host_pool_class()
-    nbytes = _round_up(nbytes, page_bytes())
-    lock = default_lock_path()
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    stream = torch.cuda.Stream(dev)
-
-    def d2h(dst: torch.Tensor) -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            a.record(stream)
-            dst.copy_(src, non_blocking=True)
-            b.record(stream)
-        b.synchronize()
-        return nbytes / max(a.elapsed_time(b) * 1e-3, 1e-9)
-
-    # A small registered pool: touch and register rates, and pinned D2H into it.
-    pinned = native(2 * nbytes, nbytes, nbytes, "concurrent", "cuda", True, lock, idx, True, 1, True, -1, 0)
-    pinned.wait_done(-1)
-    st = pinned.stats()
-    pt = pinned.tensor()
-    ok = all(s == REGISTERED for s in pinned.states())
-    b_pin = max(d2h(pt[:nbytes]) for _ in range(3)) if ok else 0.0
-    # Untouched, then touched pageable memory (the worker never touches: touch limit 0).
-    cold = native(nbytes, nbytes, nbytes, "concurrent", "none", False, "", idx, True, 1, True, 0, 0)
-    ct = cold.tensor()
-    b_untouched = d2h(ct)
-    b_touched = max(d2h(ct) for _ in range(2))
-    # Pinned D2H while another worker touches fresh pages.
-    busy = native(256 * _MiB, 64 * _MiB, 64 * _MiB, "concurrent", "none", False, "", idx, True, 1, True, -1, 0)
-    b_busy = min(d2h(pt[:nbytes]) for _ in range(3)) if ok else 0.0
-    busy.close()
-    del pt, ct, cold, busy
-    pinned.close()
-    del pinned
-    if not ok:  # registration refused: the model has nothing to choose between
-        b_pin = b_busy = b_touched
-    prof = LinkProfile(
-        pinned_d2h=b_pin,
-        pinned_busy_d2h=b_busy,
-        touched_d2h=b_touched,
-        untouched_d2h=b_untouched,
-        touch_rate=2 * nbytes / max(st["touch_s"], 1e-9),
-        register_rate=2 * nbytes / max(st["register_s"], 1e-9),
-    )
-    with _profile_lock:
-        _profiles[idx] = prof
-    return prof
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,35 +107,6 @@ class LazyPoolStats:
     huge_pages: bool
     errors: tuple[str, ...]
     huge_page_bytes: int | None = None  # bytes the kernel backs with huge pages now (None: unknown)
-
-
-def huge_page_bytes(base: int, nbytes: int, smaps: str = "/proc/self/smaps") -> int | None:
-    """Bytes of the mapping ``[base, base + nbytes)`` that the kernel backs with transparent huge pages.
-
-    ``MADV_HUGEPAGE`` is only advice: the kernel may back the pool with 4 KiB pages, and then
-    registering it costs several times more (NOTE [ Lazy host pool ], Rule 8). Sums ``AnonHugePages`` of the mappings in ``/proc/self/smaps`` that lie in
-    the range; ``None`` where that file cannot be read (not Linux).
-
-    Example::
-
-        >>> huge_page_bytes(0, 4096) in (0, None)
-        True
-    """
-    end = base + nbytes
-    total = 0
-    inside = False
-    try:
-        with open(smaps) as f:
-            for line in f:
-                head = line.split(None, 1)[0]
-                if "-" in head and not head.endswith(":"):
-                    lo, hi = (int(x, 16) for x in head.split("-"))
-                    inside = lo >= base and hi <= end
-                elif inside and head == "AnonHugePages:":
-                    total += int(line.split()[1]) * 1024
-    except (OSError, ValueError):
-        return None
-    return total
 
 
 class _LazyChunk(_Chunk):
@@ -464,9 +256,9 @@ class LazyHostPool(HostPool):
                     "with a CUDA toolkit (`pip install --no-build-isolation -e .`) or pass pin=False."
                 )
             torch.cuda.init()
-            dev_index = _device_index(device)
+            dev_index = device_index(device)
         else:
-            dev_index = 0 if device is None else _device_index(device)
+            dev_index = 0 if device is None else device_index(device)
         if touch_threads is None:
             touch_threads = max(1, min(8, (os.cpu_count() or 2) // 2))
         self.capacity_bytes = capacity_bytes
@@ -510,7 +302,7 @@ class LazyHostPool(HostPool):
         self.profile: LinkProfile | None = None
         _live.add(self)
         if strategy == "auto" and register_mode == "cuda":
-            cached = _profiles.get(dev_index)
+            cached = cached_profile(dev_index)
             if cached is not None:
                 self._apply_profile(cached)
             else:
@@ -742,123 +534,3 @@ class LazyHostPool(HostPool):
                 advice = ("Copies into those chunks use pageable memory (slower, same results). Raise the "
                           "locked-memory limit (`ulimit -l`, RLIMIT_MEMLOCK) or use a smaller pool.")
             warnings.warn(f"torchckpt: LazyHostPool: {errs[0]}. {advice}", RuntimeWarning, stacklevel=3)
-
-
-def default_pool_kind(pin: bool) -> str:
-    """Which pool ``make_host_pool(pin=pin)`` makes: ``"lazy"`` (``LazyHostPool``) or ``"python"``.
-
-    ``TORCHCKPT_HOST_POOL`` decides when set; otherwise the lazy pool wherever it can pin
-    (the native pool built with CUDA, and a GPU present).
-
-    Example::
-
-        >>> default_pool_kind(pin=False) in ("python", "lazy")
-        True
-    """
-    mode = os.environ.get("TORCHCKPT_HOST_POOL", "auto").strip().lower() or "auto"
-    if mode not in ("auto", "python", "lazy"):
-        raise ValueError(f"torchckpt: TORCHCKPT_HOST_POOL must be 'python' or 'lazy', got {mode!r}.")
-    lazy_ok = host_pool_available() and (not pin or (torch.cuda.is_available() and host_pool_can_register()))
-    return "lazy" if mode == "lazy" or (mode == "auto" and pin and lazy_ok) else "python"
-
-
-def node_lock_default() -> bool:
-    """Whether the stores' default lazy pool serializes registrations (``TORCHCKPT_NODE_LOCK``, default on)."""
-    return os.environ.get("TORCHCKPT_NODE_LOCK", "1") != "0"
-
-
-_shared_pools: dict[tuple[bool, int], HostPool] = {}
-_shared_lock = threading.Lock()
-
-
-def shared_host_pool(pin: bool | None = None, device: int | torch.device | None = None) -> HostPool:
-    """The process's host pool for ``run_schedule`` given no store: made once, then reused.
-
-    ``run_schedule`` called without a store used to make a new pool per call, so an adjoint
-    run once per shot or per optimization step touched and registered its host memory every
-    time (and, on a virtual machine that takes freed memory back, paid the first touch again:
-    NOTE [ Lazy host pool ], Rule 8). ``checkpointed_loop`` without a store already used
-    ``default_store``'s pool, which lives as long as the process. Like PyTorch's own pinned
-    memory cache, this pool keeps what it has pinned until the process ends or
-    :func:`release_shared_host_pools`.
-    ``TORCHCKPT_SHARED_POOL=0`` makes a new pool per call again.
-
-    Args:
-        pin: pin host memory (``None``: when CUDA is available).
-        device: the CUDA device whose context registers the pool (``None``: the current one).
-
-    Returns:
-        The shared pool for ``(pin, device)`` (``make_host_pool``'s kind).
-
-    Example::
-
-        >>> shared_host_pool(pin=False) is shared_host_pool(pin=False)
-        True
-    """
-    if pin is None:
-        pin = torch.cuda.is_available()
-    if os.environ.get("TORCHCKPT_SHARED_POOL", "1") == "0":
-        return make_host_pool(pin=pin)
-    key = (bool(pin), _device_index(device) if pin and torch.cuda.is_available() else -1)
-    with _shared_lock:
-        pool = _shared_pools.get(key)
-        if pool is None:
-            pool = _shared_pools[key] = make_host_pool(pin=pin, device=device) if pin else make_host_pool(pin=False)
-        return pool
-
-
-def release_shared_host_pools() -> None:
-    """Drop the shared pools: their memory goes once no block of them is held any more."""
-    with _shared_lock:
-        _shared_pools.clear()
-
-
-def make_host_pool(
-    pin: bool | None = None,
-    *,
-    capacity_bytes: int | None = None,
-    chunk_bytes: int | None = None,
-    **lazy_kw: Any,
-) -> HostPool:
-    """The host pool the store should use: ``LazyHostPool`` when it can pin, else ``HostPool``.
-
-    ``TORCHCKPT_HOST_POOL=python`` forces ``HostPool``; ``=lazy`` forces ``LazyHostPool``
-    (an error when the native pool is not built). The lazy pool registers under the node lock
-    unless ``TORCHCKPT_NODE_LOCK=0`` (see the comment in the body for the measurement).
-
-    Args:
-        pin: pin host memory (``None``: when CUDA is available).
-        capacity_bytes: the pool's cap (``None``: each class's default; the lazy pool then
-            touches only ``ahead_bytes`` = 256 MiB beyond what is used unless told otherwise).
-        chunk_bytes: chunk size (``None``: 1 GiB for ``LazyHostPool``, 256 MiB for ``HostPool``,
-            which needs a power of two of at least 1 MiB).
-        **lazy_kw: further ``LazyHostPool`` arguments (ignored by ``HostPool``).
-
-    Returns:
-        A ``HostPool`` (a ``LazyHostPool`` is one).
-
-    Example::
-
-        >>> pool = make_host_pool(pin=False, capacity_bytes=8 << 20, chunk_bytes=1 << 20)
-        >>> type(pool).__name__
-        'HostPool'
-    """
-    if pin is None:
-        pin = torch.cuda.is_available()
-    if default_pool_kind(pin) == "lazy":
-        # 1 GiB chunks: each cudaHostRegister stalls the process's other CUDA calls for a while,
-        # and fewer, larger registrations blocked checkpointing least on the H100 (host_init.py:
-        # 1 GiB 1.3 s, 256 MiB 2.8 s, 128 MiB 2.6 s at 5 ms; docs/benchmarks.md). Chunks grow from
-        # first_chunk_bytes, so small pools still start with small registrations.
-        chunk_bytes = chunk_bytes if chunk_bytes is not None else 1 << 30
-        if capacity_bytes is None:
-            lazy_kw.setdefault("ahead_bytes", 256 * _MiB)  # a store's default pool: pin what is used, a bit ahead
-        lazy_kw.setdefault("first_chunk_bytes", min(64 * _MiB, chunk_bytes))
-        # Registrations serialized across the node by default (the fair lock, NOTE [ Node
-        # registration lock ]): on 2 x H200 with a warm-up and 4 alternating repetitions
-        # (docs/benchmarks.md) it registered as fast as parallel (3.07 s against 3.09 s) and blocked
-        # checkpointing 21% less. TORCHCKPT_NODE_LOCK=0 (or node_lock=False) registers in parallel.
-        lazy_kw.setdefault("node_lock", node_lock_default())
-        return LazyHostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin, **lazy_kw)
-    return HostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes if chunk_bytes is not None else 256 * _MiB,
-                    pin=pin)

@@ -3,7 +3,6 @@ touch progress, strategies, copy gating, close, bad input, the factory. CUDA reg
 stubbed with register_mode="fake" / "fake_fail" (csrc/host_pool.cpp Rule 7)."""
 from __future__ import annotations
 
-import doctest
 import os
 import time
 import warnings
@@ -14,21 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_models import FakeEvent
+import torchckpt.memory.factory as factory
 import torchckpt.memory.lazy_pool as lp
-import torchckpt.memory.node_lock as nl
+import torchckpt.memory.sysinfo as sysinfo
 from torchckpt._errors import CheckpointError
 from torchckpt._native import host_pool_available
 from torchckpt.memory.host_pool import ALIGN, HostPool
-from torchckpt.memory.lazy_pool import (
-    FAILED,
-    REGISTERED,
-    TOUCHED,
-    UNTOUCHED,
-    LazyHostPool,
-    LinkProfile,
-    choose_strategy,
-    make_host_pool,
-)
+from torchckpt.memory.factory import make_host_pool
+from torchckpt.memory.lazy_pool import FAILED, REGISTERED, TOUCHED, UNTOUCHED, LazyHostPool
+from torchckpt.memory.link_model import LinkProfile, choose_strategy
 
 MiB = 1 << 20
 native = pytest.mark.skipif(not host_pool_available(), reason="torchckpt._C with csrc/host_pool.cpp is not built")
@@ -63,7 +56,7 @@ def test_factory_without_pinning_is_python_pool(monkeypatch: pytest.MonkeyPatch)
 
 def test_factory_pin_true_uses_lazy_only_where_it_can_register(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("TORCHCKPT_HOST_POOL", raising=False)
-    monkeypatch.setattr(lp, "host_pool_available", lambda: False)
+    monkeypatch.setattr(factory, "host_pool_available", lambda: False)
     # No native pool: the factory must not pick LazyHostPool (HostPool then decides about CUDA).
     if torch.cuda.is_available():
         p = make_host_pool(pin=True, capacity_bytes=8 * MiB, chunk_bytes=MiB)
@@ -88,14 +81,6 @@ def test_choose_strategy_model() -> None:
         choose_strategy(fast, write_rate=0.0)
 
 
-@pytest.mark.parametrize("mod", [lp, nl])
-def test_docstring_examples(mod: object) -> None:
-    if mod is lp and not host_pool_available():
-        pytest.skip("the LazyHostPool example needs the native pool")
-    res = doctest.testmod(mod, extraglobs={"torch": torch}, optionflags=doctest.ELLIPSIS)  # type: ignore[arg-type]
-    assert res.attempted > 0 and res.failed == 0
-
-
 def test_lazy_pool_without_native_says_how_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
     import torchckpt._native as ext
 
@@ -113,7 +98,7 @@ def test_chunk_layout_doubles_then_caps() -> None:
     assert [s for _, s in bounds] == [MiB, 2 * MiB, 4 * MiB, 8 * MiB, 8 * MiB, 4 * MiB]
     off = 0
     for o, s in bounds:
-        assert o == off and s % lp.page_bytes() == 0
+        assert o == off and s % sysinfo.page_bytes() == 0
         off += s
     assert off == 27 * MiB
     p.close()
@@ -297,7 +282,7 @@ def test_oversize_and_overflow_go_pageable_with_one_warning() -> None:
 
 @native
 def test_bad_input_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
-    page = lp.page_bytes()
+    page = sysinfo.page_bytes()
     with pytest.raises(ValueError, match="^torchckpt: .*chunk_bytes must be a positive multiple"):
         make(chunk=4 * MiB + 1)
     with pytest.raises(ValueError, match="^torchckpt: .*first_chunk_bytes must be a positive multiple"):
@@ -307,7 +292,7 @@ def test_bad_input_is_refused_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ValueError, match="^torchckpt: .*ahead_bytes=None"):
         make(strategy="whole", ahead_bytes=MiB)
     with pytest.raises(CheckpointError, match="^torchckpt: .*does not fit this host"):
-        make(capacity=2 * lp.physical_memory_bytes() + MiB, ahead_bytes=MiB)
+        make(capacity=2 * sysinfo.physical_memory_bytes() + MiB, ahead_bytes=MiB)
     monkeypatch.setattr(lp, "available_memory_bytes", lambda: 8 * MiB)
     with pytest.raises(CheckpointError, match="^torchckpt: .*does not fit this host"):
         make(capacity=16 * MiB)  # would touch 16 MiB with only 8 available
@@ -368,7 +353,7 @@ def test_factory_serializes_registrations_unless_told_not_to(
 
 
 def test_huge_page_bytes_sums_the_mappings_inside_the_range(tmp_path: object) -> None:
-    from torchckpt.memory.lazy_pool import huge_page_bytes
+    from torchckpt.memory.sysinfo import huge_page_bytes
 
     smaps = os.path.join(str(tmp_path), "smaps")
     with open(smaps, "w") as f:

@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from torchckpt._native import host_pool_can_register
-from torchckpt.memory.lazy_pool import REGISTERED, LazyHostPool, make_host_pool
+from torchckpt.memory.factory import make_host_pool
+from torchckpt.memory.lazy_pool import REGISTERED, LazyHostPool
 
 pytestmark = [
     pytest.mark.cuda,

@@ -538,7 +538,7 @@ def test_run_schedule_without_a_store_reuses_one_host_pool(monkeypatch: pytest.M
     touching and registering new host memory every call; TORCHCKPT_SHARED_POOL=0 gives each call
     its own. (checkpointed_loop without a store uses default_store's pool, shared already.)"""
     from torchckpt.adjoint import run as adj
-    from torchckpt.memory.lazy_pool import release_shared_host_pools, shared_host_pool
+    from torchckpt.memory import release_shared_host_pools, shared_host_pool
 
     release_shared_host_pools()
     cpu = torch.device("cpu")
