@@ -20,11 +20,14 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Hashable
+from typing import Generic, TypeVar
 
 __all__ = ["Cache"]
 
+K = TypeVar("K", bound=Hashable)
 
-class Cache:
+
+class Cache(Generic[K]):
     """LRU ranking, pins and capacity accounting of a GPU cache (NOTE [ Cache model ]).
 
     Args:
@@ -53,11 +56,11 @@ class Cache:
         self.capacity = capacity
         self.used = 0
         self.peak = 0
-        self._rank: OrderedDict[Hashable, int] = OrderedDict()  # key -> size, LRU first
-        self._pins: dict[Hashable, int] = {}  # key -> pins (> 0)
+        self._rank: OrderedDict[K, int] = OrderedDict()  # key -> size, LRU first
+        self._pins: dict[K, int] = {}  # key -> pins (> 0)
         self._pinned_size = 0  # sum of the sizes of pinned keys
 
-    def __contains__(self, key: Hashable) -> bool:
+    def __contains__(self, key: K) -> bool:
         return key in self._rank
 
     def __len__(self) -> int:
@@ -68,11 +71,11 @@ class Cache:
         """How many resident keys hold a pin."""
         return len(self._pins)
 
-    def is_pinned(self, key: Hashable) -> bool:
+    def is_pinned(self, key: K) -> bool:
         """Whether ``key`` holds a pin."""
         return key in self._pins
 
-    def size(self, key: Hashable) -> int:
+    def size(self, key: K) -> int:
         """Size of resident ``key``."""
         return self._rank[key]
 
@@ -84,7 +87,7 @@ class Cache:
         """Whether ``admit`` of ``size`` can succeed: free capacity plus unpinned entries suffice (Rule 3)."""
         return self.capacity - self._pinned_size >= size  # free + unpinned = capacity - pinned
 
-    def insert(self, key: Hashable, size: int = 1, pinned: bool = False) -> None:
+    def insert(self, key: K, size: int = 1, pinned: bool = False) -> None:
         """Add ``key`` as most recently used, evicting nothing (the caller evicts ``victims``)."""
         self._rank[key] = size
         self.used += size
@@ -93,7 +96,7 @@ class Cache:
         if pinned:
             self.pin(key)
 
-    def admit(self, key: Hashable, size: int = 1) -> list[Hashable]:
+    def admit(self, key: K, size: int = 1) -> list[K]:
         """Make ``key`` most recently used, inserting it after evicting ``victims(size)``.
 
         Returns the evicted keys (none when ``key`` was resident). The caller checked ``can_take``.
@@ -107,7 +110,7 @@ class Cache:
         self.insert(key, size)
         return out
 
-    def pin(self, key: Hashable) -> None:
+    def pin(self, key: K) -> None:
         """Add one pin to resident ``key`` (Rule 2); a key not resident is left alone."""
         if key in self._rank:
             count = self._pins.get(key, 0)
@@ -115,7 +118,7 @@ class Cache:
                 self._pinned_size += self._rank[key]
             self._pins[key] = count + 1
 
-    def use(self, key: Hashable) -> bool:
+    def use(self, key: K) -> bool:
         """One use of ``key``: a hit makes it most recently used; one pin ends (Rule 2). Returns the hit."""
         hit = key in self._rank
         if hit:
@@ -128,13 +131,13 @@ class Cache:
             self._pins[key] = count - 1
         return hit
 
-    def touch(self, key: Hashable) -> None:
+    def touch(self, key: K) -> None:
         """Mark resident ``key`` most recently used and end all its pins."""
         self._rank.move_to_end(key)
         if self._pins.pop(key, 0):
             self._pinned_size -= self._rank[key]
 
-    def remove(self, key: Hashable) -> bool:
+    def remove(self, key: K) -> bool:
         """Forget ``key`` if resident; returns whether it was pinned (a prefetch wasted)."""
         size = self._rank.pop(key, None)
         if size is None:
@@ -145,17 +148,17 @@ class Cache:
             return True
         return False
 
-    def unpinned(self) -> list[Hashable]:
+    def unpinned(self) -> list[K]:
         """Resident keys that eviction may take, least recently used first."""
         return [k for k in self._rank if k not in self._pins]
 
-    def victims(self, extra: int = 0) -> list[Hashable]:
+    def victims(self, extra: int = 0) -> list[K]:
         """Unpinned keys, LRU first, whose removal brings usage to the capacity with ``extra`` more (Rule 3).
 
         Fewer (all unpinned keys) when even that does not suffice; the caller removes them.
         """
         over = self.used + extra - self.capacity
-        out: list[Hashable] = []
+        out: list[K] = []
         if over <= 0:
             return out
         for key, size in self._rank.items():

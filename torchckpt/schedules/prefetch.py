@@ -140,7 +140,7 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
         elif isinstance(act, Free) and _cached(act):
             last_save.pop(act.n, None)
 
-    cache = Cache(cache_slots)
+    cache: Cache[int] = Cache(cache_slots)
     ahead = cache_slots - 1  # Rule 3
     out: list[Action] = []
     put = out.append
@@ -209,7 +209,7 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
     acts = list(actions)
-    cache = Cache(cache_slots)
+    cache: Cache[int] = Cache(cache_slots)
     saved_at: dict[int, int] = {}
     flush: set[int] = set()
     evictions: list[tuple[int, int, int]] = []  # (position, step, position of its Save)
@@ -328,7 +328,7 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
         1.0
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    cache = Cache(cache_slots)
+    cache: Cache[int] = Cache(cache_slots)
     restores = hits = saves = evictions = copies = pins = failed = bypassed = lost = peak = 0
     work = 0  # steps computed so far
     awaiting: dict[int, int] = {}  # step -> work done when its copy was issued, until used

@@ -105,7 +105,7 @@ def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: in
         u = uses.get(i, ())
         n = bisect.bisect_right(u, after)  # type: ignore[arg-type]
         return u[n] if n < len(u) else len(unpacks)
-    cache = Cache(budget_bytes)
+    cache: Cache[int] = Cache(budget_bytes)
     prefetched: set[int] = set()
     released: set[int] = set()
     writes: set[int] = set()

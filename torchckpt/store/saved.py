@@ -238,7 +238,7 @@ class Store:
         if gpu_bytes is None:
             gpu_bytes = (1 << 30) if device.type == "cuda" else (64 << 20)
         self.device = device
-        self.cache = Cache(gpu_bytes)
+        self.cache: Cache[int] = Cache(gpu_bytes)
         self.host = host if host is not None else make_host_pool(pin=device.type == "cuda")
         self._mover = Mover(device, timing, self.host)
         self.min_bytes = int(min_bytes)

@@ -198,7 +198,7 @@ class SnapshotStore:
         self.slot_margin = float(slot_margin)
         self._slot_bytes = slot_bytes
         self.nslots: int = slots if slots is not None else 0  # 0 until calibrate() (gpu_bytes=)
-        self._rank = Cache(max(self.nslots, 1))
+        self._rank: Cache[int] = Cache(max(self.nslots, 1))
         self._layout: _Layout | None = None
         self._blobs: dict[int, Blob] = {}  # off-GPU snapshot -> its blob layout (with a codec)
         self._packs: dict[int, list[Packed]] = {}  # GPU-tier snapshots, compressed (with a codec)
