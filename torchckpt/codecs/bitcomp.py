@@ -53,8 +53,7 @@ with cuZFP for adjoint snapshots.
 # 8. Compressed buffers must be 8-byte aligned; inputs and outputs whose address is not a
 #    multiple of 16 bytes go through a fresh buffer (a copy), others are used in place.
 # 9. fp16 with a step below fp16's smallest normal (2**-14) goes the bf16 way: nvCOMP takes
-#    the fp16 step as fp16 bits, and with a subnormal step it kept every element raw (ratio
-#    1.00: at steps 2**-20 to 2**-15 on the CPU, on a 512^3 wave snapshot at 2**-17 on the H100). So
+#    the fp16 step as fp16 bits, and with a subnormal step it keeps every element raw. So
 #    such fp16 is upcast to fp32 (exact) and compressed with step p. The argument of Rule 5
 #    holds with 11 significant bits: where fp16's spacing at ``x`` is >= the step, ``x'' = x``;
 #    where it is finer, ``|q| <= 2**11`` and ``q * step`` (a multiple of 2**-24 below 2**-3)

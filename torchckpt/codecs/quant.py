@@ -72,9 +72,8 @@ _DENORM_MIN = 2.0**-149  # the smallest positive fp32
 _ROUNDER = 1.5 * 2.0**23  # t + 1.5 * 2**23 in fp32 rounds t to an integer, half to even (Rule 1)
 _E4M3_MAX = 448.0
 # Triton launch shapes, (blocks per program, warps) for compress and for decompress, per
-# (element size, codes): measured on an H100 for 256 MiB inputs (docs/results/quant_h100.json).
-# Every shape gives the same bytes; on the H100 the compress kernels run at 1.9-2.5 TB/s of input
-# (about the memory bandwidth) for most shapes, and (4 blocks, 8 warps) is much slower for bf16.
+# (element size, codes): the fastest measured (benchmarks/quant_throughput.py). Every shape
+# gives the same bytes; only the speed depends on it.
 _CFG: dict[tuple[int, str], tuple[int, int, int, int]] = {
     (4, "int8"): (8, 8, 4, 4), (4, "int4"): (8, 8, 8, 8), (4, "e4m3"): (8, 8, 8, 8),
     (2, "int8"): (8, 4, 16, 8), (2, "int4"): (16, 4, 16, 8), (2, "e4m3"): (8, 4, 16, 8),

@@ -53,13 +53,12 @@ _shared_lock = threading.Lock()
 def shared_host_pool(pin: bool | None = None, device: int | torch.device | None = None) -> HostPool:
     """The process's host pool for ``run_schedule`` given no store: made once, then reused.
 
-    ``run_schedule`` called without a store used to make a new pool per call, so an adjoint
-    run once per shot or per optimization step touched and registered its host memory every
-    time (and, on a virtual machine that takes freed memory back, paid the first touch again:
-    NOTE [ Lazy host pool ], Rule 8). ``checkpointed_loop`` without a store already used
-    ``default_store``'s pool, which lives as long as the process. Like PyTorch's own pinned
-    memory cache, this pool keeps what it has pinned until the process ends or
-    :func:`release_shared_host_pools`.
+    An adjoint run once per shot or per optimization step then touches and registers its host
+    memory once, not at every call (on a virtual machine that takes freed memory back, each
+    new pool would pay the first touch again: NOTE [ Lazy host pool ], Rule 8), as
+    ``checkpointed_loop`` without a store does through ``default_store``'s pool. Like
+    PyTorch's own pinned memory cache, this pool keeps what it has pinned until the process
+    ends or :func:`release_shared_host_pools`.
     ``TORCHCKPT_SHARED_POOL=0`` makes a new pool per call again.
 
     Args:
@@ -126,17 +125,15 @@ def make_host_pool(
         pin = torch.cuda.is_available()
     if default_pool_kind(pin) == "lazy":
         # 1 GiB chunks: each cudaHostRegister stalls the process's other CUDA calls for a while,
-        # and fewer, larger registrations blocked checkpointing least on the H100 (host_init.py:
-        # 1 GiB 1.3 s, 256 MiB 2.8 s, 128 MiB 2.6 s at 5 ms; docs/benchmarks.md). Chunks grow from
-        # first_chunk_bytes, so small pools still start with small registrations.
+        # and fewer, larger registrations block checkpointing least (docs/benchmarks.md). Chunks
+        # grow from first_chunk_bytes, so small pools still start with small registrations.
         chunk_bytes = chunk_bytes if chunk_bytes is not None else 1 << 30
         if capacity_bytes is None:
             lazy_kw.setdefault("ahead_bytes", 256 * _MiB)  # a store's default pool: pin what is used, a bit ahead
         lazy_kw.setdefault("first_chunk_bytes", min(64 * _MiB, chunk_bytes))
         # Registrations serialized across the node by default (the fair lock, NOTE [ Node
-        # registration lock ]): on 2 x H200 with a warm-up and 4 alternating repetitions
-        # (docs/benchmarks.md) it registered as fast as parallel (3.07 s against 3.09 s) and blocked
-        # checkpointing 21% less. TORCHCKPT_NODE_LOCK=0 (or node_lock=False) registers in parallel.
+        # registration lock ]; docs/benchmarks.md has the measurement). TORCHCKPT_NODE_LOCK=0 (or
+        # node_lock=False) registers in parallel.
         lazy_kw.setdefault("node_lock", node_lock_default())
         return LazyHostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin, **lazy_kw)
     return HostPool(capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes if chunk_bytes is not None else 256 * _MiB,

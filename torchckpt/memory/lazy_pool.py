@@ -43,23 +43,13 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 #    still held by the caller never points at unmapped memory.
 # 7. The stores report every copy to or from the pool (``note_copy``); while the worker runs the
 #    sequential strategy, each one is tracked (``track_copy``) so that touching pauses for it.
-# 8. First touch can cost far more than the touch itself. On a virtual machine with free page
-#    reporting (virtio-balloon), memory freed a few seconds ago has gone back to the host and
-#    is faulted in again: on the CPU machine a 4 GiB pool touched at 8.46 GiB/s right after
-#    another was closed and 0.35 GiB/s after 15 s idle, with huge pages in every case
-#    (benchmarks/first_touch.py). Twice on H100 machines, the first chunked pool made after
-#    32 GiB of ``cudaHostAlloc`` was freed touched 3-5x slower than usual (2.8 and 4.3 GB/s
-#    instead of 13). The H100 machine checked later had no balloon and did not reproduce it
-#    (benchmarks/after_pin.py: no migration, no compaction, all huge pages), so that cause is
-#    not established. The stats report ``huge_page_bytes`` (from /proc/self/smaps) so that
-#    huge-page fallback and first-touch cost can be told apart.
-# 9. Registering holds up the process's other CUDA calls: while the worker registers, a
-#    checkpoint's copy waits in its enqueue (benchmarks/register_stall.py: 105 ms median during
-#    a sweep of 1 GiB registrations, 0.18 ms otherwise). A registration costs per byte (32-42 GiB/s
-#    with huge pages, whatever the piece), so an application blocks for about the worker's total
-#    registration time, 1.1-1.4 s for 32 GiB. The paper's whole-region variant registers once,
-#    after its touch, and blocks less when checkpoints are far apart (20 ms: 0.73 against 1.10 s);
-#    it blocks more when they are close (5 ms), because its flushes stay pageable until then.
+# 8. First touch can cost far more than the touch itself (on a virtual machine, memory freed
+#    a few seconds ago may have gone back to the host and is faulted in again). The stats
+#    report ``huge_page_bytes`` (from /proc/self/smaps) so that huge-page fallback and
+#    first-touch cost can be told apart.
+# 9. Registering holds up the process's other CUDA calls, and costs per byte: an application
+#    blocks for about the worker's total registration time, which chunking spreads out but
+#    does not remove.
 """
 from __future__ import annotations
 

@@ -3,8 +3,8 @@
 # NOTE [ Node registration lock ]
 # 1. Registering host memory with CUDA (``cudaHostRegister``) from several processes of one
 #    node at once slows every one of them down: the kernel work of pinning pages serializes
-#    inside the driver and the memory system anyway (Maurya et al., HiPC'22, measured
-#    serialized registration 6.4x faster on average). So registrations take this lock.
+#    inside the driver and the memory system anyway (Maurya et al., HiPC'22). So registrations
+#    take this lock.
 # 2. The lock is an exclusive ``flock`` on a file in /dev/shm (a RAM file system present on
 #    every Linux node; the temp directory where it is missing). ``TORCHCKPT_REGISTER_LOCK``
 #    names another file. The kernel drops a flock when the holding process dies, however it
@@ -14,8 +14,7 @@
 # 4. flock locks belong to an open file description: two ``NodeLock`` objects exclude each
 #    other even inside one process; one object is not re-entrant.
 # 5. Fairness: flock alone lets a process that releases and at once re-takes the lock keep it
-#    while another waits (on 2 x H200 one rank waited 17 s while the other registered chunk
-#    after chunk). A turnstile makes it fair: take ``<path>.gate``, then ``<path>``, then drop
+#    while another waits. A turnstile makes it fair: take ``<path>.gate``, then ``<path>``, then drop
 #    the gate. While one process holds the lock the next waiter holds the gate, so the holder
 #    cannot take the lock again before that waiter had it. The gate is a flock too, so a dead
 #    holder never wedges it.

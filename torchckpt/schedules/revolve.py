@@ -30,8 +30,7 @@ ACM TOMS 26(1), 19-45, doi:10.1145/347837.347846.
 #    slots, so at most s slots are busy. Each snapshot is freed right after its last
 #    restore, so the slot is available to a cache or prefetcher as early as possible.
 # 6. The construction is an explicit-stack loop (no recursion, no generators), so it
-#    handles any s, and packs its actions (NOTE [ Packed schedules ]): 10^5 steps with 100
-#    slots plan in about 50 ms.
+#    handles any s, and packs its actions (NOTE [ Packed schedules ]).
 # 7. Once l <= c + 1 (t = 1) the optimal split is m = 1 all the way down: every state
 #    a+1 .. a+l-2 is saved on one sweep and the steps are reversed from them. That case is
 #    emitted by a flat loop, which is most of the actions.
