@@ -9,7 +9,7 @@ import torch
 import torchckpt
 from ckpt_models import Echo
 from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
-from torchckpt.codecs import Identity, TritonQuant
+from torchckpt.codecs import Identity, Packed, TritonQuant
 from torchckpt.schedules import Revolve, Tier
 from torchckpt.memory import HostPool
 from torchckpt.store import SnapshotStore, Store
@@ -351,3 +351,41 @@ def test_uniform_sized_by_the_budget_uses_the_room_a_codec_makes() -> None:
 
     with pytest.raises(TypeError, match="Only Revolve and Uniform can be sized"):
         checkpointed_loop(step, x0, 25, schedule=ZCut, params=[w], store=store)  # type: ignore[arg-type]
+
+
+class _CountingQuant(TritonQuant):
+    """TritonQuant that counts how often each tensor's memory is compressed."""
+
+    def __init__(self) -> None:
+        super().__init__(bits=8, mode="rel", bound=1e-2)
+        self.calls: dict[int, int] = {}
+
+    def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:  # type: ignore[override]
+        self.calls[x.data_ptr()] = self.calls.get(x.data_ptr(), 0) + 1
+        return super().compress(x, stream=stream)
+
+
+def test_checkpointed_loop_compresses_the_first_state_once() -> None:
+    """Auto's estimate, the snapshot store's slot sizing and the first Save share one compression."""
+    torch.manual_seed(6)
+    x0 = torch.randn(4096, requires_grad=True)
+    codec = _CountingQuant()
+    store = Store("cpu", min_bytes=0, host=_pool(), codec=codec, gpu_bytes=40 * 4096 * 4)
+    ref_codec = TritonQuant(bits=8, mode="rel", bound=1e-2)
+    ref_store = Store("cpu", min_bytes=0, host=_pool(), codec=ref_codec, gpu_bytes=40 * 4096 * 4)
+    xs = [x0.detach().clone().requires_grad_() for _ in range(2)]  # alive throughout: their memory is theirs
+    for x, s in zip(xs, (store, ref_store)):
+        checkpointed_loop(torch.tanh, x, 30, schedule=Auto(), store=s).sum().backward()
+    assert codec.calls.get(xs[0].data_ptr()) == 1, codec.calls  # estimate, slot sizing and Save(0): one compression
+    assert torch.equal(xs[0].grad, xs[1].grad)  # the same gradients as a codec that does not count
+
+
+def test_run_schedule_compresses_the_first_state_once() -> None:
+    codec = _CountingQuant()
+    u = [torch.randn(1024)]
+    u0 = u[0]  # alive throughout: its memory is its own
+    snaps = SnapshotStore("cpu", gpu_bytes=8 * 1024 * 4, host=_pool(), codec=codec)
+    run_schedule(Revolve(6, 3, tier=Tier.HOST), forward=lambda a, b: u.__setitem__(0, u[0] * 1.01),
+                 save=lambda n: u[0], restore=lambda n, t: u.__setitem__(0, t[0].clone()),
+                 backward=lambda n: None, store=snaps)
+    assert codec.calls.get(u0.data_ptr()) == 1, codec.calls  # slot sizing and Save(0): one compression

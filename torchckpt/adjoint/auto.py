@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt.codecs.base import Codec
+from torchckpt.codecs.base import Codec, Packed
 from torchckpt.codecs.blob import Blob
 from torchckpt.schedules import Multistage, Revolve, Tier, Uniform
 from torchckpt.schedules.schedule import Schedule
@@ -45,7 +45,15 @@ class Auto:
 
     def snapshot_bytes(self, flat: list[torch.Tensor], codec: Codec | None) -> int:
         """Bytes one snapshot of ``flat`` takes: as it is, or compressed by ``codec`` plus ``margin``."""
-        return _snapshot_bytes(flat, codec, self.margin)
+        return self.estimate(flat, codec)[0]
+
+    def estimate(self, flat: list[torch.Tensor], codec: Codec | None) -> tuple[int, list[Packed] | None]:
+        """``snapshot_bytes`` and, with a codec, the compression it made (for the first save to reuse)."""
+        if codec is None:
+            return sum(t.numel() * t.element_size() for t in flat), None
+        with torch.no_grad():
+            packs = [codec.compress(t.detach()) for t in flat]
+        return int(Blob(packs).nbytes * (1.0 + self.margin)), packs
 
     def resolve(self, n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: int, slots: int) -> Schedule:
         """The schedule for these budgets (``auto_schedule``)."""

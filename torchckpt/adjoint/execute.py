@@ -133,8 +133,8 @@ class Planned:
         """Plan from the first Save on for a cache of ``slots`` slots (once; later calls do nothing)."""
         if self._planned is not None:
             return
-        rest = self._acts[self._i0:]
-        planned = list(plan_prefetch(rest, slots)) if self._prefetch else list(rest)
+        rest = self._acts[self._i0:]  # the one copy of the schedule made here
+        planned = plan_prefetch(rest, slots).actions if self._prefetch else rest
         self._flushes = frozenset(f + self._i0 for f in plan_flushes(planned, slots))
         self._planned = planned
 

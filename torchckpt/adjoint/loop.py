@@ -37,6 +37,7 @@ from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint.args import check_actions, check_callable, check_params, check_slots, check_store
 from torchckpt.adjoint.auto import Auto
+from torchckpt.codecs.base import Packed
 from torchckpt.adjoint.captures import (
     Age, Swap, check_structure, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
 )
@@ -88,6 +89,7 @@ class _LoopRun:
         self.through_old = through_old  # NOTE [ Captured tensors ] Rule 1: a step running autograd makes nodes on other threads
         # The executor's state (NOTE [ Adjoint executor ] Rule 1): the sweep, the current state, the adjoints.
         self.backward = False
+        self.first_packs: list[Packed] | None = None  # the initial state, compressed by Auto (or None)
         self.x: list[torch.Tensor] | None = None
         self.g: list[torch.Tensor | None] = []
         self.gp: list[torch.Tensor | None] = []
@@ -147,6 +149,8 @@ class _LoopRun:
             self.snaps = self.factory(x[0].device)
             # Rule 2: a loop dropped without a backward still gives its host blocks back.
             weakref.finalize(self, self.snaps.close)
+            self.snaps.calibrate(x, packs=self.first_packs)  # the first state is compressed once
+            self.first_packs = None
             self.plan.start(self.slots)
         self.snaps.save(n, tier, x, flush=self.plan.flush(i))
 
@@ -321,8 +325,9 @@ def checkpointed_loop(
     if store is None:
         store = default_store(flat[0].device)
     schedule = _auto_value(schedule)
+    first_packs = None  # with a codec, Auto's compression of the initial state, reused by its Save (compressed once)
     if isinstance(schedule, Auto):
-        nbytes = schedule.snapshot_bytes(flat, store.codec)
+        nbytes, first_packs = schedule.estimate(flat, store.codec)
         schedule = schedule.resolve(n_steps, nbytes, store.cache.capacity, store.host.capacity_bytes, slots)
     if isinstance(schedule, type):
         raise TypeError(
@@ -359,5 +364,6 @@ def checkpointed_loop(
         return state
     run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch, inputs, descendants(inputs), state1,
                    through_old)
+    run.first_packs = first_packs
     out = _Loop.apply(run, *flat, *inputs)
     return tree_unflatten(list(out), spec)

@@ -46,7 +46,7 @@ overlap the copy with computation.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from torchckpt._errors import CheckpointError, internal_error
@@ -96,6 +96,13 @@ class PrefetchedSchedule:
         return len(self.actions)
 
 
+def _as_sequence(actions: Iterable[Action]) -> Sequence[Action]:
+    """The actions as a sequence, without copying one that already is (a schedule is read once)."""
+    if isinstance(actions, PrefetchedSchedule):
+        return actions.actions
+    return actions if isinstance(actions, (list, tuple)) else list(actions)
+
+
 def _cached(act: Save | Restore | Free) -> bool:
     return act.tier is not Tier.GPU
 
@@ -122,7 +129,7 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
     """
     check_int("cache_slots", cache_slots, 1,
               "pass how many snapshots the GPU cache holds (2 or more to overlap copies)")
-    acts = list(schedule)
+    acts = _as_sequence(schedule)
     # Off-GPU restores in order: (position, step, tier, position of the Save they read).
     restores: list[tuple[int, int, Tier, int]] = []
     last_save: dict[int, int] = {}
@@ -208,7 +215,7 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
         True
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    acts = list(actions)
+    acts = _as_sequence(actions)
     cache: Cache[int] = Cache(cache_slots)
     saved_at: dict[int, int] = {}
     flush: set[int] = set()
