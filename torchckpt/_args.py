@@ -55,10 +55,10 @@ def check_flag(owner: str, name: str, value: object) -> None:
 
 
 def check_host(owner: str, host: object) -> None:
-    """``host`` must be a ``torchckpt.HostPool`` or ``None``."""
-    from torchckpt.memory.host_pool import HostPool  # the store imports this module
+    """``host`` must be a host pool (``HostPool``, ``LazyHostPool``) or ``None``."""
+    from torchckpt.memory.host_pool import HostPoolBase  # the store imports this module
 
-    if host is not None and not isinstance(host, HostPool):
+    if host is not None and not isinstance(host, HostPoolBase):
         raise TypeError(
             f"torchckpt: {owner}(host=...) expects a torchckpt.memory.HostPool or None, got {type(host).__name__} {host!r}; "
             "pass host=None for the default pool (pinned when CUDA is available) or e.g. "

@@ -22,7 +22,7 @@ def pool(capacity: int = 64 * MiB, chunk: int = MiB) -> HostPool:
 def check_block(p: HostPool, b: torchckpt.HostBlock, n: int) -> None:
     assert b.tensor.numel() == n and b.tensor.dtype == torch.uint8
     assert b.chunk >= 0
-    c = p._chunks[b.chunk]
+    c = p._blocks.chunks[b.chunk]
     assert b.offset % ALIGN == 0 and b.nbytes % ALIGN == 0 and b.nbytes >= n
     assert 0 <= b.offset and b.offset + b.nbytes <= c.size  # never straddles chunks
     assert b.tensor.data_ptr() == c.buf.data_ptr() + b.offset
@@ -50,7 +50,7 @@ def test_blocks_aligned_disjoint_inside_one_chunk(ops: list[tuple[int, bool]]) -
     for b, _, _ in live:
         p.free(b)
     # Coalescing: everything free -> one free span per chunk.
-    for c in p._chunks:
+    for c in p._blocks.chunks:
         assert c.free == [(0, c.size)]
     assert p.stats().in_use_bytes == 0
 
@@ -58,7 +58,7 @@ def test_blocks_aligned_disjoint_inside_one_chunk(ops: list[tuple[int, bool]]) -
 def test_large_request_gets_own_power_of_two_chunk() -> None:
     p = pool()
     b = p.alloc(3 * MiB // 2)
-    assert p._chunks[b.chunk].size == 2 * MiB and b.offset == 0
+    assert p._blocks.chunks[b.chunk].size == 2 * MiB and b.offset == 0
     assert p.stats().reserved_bytes == 2 * MiB
 
 
@@ -76,7 +76,7 @@ def test_reuse_across_cycles() -> None:
             first = s
         assert s.in_use_bytes == 0
         assert s.chunk_allocations == first.chunk_allocations and s.reserved_bytes == first.reserved_bytes
-    for c in p._chunks:
+    for c in p._blocks.chunks:
         assert c.free == [(0, c.size)]
 
 
@@ -85,7 +85,7 @@ def test_coalescing_frees_in_any_order() -> None:
     blocks = [p.alloc(ALIGN) for _ in range(8)]
     for i in (1, 3, 5, 7, 0, 2, 6, 4):
         p.free(blocks[i])
-    assert p._chunks[0].free == [(0, MiB)]
+    assert p._blocks.chunks[0].free == [(0, MiB)]
 
 
 def test_cap_warns_once_and_goes_pageable() -> None:
@@ -182,7 +182,7 @@ def test_free_with_completed_event_releases_at_once() -> None:
     ev = FakeEvent()
     ev.done = True
     p.free(p.alloc(4096), ev)
-    assert p.stats().in_use_bytes == 0 and p._chunks[0].free == [(0, MiB)]
+    assert p.stats().in_use_bytes == 0 and p._blocks.chunks[0].free == [(0, MiB)]
 
 
 def test_close_waits_and_drops_chunks() -> None:

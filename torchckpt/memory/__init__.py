@@ -5,8 +5,8 @@ host link's measured bandwidths and the strategy model), ``sysinfo`` (what the m
 serialized across processes), ``device_arena`` (snapshot slots in CUDA virtual memory).
 """
 from torchckpt.memory.factory import make_host_pool, release_shared_host_pools, shared_host_pool
-from torchckpt.memory.host_pool import HostBlock, HostPool, HostPoolStats
+from torchckpt.memory.host_pool import HostBlock, HostPool, HostPoolBase, HostPoolStats
 from torchckpt.memory.lazy_pool import LazyHostPool
 
-__all__ = ["HostBlock", "HostPool", "HostPoolStats", "LazyHostPool", "make_host_pool", "release_shared_host_pools",
+__all__ = ["HostBlock", "HostPool", "HostPoolBase", "HostPoolStats", "LazyHostPool", "make_host_pool", "release_shared_host_pools",
            "shared_host_pool"]

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from torchckpt._native import host_pool_available, host_pool_can_register
-from torchckpt.memory.host_pool import HostPool
+from torchckpt.memory.host_pool import HostPool, HostPoolBase
 from torchckpt.memory.lazy_pool import LazyHostPool
 from torchckpt.memory.sysinfo import device_index
 
@@ -46,11 +46,11 @@ def node_lock_default() -> bool:
     return os.environ.get("TORCHCKPT_NODE_LOCK", "1") != "0"
 
 
-_shared_pools: dict[tuple[bool, int], HostPool] = {}
+_shared_pools: dict[tuple[bool, int], HostPoolBase] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_host_pool(pin: bool | None = None, device: int | torch.device | None = None) -> HostPool:
+def shared_host_pool(pin: bool | None = None, device: int | torch.device | None = None) -> HostPoolBase:
     """The process's host pool for ``run_schedule`` given no store: made once, then reused.
 
     An adjoint run once per shot or per optimization step then touches and registers its host
@@ -97,7 +97,7 @@ def make_host_pool(
     capacity_bytes: int | None = None,
     chunk_bytes: int | None = None,
     **lazy_kw: Any,
-) -> HostPool:
+) -> HostPoolBase:
     """The host pool the store should use: ``LazyHostPool`` when it can pin, else ``HostPool``.
 
     ``TORCHCKPT_HOST_POOL=python`` forces ``HostPool``; ``=lazy`` forces ``LazyHostPool``

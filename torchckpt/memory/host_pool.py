@@ -16,14 +16,18 @@
 #    cap, blocks are plain pageable tensors (copies are then slower, results identical)
 #    and the pool warns once. If even pageable memory cannot be had, allocation raises
 #    ``CheckpointError``: never a silently wrong gradient.
-# 5. The lazily pinned native pool (its own issue) implements this same interface:
-#    ``alloc(nbytes) -> HostBlock``, ``free(block, event)``, ``stats()``, ``close()``.
+# 5. Rules 2-4 are ``Blocks``, the allocator both pools compose: ``HostPool`` grows it by
+#    pinned chunks, ``LazyHostPool`` (lazy_pool.py) gives it the chunks of one mapping. Both
+#    are ``HostPoolBase``: ``alloc(nbytes) -> HostBlock``, ``free(block, event)``,
+#    ``stats()``, ``note_copy(stream)``, ``close()``.
 """
 from __future__ import annotations
 
+import abc
 import dataclasses
 import threading
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,7 +80,7 @@ class HostPoolStats:
     pageable_fallbacks: int
 
 
-class _Chunk:
+class Chunk:
     __slots__ = ("buf", "size", "free", "pinned")
 
     def __init__(self, buf: torch.Tensor, pinned: bool):
@@ -114,7 +118,149 @@ class _Chunk:
             del free[lo]
 
 
-class HostPool:
+class Blocks:
+    """First-fit blocks over a list of chunks, parked blocks and the pageable fallback (Rules 2-4).
+
+    Not thread-safe by itself: the owning pool holds ``lock`` around every call.
+
+    Args:
+        capacity_bytes: the owner's cap, named in the one warning past it.
+    """
+
+    def __init__(self, capacity_bytes: int) -> None:
+        self.capacity_bytes = capacity_bytes
+        self.chunks: list[Chunk] = []
+        self.parked: list[tuple[HostBlock, Any]] = []  # freed blocks whose last copy may still run
+        self.lock = threading.Lock()
+        self.reserved = 0
+        self.in_use = 0
+        self.pageable_in_use = 0
+        self.chunk_allocations = 0
+        self.fallbacks = 0
+        self._warned = False
+
+    def place(self, need: int, grow: Callable[[int], bool] | None = None) -> tuple[int, int] | None:
+        """(chunk, offset) of ``need`` free bytes, waiting for parked blocks and calling ``grow(need)`` (which
+        adds a chunk and says whether it did) as Rule 3 says; ``None`` when the chunks cannot hold it."""
+        self.reclaim(block=False)
+        hit = self.take(need)
+        while hit is None and self.parked and sum(b.nbytes for b, _ in self.parked) >= need:
+            blk, ev = self.parked.pop(0)  # Rule 3: wait for the oldest, then try again
+            ev.synchronize()
+            self.release(blk)
+            hit = self.take(need)
+        if hit is None and grow is not None and grow(need):
+            hit = self.take(need)
+        if hit is None and self.parked:
+            # At the cap: wait for parked blocks rather than go pageable (Rule 3).
+            self.reclaim(block=True)
+            hit = self.take(need)
+        if hit is not None:
+            self.in_use += need
+        return hit
+
+    def take(self, need: int) -> tuple[int, int] | None:
+        for ci, chunk in enumerate(self.chunks):
+            off = chunk.take(need)
+            if off is not None:
+                return ci, off
+        return None
+
+    def free(self, block: HostBlock, event: Any = None) -> None:
+        """Return ``block``; ``event`` (a CUDA event or None) marks the end of its last copy."""
+        if block.chunk < 0:
+            self.pageable_in_use -= block.nbytes
+            block.tensor = torch.empty(0, dtype=torch.uint8)
+            return
+        if event is not None and not event.query():
+            self.parked.append((block, event))
+            return
+        self.release(block)
+
+    def release(self, block: HostBlock) -> None:
+        if block.chunk >= len(self.chunks):
+            raise internal_error("host block freed twice or after close()")
+        self.chunks[block.chunk].give(block.offset, block.nbytes)
+        self.in_use -= block.nbytes
+        block.tensor = torch.empty(0, dtype=torch.uint8)
+
+    def reclaim(self, block: bool) -> None:
+        keep = []
+        for blk, ev in self.parked:
+            if block:
+                ev.synchronize()
+                self.release(blk)
+            elif ev.query():
+                self.release(blk)
+            else:
+                keep.append((blk, ev))
+        self.parked = keep
+
+    def clear(self) -> None:
+        """Wait for parked copies and drop every chunk (blocks handed out become invalid)."""
+        self.reclaim(block=True)
+        self.chunks.clear()
+        self.reserved = 0
+        self.in_use = 0
+
+    def pageable(self, nbytes: int, why: str | None = None) -> HostBlock:
+        """A plain pageable block past the cap (Rule 4), with the one warning."""
+        self.warn(why or f"the host pool reached its cap of {self.capacity_bytes / 2**30:.2f} GiB")
+        try:
+            t = torch.empty(nbytes, dtype=torch.uint8)
+        except RuntimeError as e:
+            raise CheckpointError(
+                f"torchckpt: host memory exhausted: could not allocate {nbytes} bytes for an offloaded tensor "
+                f"({e}). Give the GPU cache a larger budget (Store(gpu_bytes=...)), offload fewer blocks, or use "
+                "Recompute() for some of them."
+            ) from e
+        touch_pages(t)  # copies into untouched pageable pages are ~10x slower (csrc/ops.cpp)
+        self.fallbacks += 1
+        self.pageable_in_use += nbytes
+        return HostBlock(t, -1, 0, nbytes, False)
+
+    def warn(self, why: str) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"torchckpt: {why}; further offloaded tensors use pageable host memory (slower copies, "
+                "same results). Pass HostPool(capacity_bytes=...) to raise the cap.",
+                RuntimeWarning,
+                stacklevel=5,
+            )
+
+
+class HostPoolBase(abc.ABC):
+    """What the stores use of a host pool (NOTE [ Host pool ] Rule 5)."""
+
+    capacity_bytes: int
+    pin: bool
+
+    @abc.abstractmethod
+    def alloc(self, nbytes: int) -> HostBlock:
+        """A block of ``nbytes`` bytes."""
+
+    @abc.abstractmethod
+    def free(self, block: HostBlock, event: Any = None) -> None:
+        """Return ``block``; ``event`` (a CUDA event or None) marks the end of its last copy."""
+
+    @abc.abstractmethod
+    def stats(self) -> HostPoolStats:
+        """Current occupancy."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Wait for parked copies and give the memory back (blocks handed out become invalid)."""
+
+    def note_copy(self, stream: Any) -> None:
+        """Hear of a copy just issued on ``stream`` to or from this pool (NOTE [ Mover ] Rule 3)."""
+        return None
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> HostPoolBase:
+        return self  # pinned memory is a shared resource
+
+
+class HostPool(HostPoolBase):
     """Host memory for offloaded tensors, pinned in large chunks reused across steps.
 
     Args:
@@ -159,156 +305,62 @@ class HostPool:
         self.capacity_bytes = int(capacity_bytes)
         self.chunk_bytes = int(chunk_bytes)
         self.pin = bool(pin)
-        self._chunks: list[_Chunk] = []
-        self._parked: list[tuple[HostBlock, Any]] = []  # freed blocks whose last copy may still run
-        self._lock = threading.Lock()
-        self._reserved = 0
-        self._in_use = 0
-        self._pageable_in_use = 0
-        self._chunk_allocations = 0
-        self._fallbacks = 0
-        self._warned = False
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> HostPool:
-        return self  # pinned memory is a shared resource
+        self._blocks = Blocks(self.capacity_bytes)
 
     def __reduce__(self) -> tuple[Any, ...]:
         """A pool pickles as its configuration: unpickling gives a fresh, empty pool."""
         return (HostPool, (self.capacity_bytes, self.chunk_bytes, self.pin))
 
-    # -- allocation -------------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock:
         """A block of ``nbytes`` bytes (pinned if the pool pins and is under its cap)."""
         if nbytes <= 0:
             raise ValueError(f"torchckpt: HostPool.alloc needs a positive size, got {nbytes}.")
         need = _round_up(nbytes, ALIGN)
-        with self._lock:
-            hit = self._place(need)
+        b = self._blocks
+        with b.lock:
+            hit = b.place(need, self._grow)
             if hit is not None:
                 ci, off = hit
-                chunk = self._chunks[ci]
-                self._in_use += need
+                chunk = b.chunks[ci]
                 return HostBlock(chunk.buf[off : off + nbytes], ci, off, need, chunk.pinned)
-            return self._pageable(nbytes)
+            return b.pageable(nbytes)
 
     def free(self, block: HostBlock, event: Any = None) -> None:
         """Return ``block``; ``event`` (a CUDA event or None) marks the end of its last copy."""
-        with self._lock:
-            if block.chunk < 0:
-                self._pageable_in_use -= block.nbytes
-                block.tensor = torch.empty(0, dtype=torch.uint8)
-                return
-            if event is not None and not event.query():
-                self._parked.append((block, event))
-                return
-            self._release(block)
+        with self._blocks.lock:
+            self._blocks.free(block, event)
 
     def stats(self) -> HostPoolStats:
         """Current occupancy (parked blocks count as in use)."""
-        with self._lock:
+        b = self._blocks
+        with b.lock:
             return HostPoolStats(
-                reserved_bytes=self._reserved,
-                pinned_bytes=sum(c.size for c in self._chunks if c.pinned),
-                in_use_bytes=self._in_use,
-                pageable_in_use_bytes=self._pageable_in_use,
-                chunks=len(self._chunks),
-                chunk_allocations=self._chunk_allocations,
-                pageable_fallbacks=self._fallbacks,
+                reserved_bytes=b.reserved,
+                pinned_bytes=sum(c.size for c in b.chunks if c.pinned),
+                in_use_bytes=b.in_use,
+                pageable_in_use_bytes=b.pageable_in_use,
+                chunks=len(b.chunks),
+                chunk_allocations=b.chunk_allocations,
+                pageable_fallbacks=b.fallbacks,
             )
-
-    def note_copy(self, stream: Any) -> None:
-        """Hear of a copy just issued on ``stream`` to or from this pool (``LazyHostPool`` uses it)."""
-        return None
 
     def close(self) -> None:
         """Wait for parked copies and drop every chunk (blocks handed out become invalid)."""
-        with self._lock:
-            self._reclaim(block=True)
-            self._chunks.clear()
-            self._reserved = 0
-            self._in_use = 0
+        with self._blocks.lock:
+            self._blocks.clear()
 
-    # -- internals ----------------------------------------------------------------------
-    def _place(self, need: int) -> tuple[int, int] | None:
-        """(chunk, offset) of ``need`` free bytes, waiting for parked blocks and growing as Rule 3
-        says; ``None`` when the pool cannot hold it. Called with the lock held."""
-        self._reclaim(block=False)
-        hit = self._take(need)
-        while hit is None and self._parked and sum(b.nbytes for b, _ in self._parked) >= need:
-            blk, ev = self._parked.pop(0)  # Rule 3: wait for the oldest, then try again
-            ev.synchronize()
-            self._release(blk)
-            hit = self._take(need)
-        if hit is None and self._reserved + self._grow_size(need) <= self.capacity_bytes:
-            self._grow(need)
-            hit = self._take(need)
-        if hit is None and self._parked:
-            # At the cap: wait for parked blocks rather than go pageable (Rule 3).
-            self._reclaim(block=True)
-            hit = self._take(need)
-        return hit
-
-    def _grow_size(self, need: int) -> int:
-        return self.chunk_bytes if need <= self.chunk_bytes else _next_pow2(need)
-
-    def _grow(self, need: int) -> None:
-        size = self._grow_size(need)
+    def _grow(self, need: int) -> bool:
+        """Add a pinned chunk for ``need`` bytes if the cap allows (Rules 1 and 4); whether one was added."""
+        size = self.chunk_bytes if need <= self.chunk_bytes else _next_pow2(need)
+        b = self._blocks
+        if b.reserved + size > self.capacity_bytes:
+            return False
         try:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as e:  # cudaHostAlloc refused: stay correct, go pageable (Rule 4)
-            self._warn(f"pinning a {size >> 20} MiB chunk failed ({e})")
-            return
-        self._chunks.append(_Chunk(buf, self.pin))
-        self._reserved += size
-        self._chunk_allocations += 1
-
-    def _take(self, need: int) -> tuple[int, int] | None:
-        for ci, chunk in enumerate(self._chunks):
-            off = chunk.take(need)
-            if off is not None:
-                return ci, off
-        return None
-
-    def _release(self, block: HostBlock) -> None:
-        if block.chunk >= len(self._chunks):
-            raise internal_error("host block freed twice or after close()")
-        self._chunks[block.chunk].give(block.offset, block.nbytes)
-        self._in_use -= block.nbytes
-        block.tensor = torch.empty(0, dtype=torch.uint8)
-
-    def _reclaim(self, block: bool) -> None:
-        keep = []
-        for blk, ev in self._parked:
-            if block:
-                ev.synchronize()
-                self._release(blk)
-            elif ev.query():
-                self._release(blk)
-            else:
-                keep.append((blk, ev))
-        self._parked = keep
-
-    def _pageable(self, nbytes: int) -> HostBlock:
-        self._warn(f"the host pool reached its cap of {self.capacity_bytes / 2**30:.2f} GiB")
-        try:
-            t = torch.empty(nbytes, dtype=torch.uint8)
-        except RuntimeError as e:
-            raise CheckpointError(
-                f"torchckpt: host memory exhausted: could not allocate {nbytes} bytes for an offloaded tensor "
-                f"({e}). Give the GPU cache a larger budget (Store(gpu_bytes=...)), offload fewer blocks, or use "
-                "Recompute() for some of them."
-            ) from e
-        touch_pages(t)  # copies into untouched pageable pages are ~10x slower (csrc/ops.cpp)
-        self._fallbacks += 1
-        self._pageable_in_use += nbytes
-        return HostBlock(t, -1, 0, nbytes, False)
-
-    def _warn(self, why: str) -> None:
-        if not self._warned:
-            self._warned = True
-            warnings.warn(
-                f"torchckpt: {why}; further offloaded tensors use pageable host memory (slower copies, "
-                "same results). Pass HostPool(capacity_bytes=...) to raise the cap.",
-                RuntimeWarning,
-                stacklevel=4,
-            )
+            b.warn(f"pinning a {size >> 20} MiB chunk failed ({e})")
+            return False
+        b.chunks.append(Chunk(buf, self.pin))
+        b.reserved += size
+        b.chunk_allocations += 1
+        return True

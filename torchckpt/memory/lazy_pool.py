@@ -18,7 +18,8 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 (Rule 8).
 
 # NOTE [ Lazy host pool ]
-# 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there):
+# 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there: both
+#    compose its ``Blocks`` allocator):
 #    first-fit over offset-sorted free lists, coalesced on free, ``ALIGN``-aligned, parked
 #    blocks with their events, pageable fallback with one warning past the pool's end.
 # 2. The pool is one anonymous mmap (``MADV_HUGEPAGE``) cut into chunks: the first of
@@ -66,7 +67,7 @@ import torch
 
 from torchckpt._errors import CheckpointError
 from torchckpt._native import host_pool_can_register, native_host_pool_class
-from torchckpt.memory.host_pool import ALIGN, HostBlock, HostPool, HostPoolStats, _Chunk, _round_up
+from torchckpt.memory.host_pool import ALIGN, Blocks, Chunk, HostBlock, HostPoolBase, HostPoolStats
 from torchckpt.memory.link_model import LinkProfile, cached_profile, choose_strategy, measure_link
 from torchckpt.memory.sysinfo import available_memory_bytes, device_index, huge_page_bytes, page_bytes, physical_memory_bytes
 from torchckpt.memory.node_lock import default_lock_path
@@ -99,7 +100,7 @@ class LazyPoolStats:
     huge_page_bytes: int | None = None  # bytes the kernel backs with huge pages now (None: unknown)
 
 
-class _LazyChunk(_Chunk):
+class _LazyChunk(Chunk):
     __slots__ = ("_pool", "_index")
 
     def __init__(self, buf: torch.Tensor, pool: LazyHostPool, index: int) -> None:
@@ -151,7 +152,7 @@ def _lazy_pool_from_config(kw: dict[str, Any]) -> LazyHostPool:
     return LazyHostPool(**kw)
 
 
-class LazyHostPool(HostPool):
+class LazyHostPool(HostPoolBase):
     """Host memory in one mmap, pinned chunk by chunk by a background thread (NOTE [ Lazy host pool ]).
 
     Args:
@@ -219,7 +220,7 @@ class LazyHostPool(HostPool):
         avail = available_memory_bytes()
         if capacity_bytes is None:
             capacity_bytes = min(physical_memory_bytes() // 2 or (8 << 30), int(avail * 0.8))
-        capacity_bytes = _round_up(int(capacity_bytes), page)
+        capacity_bytes = -(-int(capacity_bytes) // page) * page
         if capacity_bytes <= 0:
             raise ValueError(f"torchckpt: LazyHostPool capacity_bytes must be positive, got {capacity_bytes}.")
         eager = capacity_bytes if ahead_bytes is None else min(capacity_bytes, first_chunk_bytes + ahead_bytes)
@@ -259,13 +260,8 @@ class LazyHostPool(HostPool):
         self.device_index = dev_index
         self.write_rate = write_rate
         self.requested_strategy = strategy
-        self._parked: list[tuple[HostBlock, Any]] = []
-        self._lock = threading.Lock()
-        self._in_use = 0
-        self._pageable_in_use = 0
-        self._chunk_allocations = 0
-        self._fallbacks = 0
-        self._warned = False
+        self._blocks = Blocks(capacity_bytes)  # Rules 1-4 of NOTE [ Host pool ], over this pool's fixed chunks
+        self._lock = self._blocks.lock
         self._warned_errors = False
         self._closed = False
         self._tracking_over = False  # note_copy: the worker is done, no copy needs tracking
@@ -286,8 +282,8 @@ class LazyHostPool(HostPool):
         self._ends = [o + s for o, s in zip(offsets, sizes)]
         self._max_chunk = max(sizes)
         base = self._base
-        self._chunks: list[_Chunk] = [_LazyChunk(base[o : o + s], self, i) for i, (o, s) in enumerate(zip(offsets, sizes))]
-        self._reserved = capacity_bytes
+        self._blocks.chunks = [_LazyChunk(base[o : o + s], self, i) for i, (o, s) in enumerate(zip(offsets, sizes))]
+        self._blocks.reserved = capacity_bytes
         self._high_chunk = -1
         self.profile: LinkProfile | None = None
         _live.add(self)
@@ -334,30 +330,34 @@ class LazyHostPool(HostPool):
                 return  # closed meanwhile
             self._sequential = chosen == "sequential"
 
-    # -- HostPool interface ----------------------------------------------------------------
+    # -- HostPoolBase interface ----------------------------------------------------------------
     def alloc(self, nbytes: int) -> HostBlock:
         """A block of ``nbytes`` bytes inside one chunk (pinned once that chunk is registered)."""
         if nbytes <= 0:
             raise ValueError(f"torchckpt: LazyHostPool.alloc needs a positive size, got {nbytes}.")
-        need = _round_up(nbytes, ALIGN)
+        need = -(-nbytes // ALIGN) * ALIGN
         self._check_errors()
         with self._lock:
             if self._closed:
                 raise CheckpointError("torchckpt: LazyHostPool.alloc after close(); create a new pool.")
+            b = self._blocks
             if need > self._max_chunk:  # Rule 2: no chunk can hold it
-                self._warn(f"a request of {nbytes} bytes exceeds the pool's largest chunk ({self._max_chunk} bytes; "
-                           "pass a larger chunk_bytes)")
-                return self._pageable(nbytes)
-            hit = self._place(need)  # never grows: _grow_size is past the cap
+                return b.pageable(nbytes, f"a request of {nbytes} bytes exceeds the pool's largest chunk "
+                                          f"({self._max_chunk} bytes; pass a larger chunk_bytes)")
+            hit = b.place(need)  # never grows: the pool is one mapping
             if hit is None:
-                return self._pageable(nbytes)
+                return b.pageable(nbytes)
             ci, off = hit
-            self._in_use += need
             if ci > self._high_chunk:
                 self._high_chunk = ci
                 if self.ahead_bytes is not None and self._native is not None:
                     self._native.set_touch_limit(self._ends[ci] + self.ahead_bytes)  # Rule 5
-            return LazyHostBlock(self._chunks[ci].buf[off : off + nbytes], ci, off, need, self)
+            return LazyHostBlock(b.chunks[ci].buf[off : off + nbytes], ci, off, need, self)
+
+    def free(self, block: HostBlock, event: Any = None) -> None:
+        """Return ``block``; ``event`` (a CUDA event or None) marks the end of its last copy."""
+        with self._lock:
+            self._blocks.free(block, event)
 
     def stats(self) -> HostPoolStats:
         """Current occupancy; ``reserved_bytes`` counts touched memory, ``pinned_bytes`` registered memory."""
@@ -367,11 +367,11 @@ class LazyHostPool(HostPool):
             return HostPoolStats(
                 reserved_bytes=int(d.get("touched_bytes", 0)),
                 pinned_bytes=int(d.get("registered_bytes", 0)),
-                in_use_bytes=self._in_use,
-                pageable_in_use_bytes=self._pageable_in_use,
-                chunks=len(self._chunks),
+                in_use_bytes=self._blocks.in_use,
+                pageable_in_use_bytes=self._blocks.pageable_in_use,
+                chunks=len(self._blocks.chunks),
                 chunk_allocations=sum(1 for s in (native.states() if native is not None else []) if s >= TOUCHED),
-                pageable_fallbacks=self._fallbacks,
+                pageable_fallbacks=self._blocks.fallbacks,
             )
 
     def close(self) -> None:
@@ -379,15 +379,13 @@ class LazyHostPool(HostPool):
         with self._lock:
             if self._closed:
                 return
-            self._reclaim(block=True)
+            self._blocks.reclaim(block=True)
             native = self._native
             if native is not None and not native.wait_copies(60_000):
                 warnings.warn("torchckpt: LazyHostPool.close() waited 60 s for tracked copies; closing anyway.",
                               RuntimeWarning, stacklevel=2)
             self._closed = True
-            self._chunks.clear()
-            self._reserved = 0
-            self._in_use = 0
+            self._blocks.clear()
             self._base = None
             if native is not None:
                 native.close()
@@ -401,7 +399,7 @@ class LazyHostPool(HostPool):
 
     def chunk_bounds(self) -> list[tuple[int, int]]:
         """Each chunk's ``(offset, size)`` in bytes."""
-        return [(e - c.size, c.size) for e, c in zip(self._ends, self._chunks)]
+        return [(e - c.size, c.size) for e, c in zip(self._ends, self._blocks.chunks)]
 
     def wait_pinned(self, block: HostBlock, timeout: float | None = None) -> bool:
         """Wait until ``block``'s chunk is registered (or can no longer be); returns ``block.pinned``."""
@@ -504,12 +502,6 @@ class LazyHostPool(HostPool):
             self._reg[i] = True
             return True
         return False
-
-    def _grow(self, need: int) -> None:  # the pool never grows: it is one mapping
-        return None
-
-    def _grow_size(self, need: int) -> int:
-        return self.capacity_bytes + 1
 
     def _check_errors(self) -> None:
         if self._warned_errors or self._native is None:

@@ -71,7 +71,7 @@ from torchckpt.codecs.base import Codec
 from torchckpt.store.streams import Mover, nvtx_range
 from torchckpt.codecs.blob import Blob
 from torchckpt.schedules.cache import Cache
-from torchckpt.memory import HostBlock, HostPool, make_host_pool
+from torchckpt.memory import HostBlock, HostPoolBase, make_host_pool
 from torchckpt.schedules.trace import PACK, RELEASE, UNPACK, TracePrefetch, prefetch_from_trace
 from torchckpt.store.identity import Coverage, Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
 from torchckpt.store.stats import Stats
@@ -193,7 +193,7 @@ class Store:
         self,
         device: str | torch.device | None = None,
         gpu_bytes: int | str | None = None,
-        host: HostPool | None = None,
+        host: HostPoolBase | None = None,
         min_bytes: int | str = 1 << 20,
         prefetch: bool = True,
         timing: bool = True,

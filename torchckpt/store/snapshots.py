@@ -64,7 +64,7 @@ from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
-from torchckpt.memory import HostBlock, HostPool, make_host_pool
+from torchckpt.memory import HostBlock, HostPoolBase, make_host_pool
 from torchckpt.store.stats import SnapshotStats
 
 _ALIGN = 256
@@ -164,6 +164,7 @@ class SnapshotStore:
 
     Example::
 
+        >>> from torchckpt.memory import HostPool
         >>> s = SnapshotStore("cpu", slots=2, host=HostPool(chunk_bytes=1 << 20, pin=False))
         >>> s.save(0, Tier.HOST, [torch.arange(4.0)])
         >>> s.restore(0, Tier.HOST)[0]
@@ -171,7 +172,7 @@ class SnapshotStore:
     """
 
     def __init__(self, device: str | torch.device | None = None, slots: int | None = None,
-                 host: HostPool | None = None, timing: bool = True, codec: Codec | None = None,
+                 host: HostPoolBase | None = None, timing: bool = True, codec: Codec | None = None,
                  gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25) -> None:
         device = _check_device(device)
         if slots is not None and gpu_bytes is not None:
