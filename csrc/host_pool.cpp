@@ -719,10 +719,40 @@ int64_t host_page_bytes() { return page_bytes(); }
 bool host_pool_built_with_cuda() { return built_with_cuda(); }
 }  // namespace
 
+// The pool's settings arrive as one config value: integers (booleans as 0/1) and strings by name.
+// Every key must be given and no other (a missing or unknown key is the caller's bug, said by name).
+c10::intrusive_ptr<NativeHostPool> make_host_pool(c10::Dict<std::string, int64_t> ints,
+                                                  c10::Dict<std::string, std::string> strs) {
+  static const char* kInts[] = {"nbytes",      "chunk_bytes", "first_chunk_bytes", "node_lock",       "device",
+                                "huge_pages",  "touch_threads", "populate",        "touch_limit",     "fake_register_us"};
+  static const char* kStrs[] = {"strategy", "register_mode", "lock_path"};
+  for (const auto& it : ints) {
+    bool known = false;
+    for (const char* k : kInts) known = known || it.key() == k;
+    TORCH_CHECK(known, "torchckpt: unknown integer setting '", it.key(), "' for the native host pool");
+  }
+  for (const auto& it : strs) {
+    bool known = false;
+    for (const char* k : kStrs) known = known || it.key() == k;
+    TORCH_CHECK(known, "torchckpt: unknown string setting '", it.key(), "' for the native host pool");
+  }
+  auto i = [&](const char* k) {
+    TORCH_CHECK(ints.contains(k), "torchckpt: the native host pool needs the integer setting '", k, "'");
+    return ints.at(k);
+  };
+  auto s = [&](const char* k) {
+    TORCH_CHECK(strs.contains(k), "torchckpt: the native host pool needs the string setting '", k, "'");
+    return strs.at(k);
+  };
+  return c10::make_intrusive<NativeHostPool>(i("nbytes"), i("chunk_bytes"), i("first_chunk_bytes"), s("strategy"),
+                                             s("register_mode"), i("node_lock") != 0, s("lock_path"), i("device"),
+                                             i("huge_pages") != 0, i("touch_threads"), i("populate") != 0,
+                                             i("touch_limit"), i("fake_register_us"));
+}
+
 TORCH_LIBRARY_FRAGMENT(torchckpt, m) {
   m.class_<NativeHostPool>("HostPool")
-      .def(torch::init<int64_t, int64_t, int64_t, std::string, std::string, bool, std::string, int64_t, bool, int64_t,
-                       bool, int64_t, int64_t>())
+      .def(torch::init(&make_host_pool))
       .def("size", &NativeHostPool::size)
       .def("num_chunks", &NativeHostPool::num_chunks)
       .def("chunk_offsets", &NativeHostPool::chunk_offsets)

@@ -23,7 +23,7 @@ import torch
 from torchckpt._errors import CheckpointError
 
 __all__ = ["capabilities", "device_arena_class", "host_pool_available", "host_pool_can_register",
-           "native_available", "native_error", "native_host_pool_class", "touch_pages", "vmm_error", "zfp_error"]
+           "native_available", "native_error", "native_host_pool", "native_host_pool_class", "touch_pages", "vmm_error", "zfp_error"]
 
 _log = logging.getLogger("torchckpt")
 _error: str | None = None
@@ -91,6 +91,18 @@ def native_host_pool_class() -> Any:
             "`pip install --no-build-isolation -e .` where torch is installed, or use HostPool."
         )
     return torch.classes.torchckpt.HostPool
+
+
+def native_host_pool(**config: int | bool | str) -> Any:
+    """A native host pool from one config value: its settings by name (csrc/host_pool.cpp, ``make_host_pool``).
+
+    Integers and booleans go as integers, strings as strings; the native side rejects a missing
+    or unknown setting by name.
+    """
+    cls = native_host_pool_class()
+    ints = {k: int(v) for k, v in config.items() if not isinstance(v, str)}
+    strs = {k: v for k, v in config.items() if isinstance(v, str)}
+    return cls(ints, strs)
 
 
 def vmm_error() -> str | None:

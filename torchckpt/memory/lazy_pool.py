@@ -66,7 +66,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt._native import host_pool_can_register, native_host_pool_class
+from torchckpt._native import host_pool_can_register, native_host_pool, native_host_pool_class
 from torchckpt.memory.host_pool import ALIGN, Blocks, Chunk, HostBlock, HostPoolBase, HostPoolStats
 from torchckpt.memory.link_model import LinkProfile, cached_profile, choose_strategy, measure_link
 from torchckpt.memory.sysinfo import available_memory_bytes, device_index, huge_page_bytes, page_bytes, physical_memory_bytes
@@ -203,7 +203,7 @@ class LazyHostPool(HostPoolBase):
             capacity_bytes=capacity_bytes, chunk_bytes=chunk_bytes, pin=pin, first_chunk_bytes=first_chunk_bytes,
             strategy=strategy, ahead_bytes=ahead_bytes, node_lock=node_lock, device=device,
             touch_threads=touch_threads, write_rate=write_rate, register_mode=register_mode, lock_path=lock_path)
-        native = native_host_pool_class()
+        native_host_pool_class()  # raises, saying how to build it, when the extension lacks the pool
         page = page_bytes()
         for name, v in (("chunk_bytes", chunk_bytes), ("first_chunk_bytes", first_chunk_bytes)):
             if v <= 0 or v % page:
@@ -268,10 +268,11 @@ class LazyHostPool(HostPoolBase):
         start = "concurrent" if strategy == "auto" else strategy
         self._sequential = start == "sequential"  # the strategy the worker runs, as Python set it
         limit = -1 if ahead_bytes is None else first_chunk_bytes + ahead_bytes
-        self._native = native(
-            capacity_bytes, self.chunk_bytes, self.first_chunk_bytes, start, register_mode, bool(node_lock),
-            lock_path if lock_path is not None else default_lock_path(), dev_index, True, int(touch_threads), True,
-            limit, 2000,
+        self._native = native_host_pool(
+            nbytes=capacity_bytes, chunk_bytes=self.chunk_bytes, first_chunk_bytes=self.first_chunk_bytes,
+            strategy=start, register_mode=register_mode, node_lock=bool(node_lock),
+            lock_path=lock_path if lock_path is not None else default_lock_path(), device=dev_index, huge_pages=True,
+            touch_threads=int(touch_threads), populate=True, touch_limit=limit, fake_register_us=2000,
         )
         # The native pool records a lock it could not open as its first error, before any other.
         self._lock_failed = bool(node_lock) and not self._native.lock_active()

@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from typing import Any
 
 import torch
 
 from torchckpt._errors import CheckpointError
-from torchckpt._native import native_host_pool_class
+from torchckpt._native import native_host_pool
 from torchckpt.memory.node_lock import default_lock_path
 from torchckpt.memory.sysinfo import device_index, page_bytes
 
@@ -123,7 +124,13 @@ def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _M
     with _profile_lock:
         if idx in _profiles:
             return _profiles[idx]
-    native = native_host_pool_class()
+
+    def native(nbytes: int, chunk: int, mode: str, lock: bool, lock_path: str, device: int, limit: int) -> Any:
+        return native_host_pool(nbytes=nbytes, chunk_bytes=chunk, first_chunk_bytes=chunk, strategy="concurrent",
+                                register_mode=mode, node_lock=lock, lock_path=lock_path, device=device,
+                                huge_pages=True, touch_threads=1, populate=True, touch_limit=limit,
+                                fake_register_us=0)
+
     nbytes = -(-nbytes // page_bytes()) * page_bytes()
     lock = default_lock_path()
     src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
@@ -139,19 +146,19 @@ def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _M
         return nbytes / max(a.elapsed_time(b) * 1e-3, 1e-9)
 
     # A small registered pool: touch and register rates, and pinned D2H into it.
-    pinned = native(2 * nbytes, nbytes, nbytes, "concurrent", "cuda", True, lock, idx, True, 1, True, -1, 0)
+    pinned = native(2 * nbytes, nbytes, "cuda", True, lock, idx, -1)
     pinned.wait_done(-1)
     st = pinned.stats()
     pt = pinned.tensor()
     ok = all(s == _REGISTERED for s in pinned.states())
     b_pin = max(d2h(pt[:nbytes]) for _ in range(3)) if ok else 0.0
     # Untouched, then touched pageable memory (the worker never touches: touch limit 0).
-    cold = native(nbytes, nbytes, nbytes, "concurrent", "none", False, "", idx, True, 1, True, 0, 0)
+    cold = native(nbytes, nbytes, "none", False, "", idx, 0)
     ct = cold.tensor()
     b_untouched = d2h(ct)
     b_touched = max(d2h(ct) for _ in range(2))
     # Pinned D2H while another worker touches fresh pages.
-    busy = native(256 * _MiB, 64 * _MiB, 64 * _MiB, "concurrent", "none", False, "", idx, True, 1, True, -1, 0)
+    busy = native(256 * _MiB, 64 * _MiB, "none", False, "", idx, -1)
     b_busy = min(d2h(pt[:nbytes]) for _ in range(3)) if ok else 0.0
     busy.close()
     del pt, ct, cold, busy

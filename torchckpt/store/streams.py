@@ -122,6 +122,16 @@ class Mover:
         if self.host is not None:
             self.host.note_copy(stream)  # Rule 3
 
+    def _copy(self, s: Any, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Issue ``dst.copy_(src)`` on stream ``s`` (its waits already queued); its event (Rules 1, 3, 4)."""
+        with torch.cuda.stream(s), nvtx_range("torchckpt." + kind):
+            if self.delay is not None:
+                self.delay(kind, s)
+            dst.copy_(src, non_blocking=True)
+            ev = self._event(s)
+        self._heard(s)
+        return ev
+
     def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         """Copy ``src`` into host memory ``dst`` on the offload stream, after ``after``; returns its event."""
         if not self.cuda:
@@ -131,13 +141,7 @@ class Mover:
         s.wait_stream(self.current())
         if after is not None:
             s.wait_event(after)
-        with torch.cuda.stream(s), nvtx_range("torchckpt.d2h"):
-            if self.delay is not None:
-                self.delay("d2h", s)
-            dst.copy_(src, non_blocking=True)
-            ev = self._event(s)
-        self._heard(s)
-        return ev
+        return self._copy(s, "d2h", dst, src)
 
     def to_device(self, src: torch.Tensor, nbytes: int, after: Any) -> tuple[torch.Tensor, Any, Any]:
         """Copy host bytes ``src`` into a new device buffer on the prefetch stream, after ``after``.
@@ -153,13 +157,7 @@ class Mover:
         s.wait_stream(cur)
         if after is not None:
             s.wait_event(after)
-        with torch.cuda.stream(s), nvtx_range("torchckpt.h2d"):
-            if self.delay is not None:
-                self.delay("h2d", s)
-            buf.copy_(src, non_blocking=True)
-            ev = self._event(s)
-        self._heard(s)
-        return buf, ev, cur
+        return buf, self._copy(s, "h2d", buf, src), cur
 
     def fill(self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Any] = (), after_all: bool = False) -> Any:
         """Copy host bytes ``src`` into the existing device buffer ``dst`` on the prefetch stream.
@@ -176,13 +174,7 @@ class Mover:
                 p.wait_event(ev)
         if after_all:
             p.wait_stream(self.current())
-        with torch.cuda.stream(p), nvtx_range("torchckpt.h2d"):
-            if self.delay is not None:
-                self.delay("h2d", p)
-            dst.copy_(src, non_blocking=True)
-            ev = self._event(p)
-        self._heard(p)
-        return ev
+        return self._copy(p, "h2d", dst, src)
 
     def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], Any]) -> tuple[Any, Blob, Any]:
         """Compress ``x`` on the offload stream and copy the result into a new host block from ``alloc``.
