@@ -221,7 +221,6 @@ def test_ratios_on_smooth_data() -> None:
     x = (torch.sin(t) * torch.exp(-t / 10)).float()
     r = {d: roundtrip(Bitcomp(delta=d), x).ratio for d in (1e-2, 2e-3, 1e-4)}
     r0 = roundtrip(Bitcomp(), x).ratio
-    print(f"\nBitcomp smooth fp32 1M: lossless {r0:.2f}x, " + ", ".join(f"delta={d:g} {v:.2f}x" for d, v in r.items()))
     assert 1.5 < r0 < r[1e-4] < r[2e-3] < r[1e-2], (r0, r)
     assert r[2e-3] > 3.0
     xb = x.bfloat16()

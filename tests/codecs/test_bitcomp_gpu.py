@@ -1,10 +1,7 @@
 """Bitcomp on CUDA: round trips on side streams, the bound, the same format as the host path, throughput (printed)."""
 from __future__ import annotations
 
-import json
-import os
 import threading
-import time
 
 import pytest
 import torch
@@ -147,56 +144,19 @@ def test_plan_cache_evicts_and_destroys(monkeypatch: pytest.MonkeyPatch) -> None
     assert len(cache._retired) == 0 and len(cache) == 2
 
 
-def _bench(fn, reps: int) -> float:
-    """Seconds per call (wall clock, the device idle before and after)."""
-    fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / reps
-
-
-def test_throughput_print() -> None:
-    """256 MiB fp32 in GB/s of input (printed and written to $TORCHCKPT_BENCH_JSON if set, not asserted)."""
+def test_bound_holds_on_256_mib() -> None:
+    """256 MiB fp32, smooth and N(0,1): lossless comes back equal, lossy within its bound (throughput is
+    benchmarks/codecs.py's)."""
     n = (256 << 20) // 4
     g = torch.Generator(device="cuda").manual_seed(0)
     i = torch.arange(n, device="cuda", dtype=torch.float32)
     z, y, xx = i // (512 * 512), (i // 512) % 512, i % 512
     smooth = torch.sin(xx / 40) * torch.cos(y / 23) * torch.sin(z / 11 + 0.3)  # a 256x512x512 wave-like field
-    data = {"smooth 256x512x512": smooth, "randn": torch.randn(n, device="cuda", generator=g)}
-    gb = n * 4 / 1e9
-    rows = []
-    lib = nv.library()
-    for name, x in data.items():
+    for x in (smooth, torch.randn(n, device="cuda", generator=g)):
         for c in (Bitcomp(), Bitcomp(delta=2e-3)):
-            p = c.compress(x)
             out = torch.empty_like(x)
-            t_c = _bench(lambda: c.compress(x), 10)
-            t_d = _bench(lambda: c.decompress(p, out=out), 10)
-            r = bc._recipe(x.dtype, c.delta)
-            scratch = torch.empty(lib.bitcompMaxBuflen(n * 4), dtype=torch.uint8, device="cuda")
-
-            def kernel() -> None:
-                with bc._PLANS.use(x.device, n * 4, r.btype, r.mode, c._algo, torch.cuda.current_stream()) as h:
-                    if r.mode == nv.LOSSLESS:
-                        lib.bitcompCompressLossless(h, x.data_ptr(), scratch.data_ptr())
-                    else:
-                        lib.bitcompCompressLossy_fp32(h, x.data_ptr(), scratch.data_ptr(), bc._delta_arg(r))
-            t_k = _bench(kernel, 10)
-            err = (out - x).abs().max().item()
-            row = dict(data=name, codec=repr(c), bound=c.guarantee.bound, max_err=err, ratio=p.ratio,
-                       compress_GBps=gb / t_c, compress_kernel_GBps=gb / t_k, decompress_GBps=gb / t_d)
-            rows.append(row)
-            print(f"\nBitcomp 256 MiB fp32 {name}, {c!r}: ratio {p.ratio:.2f}, max err {err:.3g} "
-                  f"(bound {c.guarantee.bound}); compress {gb / t_c:.0f} GB/s (kernel alone {gb / t_k:.0f}), "
-                  f"decompress {gb / t_d:.0f} GB/s")
+            c.decompress(c.compress(x), out=out)
             if c.delta is not None:
-                assert err <= c.guarantee.bound  # type: ignore[operator]
+                assert (out - x).abs().max().item() <= c.guarantee.bound  # type: ignore[operator]
             else:
                 assert torch.equal(out, x)
-    dest = os.environ.get("TORCHCKPT_BENCH_JSON")
-    if dest:
-        with open(dest, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "nvcomp": nv.version(), "rows": rows}, f, indent=1)

@@ -178,17 +178,9 @@ def _check(c: TritonQuant, x: torch.Tensor, y: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("bits,fmt,bound", [(8, "int", 1e-2), (4, "int", 0.1), (8, "e4m3", 0.05)])
-def test_throughput_print(dtype: torch.dtype, bits: int, fmt: str, bound: float) -> None:
-    """Throughput on a 256 MiB N(0,1) tensor in GB/s of input (printed, not asserted; issue 5 asks >= 1000)."""
-    triton = pytest.importorskip("triton")
+def test_no_raw_blocks_at_the_benchmark_settings(dtype: torch.dtype, bits: int, fmt: str, bound: float) -> None:
+    """The settings benchmarks/quant_throughput.py measures send no block raw on 256 MiB of N(0,1)."""
     n = (256 << 20) // dtype.itemsize
     x = torch.randn(n, device="cuda").to(dtype)
-    c = TritonQuant(bits, "rel", bound, fmt=fmt)
-    p = c.compress(x)
+    p = TritonQuant(bits, "rel", bound, fmt=fmt).compress(x)
     assert p.meta.params["raw_blocks"] == 0
-    out = torch.empty_like(x)
-    t_c = triton.testing.do_bench(lambda: c.compress(x), return_mode="median")
-    t_d = triton.testing.do_bench(lambda: c.decompress(p, out=out), return_mode="median")
-    gb = x.numel() * x.element_size() / 1e9
-    print(f"\nTritonQuant {dtype} {bits}-bit {fmt} 256 MiB: ratio {p.ratio:.2f}; compress {gb / t_c * 1e3:.0f} GB/s, "
-          f"decompress {gb / t_d * 1e3:.0f} GB/s")

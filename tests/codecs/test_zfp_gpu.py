@@ -5,14 +5,13 @@ where a CUDA toolkit is found). ``TORCHCKPT_ZFP_BENCH_JSON=path`` makes the thro
 """
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
 
 import pytest
 import torch
 
+from torchckpt._native import ops
 from torchckpt.codecs import zfp as zfp_mod
 from torchckpt.codecs.zfp import ZFP, field_shape, packed_layout
 
@@ -154,8 +153,9 @@ def _time(fn, iters: int) -> float:
     return a.elapsed_time(b) / 1e3 / iters
 
 
-def test_throughput_256_cubed() -> None:
-    """Compress / decompress GB/s of input for a 256^3 fp32 field (printed; JSON with TORCHCKPT_ZFP_BENCH_JSON)."""
+def test_gpu_path_is_not_a_fallback() -> None:
+    """A 256^3 fp32 field goes through cuZFP far faster than any host round trip could (a floor, not a
+    benchmark: throughput is benchmarks/codecs.py's)."""
     shape = (256, 256, 256)
     x = smooth(shape, device="cuda")
     nbytes = x.numel() * 4
@@ -175,20 +175,11 @@ def test_throughput_256_cubed() -> None:
                 _, sb, total = packed_layout(fld, torch.float32, rate, flags=False)
                 buf = torch.zeros(total, dtype=torch.uint8, device="cuda")
                 out = torch.empty_like(x)
-                tc = _time(lambda: torch.ops.torchckpt.zfp_compress(x, fld, float(rate), buf), 20)
-                td = _time(lambda: torch.ops.torchckpt.zfp_decompress(buf, fld, float(rate), out), 20)
+                tc = _time(lambda: ops.zfp_compress(x, fld, float(rate), buf), 20)
+                td = _time(lambda: ops.zfp_decompress(buf, fld, float(rate), out), 20)
                 err = float((out - x).abs().max())
                 ratio = nbytes / total
             rows.append(dict(rate=rate, path=mode, compress_GBps=nbytes / tc / 1e9, decompress_GBps=nbytes / td / 1e9,
                              compress_ms=tc * 1e3, decompress_ms=td * 1e3, ratio=ratio, max_abs_err=err))
-    dev = torch.cuda.get_device_name()
-    for r in rows:
-        print(f"{dev} 256^3 fp32 rate {r['rate']:>2} {r['path']:>4}: compress {r['compress_GBps']:7.1f} GB/s "
-              f"({r['compress_ms']:.3f} ms), decompress {r['decompress_GBps']:7.1f} GB/s ({r['decompress_ms']:.3f} ms), "
-              f"ratio {r['ratio']:.2f}, max err {r['max_abs_err']:.2e}")
-    path = os.environ.get("TORCHCKPT_ZFP_BENCH_JSON")
-    if path:
-        with open(path, "w") as f:
-            json.dump({"device": dev, "shape": shape, "dtype": "float32", "input_bytes": nbytes, "rows": rows}, f, indent=1)
     for r in rows:  # far below any working GPU path; catches a fallback or a host round trip
         assert r["compress_GBps"] > 5 and r["decompress_GBps"] > 5

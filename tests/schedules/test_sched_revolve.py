@@ -37,14 +37,13 @@ def test_formula_matches_brute_force_optimum() -> None:
 
 def test_forward_count_exhaustive_n500_s30() -> None:
     # Every n <= 500 and s <= 30 with s < n, counted on the planned schedule itself.
-    t0 = time.perf_counter()
     cases = 0
     for n in range(2, 501):
         for s in range(1, min(30, n - 1) + 1):
             plan = Revolve(n, s).pack()
             assert plan.forward_steps() == optimal_forward_steps(n, s), (n, s)
             cases += 1
-    print(f"\n{cases} Revolve plans checked in {time.perf_counter() - t0:.2f} s")
+    assert cases > 10_000
 
 
 def test_simulate_valid_small_exhaustive() -> None:
@@ -98,12 +97,7 @@ def test_plan_time_n100000_s100() -> None:
         plan = Revolve(100000, 100).pack()
         times.append(time.perf_counter() - t0)
     best = min(times)
-    t0 = time.perf_counter()
-    actions = list(plan)
-    materialize = time.perf_counter() - t0
-    print(f"\nRevolve(100000, 100).pack(): best {best * 1e3:.1f} ms, median "
-          f"{sorted(times)[2] * 1e3:.1f} ms; {len(actions)} actions built in "
-          f"{materialize * 1e3:.0f} ms")
+    assert len(list(plan)) == len(plan)
     assert best < 0.5  # target 0.1 s; generous guard for loaded CI machines
 
 
