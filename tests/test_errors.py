@@ -238,12 +238,6 @@ def test_checkpointed_loop_store_argument(store: object, match: str) -> None:
         _loop(store=store)
 
 
-def test_checkpointed_loop_store_snapshot_store_instance() -> None:
-    snaps = torchckpt.SnapshotStore("cpu", slots=2, host=torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False))
-    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(store=\.\.\.\).*SnapshotStore.*run_schedule"):
-        _loop(store=snaps)
-
-
 @pytest.mark.parametrize("params,match", [
     (torch.ones(2, requires_grad=True), r"found a tensor; pass a list, e\.g\. params=\[w\]"),
     (nn.Linear(2, 2), r"found an nn\.Module; pass params=list\(module\.parameters\(\)\)"),

@@ -293,6 +293,29 @@ def test_default_store_and_auto_schedule() -> None:
     assert torch.equal(g, g_ref)
 
 
+@pytest.mark.parametrize("schedule", [Revolve(13, 3, tier=Tier.HOST), Auto()])
+def test_loop_takes_a_snapshot_store_and_leaves_it_open(schedule: object) -> None:
+    """checkpointed_loop(store=SnapshotStore(...)): the caller's store is used as it is, keeps no snapshot
+    afterwards and serves the next loop; gradients equal the unrolled loop's."""
+    pool = torchckpt.memory.HostPool(capacity_bytes=64 << 20, chunk_bytes=1 << 20, pin=False)
+    snaps = SnapshotStore("cpu", slots=2, host=pool)
+    w = torch.tensor(0.9, dtype=torch.float64, requires_grad=True)
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        return torch.sin(w * x)
+
+    for _ in range(2):
+        x0 = torch.randn(7, dtype=torch.float64, requires_grad=True)
+        ref = unrolled(step, x0, 13)
+        g_ref = torch.autograd.grad(ref.sum(), [x0, w])
+        out = checkpointed_loop(step, x0, 13, schedule=schedule, store=snaps)  # type: ignore[arg-type]
+        assert torch.equal(out, ref)
+        g = torch.autograd.grad(out.sum(), [x0, w])
+        assert all(torch.equal(a, b) for a, b in zip(g, g_ref))
+        assert snaps.stats().host_saves > 0 and host_in_use(pool) == 0  # every snapshot freed, store still open
+    snaps.close()
+
+
 @pytest.mark.parametrize("old,new", [("auto", Auto()), (Revolve, Auto()), (Uniform, Auto(kind=Uniform))])
 def test_auto_shorthands_warn_and_mean_auto(old: object, new: Auto) -> None:
     """The string "auto" and the classes Revolve/Uniform still work, as Auto values, with a DeprecationWarning."""

@@ -24,7 +24,7 @@ def check_slots(fn: str, slots: object) -> None:
 
 
 def check_store(fn: str, store: object, snapshot_store: bool) -> None:
-    """``store=`` is None, a ``Store`` instance or (for ``run_schedule``) a ``SnapshotStore`` instance."""
+    """``store=`` is None, a ``Store`` instance or (``snapshot_store``) a ``SnapshotStore`` instance."""
     if store is None or isinstance(store, Store) or (snapshot_store and isinstance(store, SnapshotStore)):
         return
     takes = "a torchckpt.Store, a SnapshotStore" if snapshot_store else "a torchckpt.Store"

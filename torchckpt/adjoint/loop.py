@@ -90,6 +90,7 @@ class _LoopRun:
         # The executor's state (NOTE [ Adjoint executor ] Rule 1): the sweep, the current state, the adjoints.
         self.backward = False
         self.first_packs: list[Packed] | None = None  # the initial state, compressed by Auto (or None)
+        self.owns_snaps = True  # False: the caller's SnapshotStore
         self.x: list[torch.Tensor] | None = None
         self.g: list[torch.Tensor | None] = []
         self.gp: list[torch.Tensor | None] = []
@@ -147,11 +148,12 @@ class _LoopRun:
         assert x is not None
         if self.snaps is None:
             self.snaps = self.factory(x[0].device)
-            # Rule 2: a loop dropped without a backward still gives its host blocks back.
-            weakref.finalize(self, self.snaps.close)
-            self.snaps.calibrate(x, packs=self.first_packs)  # the first state is compressed once
+            if self.owns_snaps:
+                # Rule 2: a loop dropped without a backward still gives its host blocks back.
+                weakref.finalize(self, self.snaps.close)
+            # The first state is compressed once; a store sized by bytes fixes its slots here.
+            self.plan.start(self.snaps.calibrate(x, packs=self.first_packs))
             self.first_packs = None
-            self.plan.start(self.slots)
         self.snaps.save(n, tier, x, flush=self.plan.flush(i))
 
     def prefetch(self, n: int, src: Tier, dst: Tier) -> None:
@@ -242,7 +244,8 @@ class _Loop(torch.autograd.Function):
         execute_all(iter(run.plan), run)  # the rest of the schedule, to End
         if run.snaps is not None:
             run.stats = run.snaps.stats()
-            run.snaps.close()
+            if run.owns_snaps:
+                run.snaps.close()
         return (None, *run.g, *run.gp)
 
 
@@ -252,7 +255,7 @@ def checkpointed_loop(
     n_steps: int,
     *,
     schedule: Schedule | Auto | Iterable[Any] = Auto(),
-    store: Store | None = None,
+    store: Store | SnapshotStore | None = None,
     slots: int = 4,
     prefetch: bool = True,
     params: Sequence[torch.Tensor] | None = None,
@@ -285,8 +288,11 @@ def checkpointed_loop(
             ``Auto(kind=Uniform)``: a ``Uniform`` schedule sized the same way. (``"auto"`` and the
             classes ``Revolve``/``Uniform`` still mean ``Auto()``/``Auto(kind=...)``, with a
             ``DeprecationWarning``.)
-        store: a ``Store``: supplies the device, the GPU budget, the host pool and the codec
-            (``None``: the default store).
+        store: where the snapshots go. A ``SnapshotStore`` is used as it is (its device, slots,
+            host pool and codec; ``Auto`` then keeps every snapshot on the host tier behind its
+            slots); the loop frees its snapshots and leaves the store open for the next loop. A
+            ``Store`` lends its device, GPU budget, host pool and codec to a snapshot store of
+            ``slots`` slots made for the loop (``None``: the default store).
         slots: GPU cache slots in front of host snapshots (>= 1).
         prefetch: prefetch host snapshots ahead of their restores.
         params: tensors ``step`` uses that need gradients, in addition to those found (the
@@ -319,7 +325,7 @@ def checkpointed_loop(
     given = check_params(params)
     if isinstance(step, nn.Module):
         given = [p for p in step.parameters() if p.requires_grad] + given
-    check_store("checkpointed_loop", store, snapshot_store=False)
+    check_store("checkpointed_loop", store, snapshot_store=True)
     check_slots("checkpointed_loop", slots)
     check_flag("checkpointed_loop", "prefetch", prefetch)
     if store is None:
@@ -328,7 +334,9 @@ def checkpointed_loop(
     first_packs = None  # with a codec, Auto's compression of the initial state, reused by its Save (compressed once)
     if isinstance(schedule, Auto):
         nbytes, first_packs = schedule.estimate(flat, store.codec)
-        schedule = schedule.resolve(n_steps, nbytes, store.cache.capacity, store.host.capacity_bytes, slots)
+        # A SnapshotStore's GPU memory is all slots: Auto keeps every snapshot on the host tier behind them.
+        gpu = store.cache.capacity if isinstance(store, Store) else 0
+        schedule = schedule.resolve(n_steps, nbytes, gpu, store.host.capacity_bytes, slots)
     if isinstance(schedule, type):
         raise TypeError(
             f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), Auto() or Auto(kind=...); "
@@ -346,6 +354,8 @@ def checkpointed_loop(
     st = store
 
     def factory(device: torch.device) -> SnapshotStore:
+        if isinstance(st, SnapshotStore):
+            return st  # the caller's: it keeps it (and closes it)
         return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec)
 
     if not torch.is_grad_enabled():
@@ -365,5 +375,6 @@ def checkpointed_loop(
     run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch, inputs, descendants(inputs), state1,
                    through_old)
     run.first_packs = first_packs
+    run.owns_snaps = not isinstance(store, SnapshotStore)
     out = _Loop.apply(run, *flat, *inputs)
     return tree_unflatten(list(out), spec)
