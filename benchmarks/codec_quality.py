@@ -13,7 +13,7 @@ Data (all produced in this run):
     ``Offload`` would compress. Parameters are left out (they are not activations); a tensor
     saved twice counts once.
 
-Codecs and settings: those of ``benchmarks/codecs.py`` (``settings()``), each included when it
+Codecs and settings: those of ``benchmarks/codecs.py`` (``settings()`` with ``study``), each included when it
 imports and is available here, else skipped with the reason printed. Absolute bounds are
 relative to each tensor's max|x| (``abs 1e-2`` = ``1e-2 * max|x|`` of that tensor).
 
@@ -222,7 +222,8 @@ def main() -> None:
     for fam, why in skipped:
         print(f"  skip {fam}: {why}", flush=True)
     only = args.only.split(",") if args.only else None
-    todo = [s for s in bc.usable(all_settings, skipped, cuda) if only is None or any(o in s.label for o in only)]
+    todo = [s for s in bc.usable(all_settings, skipped, cuda)
+            if s.study and (only is None or any(o in s.label for o in only))]
     print("settings: " + ", ".join(s.label for s in todo), flush=True)
 
     wave_rows: list[dict[str, Any]] = []

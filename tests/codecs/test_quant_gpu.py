@@ -1,4 +1,5 @@
-"""TritonQuant on CUDA: Triton kernels bit-identical to the reference, the bound, streams, throughput (printed)."""
+"""TritonQuant on CUDA: Triton kernels bit-identical to the reference, the bound, streams, no raw blocks at the
+benchmark's settings (throughput is benchmarks/quant_throughput.py's)."""
 from __future__ import annotations
 
 import pytest
