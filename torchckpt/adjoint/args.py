@@ -44,19 +44,20 @@ def check_store(fn: str, store: object, snapshot_store: bool) -> None:
     raise TypeError(f"torchckpt: {fn}(store=...) expects {takes} or None, found {found}; {fix}.")
 
 
-def check_actions(fn: str, schedule: object) -> list[Any]:
-    """The actions of a schedule given as an iterable of actions (a ``Schedule`` or a list)."""
+def check_actions(fn: str, schedule: object) -> Schedule | list[Any]:
+    """A ``Schedule`` as it is, or the actions of another iterable as a list, each checked to be an action."""
     if schedule is None or isinstance(schedule, (str, bytes, type, torch.Tensor)) or not isinstance(schedule, Iterable):
         raise TypeError(
             f"torchckpt: {fn}(schedule=...) expects a schedule from torchckpt.schedules (e.g. Revolve(n_steps, 4)) "
             f"or a list of its actions, found {schedule!r}; build one, e.g. schedule=Revolve(n_steps, 4)."
         )
+    if isinstance(schedule, Schedule):
+        return schedule
     acts = list(schedule)
-    if not isinstance(schedule, Schedule):
-        for i, a in enumerate(acts):
-            if not isinstance(a, Action):
-                raise TypeError(f"torchckpt: unknown schedule action {a!r} at position {i} of {fn}(schedule=...); a "
-                                "schedule holds actions of torchckpt.schedules (Save, Advance, Restore, Adjoint, ...).")
+    for i, a in enumerate(acts):
+        if not isinstance(a, Action):
+            raise TypeError(f"torchckpt: unknown schedule action {a!r} at position {i} of {fn}(schedule=...); a "
+                            "schedule holds actions of torchckpt.schedules (Save, Advance, Restore, Adjoint, ...).")
     return acts
 
 

@@ -74,7 +74,7 @@ class _LoopRun:
                  inputs: list[torch.Tensor], swapped: list[torch.Tensor], state1: list[torch.Tensor] | None,
                  through_old: bool) -> None:
         self.step, self.spec, self.n_state = step, spec, n_state
-        self.plan = Planned(schedule if isinstance(schedule, list) else list(schedule), prefetch)
+        self.plan = Planned.of(schedule, prefetch)
         self.slots = slots
         self.factory = snaps_factory
         self.snaps: SnapshotStore | None = None

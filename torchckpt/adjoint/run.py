@@ -144,7 +144,7 @@ def run_schedule(
     check_slots("run_schedule", slots)
     check_flag("run_schedule", "prefetch", prefetch)
     check_flag("run_schedule", "progress", progress)
-    plan = Planned(check_actions("run_schedule", schedule), prefetch)
+    plan = Planned.of(check_actions("run_schedule", schedule), prefetch)
     d = _Callbacks(forward, save, restore, backward, end_forward, store, slots, plan,
                    Progress(progress, getattr(schedule, "n_steps", 0)))
     run(iter(plan), d)

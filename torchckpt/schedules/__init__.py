@@ -18,7 +18,15 @@ from torchckpt.schedules.actions import (
 )
 from torchckpt.schedules.multistage import Multistage
 from torchckpt.schedules.packed import PackedSchedule
-from torchckpt.schedules.prefetch import CacheStats, PrefetchedSchedule, plan_flushes, plan_prefetch, simulate_cache
+from torchckpt.schedules.prefetch import (
+    CacheStats,
+    PrefetchedSchedule,
+    PrefetchStream,
+    flush_positions,
+    plan_flushes,
+    plan_prefetch,
+    simulate_cache,
+)
 from torchckpt.schedules.revolve import Revolve, optimal_forward_steps, repetition_number
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.schedules.simulate import SimResult, simulate
@@ -36,6 +44,7 @@ __all__ = [
     "Multistage",
     "PackedSchedule",
     "Prefetch",
+    "PrefetchStream",
     "PrefetchedSchedule",
     "Restore",
     "Revolve",
@@ -45,6 +54,7 @@ __all__ = [
     "Tier",
     "Uniform",
     "ZCut",
+    "flush_positions",
     "optimal_forward_steps",
     "plan_flushes",
     "plan_prefetch",

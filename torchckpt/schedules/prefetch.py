@@ -45,8 +45,8 @@ overlap the copy with computation.
 """
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Iterator, Sequence
+import itertools
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from torchckpt._errors import CheckpointError, internal_error
@@ -63,7 +63,8 @@ from torchckpt.schedules.actions import (
 )
 from torchckpt.schedules.schedule import check_int
 
-__all__ = ["CacheStats", "PrefetchedSchedule", "plan_flushes", "plan_prefetch", "simulate_cache"]
+__all__ = ["CacheStats", "PrefetchStream", "PrefetchedSchedule", "flush_positions", "plan_flushes", "plan_prefetch",
+           "simulate_cache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,19 +97,120 @@ class PrefetchedSchedule:
         return len(self.actions)
 
 
-def _as_sequence(actions: Iterable[Action]) -> Sequence[Action]:
-    """The actions as a sequence, without copying one that already is (a schedule is read once)."""
+def _two_iterators(actions: Iterable[Action]) -> tuple[Iterator[Action], Iterator[Action]]:
+    """Two independent iterators over ``actions``: fresh ones where it can be read again, else a tee."""
     if isinstance(actions, PrefetchedSchedule):
-        return actions.actions
-    return actions if isinstance(actions, (list, tuple)) else list(actions)
+        actions = actions.actions
+    first = iter(actions)
+    if first is actions:  # read once: the tee buffers only the actions between its two readers
+        a, b = itertools.tee(first)
+        return a, b
+    return first, iter(actions)
 
 
 def _cached(act: Save | Restore | Free) -> bool:
     return act.tier is not Tier.GPU
 
 
+def _off_gpu_restores(scout: Iterator[Action]) -> Iterator[tuple[int, int, Tier, int]]:
+    """``(position, step, tier, position of the Save it reads)`` of each off-GPU Restore, in order."""
+    last_save: dict[int, int] = {}  # live off-GPU snapshots only
+    for i, act in enumerate(scout):
+        if isinstance(act, Save) and _cached(act):
+            last_save[act.n] = i
+        elif isinstance(act, Restore) and _cached(act):
+            if act.n not in last_save:
+                raise CheckpointError(
+                    f"torchckpt: plan_prefetch: action {i} ({act!r}) restores a snapshot "
+                    "that was never saved; expected a valid schedule (check it with "
+                    "simulate())."
+                )
+            yield i, act.n, act.tier, last_save[act.n]
+        elif isinstance(act, Free) and _cached(act):
+            last_save.pop(act.n, None)
+
+
+class PrefetchStream:
+    """A schedule's actions with prefetches inserted, planned as they are read (NOTE [ Prefetch setup ]).
+
+    Iterate it once for the actions. It reads the schedule through two iterators, one at the
+    action being emitted and one scouting for the next restore to handle (Rule 2), so it holds
+    the snapshots alive and the cache's slots, not the schedule: its memory does not grow with
+    the number of actions. ``copies`` and ``pins`` count the prefetches emitted so far.
+
+    Args:
+        actions: a schedule or its actions; read twice if it can be (a ``Schedule``, a list),
+            else through ``itertools.tee``.
+        cache_slots: snapshot slots of the GPU cache (>= 1; >= 2 to overlap copies).
+
+    Raises:
+        CheckpointError: while iterating, a restore of a snapshot that was never saved.
+
+    Example::
+
+        >>> from torchckpt.schedules import Uniform
+        >>> s = PrefetchStream(Uniform(30, 3, tier=Tier.HOST).pack(), 2)
+        >>> n = sum(1 for _ in s)
+        >>> s.copies, s.pins
+        (1, 28)
+    """
+
+    __slots__ = ("copies", "pins", "_it")
+
+    def __init__(self, actions: Iterable[Action], cache_slots: int) -> None:
+        check_int("cache_slots", cache_slots, 1,
+                  "pass how many snapshots the GPU cache holds (2 or more to overlap copies)")
+        self.copies = self.pins = 0
+        main, scout = _two_iterators(actions)
+        self._it = self._plan(main, scout, cache_slots)
+
+    def __iter__(self) -> Iterator[Action]:
+        return self._it
+
+    def _plan(self, main: Iterator[Action], scout: Iterator[Action], cache_slots: int) -> Iterator[Action]:
+        restores = _off_gpu_restores(scout)
+        nxt = next(restores, None)
+        cache: Cache[int] = Cache(cache_slots)
+        ahead = cache_slots - 1  # Rule 3
+        for i, act in enumerate(main):
+            while nxt is not None:  # Rule 2
+                pos, n, tier, saved_at = nxt
+                if saved_at >= i:
+                    break
+                limit = cache_slots if pos == i else ahead
+                if n in cache:
+                    if not cache.is_pinned(n) and cache.pinned + 1 > limit:
+                        break
+                    yield Prefetch(n, Tier.GPU, Tier.GPU)
+                    self.pins += 1
+                else:
+                    if cache.pinned + 1 > limit or not cache.can_take():
+                        break
+                    cache.admit(n)
+                    yield Prefetch(n, tier, Tier.GPU)
+                    self.copies += 1
+                cache.pin(n)
+                nxt = next(restores, None)
+            yield act
+            if isinstance(act, Save):
+                if _cached(act):
+                    if not cache.can_take():
+                        raise internal_error("plan_prefetch left no slot for a Save")
+                    cache.admit(act.n)
+            elif isinstance(act, Restore):
+                if _cached(act) and not cache.use(act.n):
+                    raise internal_error(f"plan_prefetch planned a miss at action {i}")
+            elif isinstance(act, Free):
+                if _cached(act) and cache.remove(act.n):
+                    raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
+        if nxt is not None:
+            raise internal_error("plan_prefetch left restores unhandled")
+
+
 def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSchedule:
     """Insert prefetches so that every off-GPU restore hits the cache (NOTE [ Prefetch setup ]).
+
+    The whole plan at once; ``PrefetchStream`` plans the same actions as they are read.
 
     Args:
         schedule: a schedule or its actions; snapshots on HOST/DISK go through the cache.
@@ -127,66 +229,68 @@ def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSch
         >>> plan.copies, plan.pins
         (1, 28)
     """
-    check_int("cache_slots", cache_slots, 1,
-              "pass how many snapshots the GPU cache holds (2 or more to overlap copies)")
-    acts = _as_sequence(schedule)
-    # Off-GPU restores in order: (position, step, tier, position of the Save they read).
-    restores: list[tuple[int, int, Tier, int]] = []
-    last_save: dict[int, int] = {}
-    for i, act in enumerate(acts):
-        if isinstance(act, Save) and _cached(act):
-            last_save[act.n] = i
-        elif isinstance(act, Restore) and _cached(act):
-            if act.n not in last_save:
-                raise CheckpointError(
-                    f"torchckpt: plan_prefetch: action {i} ({act!r}) restores a snapshot "
-                    "that was never saved; expected a valid schedule (check it with "
-                    "simulate())."
-                )
-            restores.append((i, act.n, act.tier, last_save[act.n]))
-        elif isinstance(act, Free) and _cached(act):
-            last_save.pop(act.n, None)
+    s = PrefetchStream(schedule, cache_slots)
+    acts = tuple(s)
+    return PrefetchedSchedule(acts, cache_slots, s.copies, s.pins)
 
+
+def flush_positions(actions: Iterable[Action], cache_slots: int) -> Iterator[int]:
+    """Positions of the off-GPU Saves to copy to host (NOTE [ Write-back ]), found as the actions are read.
+
+    A position may come more than once, and comes after its Save was read: the first read
+    that follows an eviction of the snapshot decides it. Memory is the snapshots alive and
+    the cache's slots, whatever the number of actions.
+
+    Args:
+        actions: a schedule's actions, normally a ``PrefetchStream``.
+        cache_slots: the GPU cache's slots.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> sorted(set(flush_positions(Revolve(6, 2, tier=Tier.HOST), 1)))
+        [0]
+    """
+    check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
     cache: Cache[int] = Cache(cache_slots)
-    ahead = cache_slots - 1  # Rule 3
-    out: list[Action] = []
-    put = out.append
-    copies = pins = 0
-    h = 0
-    for i, act in enumerate(acts):
-        while h < len(restores):  # Rule 2
-            pos, n, tier, saved_at = restores[h]
-            if saved_at >= i:
-                break
-            limit = cache_slots if pos == i else ahead
-            if n in cache:
-                if not cache.is_pinned(n) and cache.pinned + 1 > limit:
-                    break
-                put(Prefetch(n, Tier.GPU, Tier.GPU))
-                pins += 1
-            else:
-                if cache.pinned + 1 > limit or not cache.can_take():
-                    break
-                cache.admit(n)
-                put(Prefetch(n, tier, Tier.GPU))
-                copies += 1
-            cache.pin(n)
-            h += 1
-        put(act)
-        if isinstance(act, Save):
-            if _cached(act):
-                if not cache.can_take():
-                    raise internal_error("plan_prefetch left no slot for a Save")
-                cache.admit(act.n)
-        elif isinstance(act, Restore):
-            if _cached(act) and not cache.use(act.n):
-                raise internal_error(f"plan_prefetch planned a miss at action {i}")
-        elif isinstance(act, Free):
-            if _cached(act) and cache.remove(act.n):
-                raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
-    if h != len(restores):
-        raise internal_error("plan_prefetch left restores unhandled")
-    return PrefetchedSchedule(tuple(out), cache_slots, copies, pins)
+    saved_at: dict[int, int] = {}  # live snapshot -> position of its Save
+    pending: dict[int, int] = {}  # evicted snapshot -> its Save, flushed if a read comes before its end
+
+    def put(n: int) -> None:
+        for old in cache.admit(n):
+            if old in saved_at:
+                pending[old] = saved_at[old]
+
+    def read(n: int) -> Iterator[int]:
+        s = pending.pop(n, None)
+        if s is not None:
+            yield s
+
+    for i, act in enumerate(actions):
+        if isinstance(act, Save) and _cached(act):
+            pending.pop(act.n, None)
+            saved_at[act.n] = i
+            if cache.can_take():
+                put(act.n)
+            else:  # every slot pinned: it goes straight to host
+                yield i
+        elif isinstance(act, Prefetch):
+            if act.n in cache:
+                cache.pin(act.n)
+            elif act.src is not act.dst:
+                yield from read(act.n)
+                if cache.can_take():
+                    put(act.n)
+                    cache.pin(act.n)
+        elif isinstance(act, Restore) and _cached(act):
+            if not cache.use(act.n):
+                yield from read(act.n)
+                if cache.can_take():
+                    put(act.n)
+        elif isinstance(act, Free) and _cached(act):
+            pending.pop(act.n, None)
+            cache.remove(act.n)
+            saved_at.pop(act.n, None)
 
 
 def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
@@ -197,8 +301,14 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
     # again or never read again while it still sits in its slot needs no host copy at all.
     # Replaying the actions on the cache of NOTE [ Snapshot cache ] tells which snapshots are
     # evicted while a later Restore or Prefetch still reads them: only their Saves flush.
-    # The runtime flushes any other snapshot at the moment it is evicted (never lost), so
-    # this plan only decides which copies start early, overlapped with compute.
+    # 1. A Save flushes when, after an eviction of its snapshot, a read of it (a Restore
+    #    that misses, a copying Prefetch) comes before the snapshot's next Save or Free; a
+    #    Save that finds every slot pinned flushes too (it goes straight to host).
+    # 2. The runtime flushes any other snapshot at the moment it is evicted (never lost), so
+    #    this plan only decides which copies start early, overlapped with compute.
+    # 3. A Save's decision can come long after it (the read may be at the end of the
+    #    backward sweep), so an executor reading a stream plans flushes in a pass of its own
+    #    before it runs (``flush_positions``), keeping one bit per action.
 
     Args:
         actions: a schedule's actions, normally after ``plan_prefetch``.
@@ -214,56 +324,7 @@ def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
         >>> sorted(plan_flushes(acts, 2)) == sorted(plan_flushes(acts, 2))
         True
     """
-    check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    acts = _as_sequence(actions)
-    cache: Cache[int] = Cache(cache_slots)
-    saved_at: dict[int, int] = {}
-    flush: set[int] = set()
-    evictions: list[tuple[int, int, int]] = []  # (position, step, position of its Save)
-    reads: dict[int, list[int]] = {}  # step -> positions of Restore / copying Prefetch
-    ends: dict[int, list[int]] = {}  # step -> positions of Save / Free
-
-    def put(i: int, n: int) -> None:
-        for old in cache.admit(n):
-            if old in saved_at:
-                evictions.append((i, old, saved_at[old]))
-
-    for i, act in enumerate(acts):
-        if isinstance(act, Save) and _cached(act):
-            ends.setdefault(act.n, []).append(i)
-            saved_at[act.n] = i
-            if cache.can_take():
-                put(i, act.n)
-            else:  # every slot pinned: it goes straight to host
-                flush.add(i)
-        elif isinstance(act, Prefetch):
-            if act.src is act.dst:
-                if act.n in cache:
-                    cache.pin(act.n)
-            elif act.n in cache:
-                cache.pin(act.n)
-            else:
-                reads.setdefault(act.n, []).append(i)
-                if cache.can_take():
-                    put(i, act.n)
-                    cache.pin(act.n)
-        elif isinstance(act, Restore) and _cached(act):
-            if not cache.use(act.n):
-                reads.setdefault(act.n, []).append(i)
-                if cache.can_take():
-                    put(i, act.n)
-        elif isinstance(act, Free) and _cached(act):
-            ends.setdefault(act.n, []).append(i)
-            cache.remove(act.n)
-            saved_at.pop(act.n, None)
-    for pos, n, save_pos in evictions:
-        r = reads.get(n, [])
-        e = ends.get(n, [])
-        k = bisect.bisect_right(r, pos)
-        j = bisect.bisect_right(e, pos)
-        if k < len(r) and (j >= len(e) or r[k] < e[j]):
-            flush.add(save_pos)
-    return frozenset(flush)
+    return frozenset(flush_positions(actions, cache_slots))
 
 
 @dataclass(frozen=True, slots=True)
