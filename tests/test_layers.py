@@ -27,6 +27,7 @@ ALLOWED: dict[str, set[str]] = {
     "adjoint": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "store"},
     "policies": {"_errors", "codecs", "store"},
     "api": {"_errors", "_args", "policies", "store"},
+    "planner": {"_errors", "_args", "api", "codecs", "policies", "store"},
 }
 
 
@@ -104,3 +105,13 @@ def test_schedules_import_no_torch() -> None:
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             assert not any(m == "torch" or m.startswith("torch.") for m in mods), path
+
+
+def test_planner_cost_model_imports_no_torch() -> None:
+    """The planner's model and search (NOTE [ Step model ], NOTE [ Plan search ]) run on synthetic costs."""
+    for f in ("costs.py", "optimize.py"):
+        tree = ast.parse((ROOT / "planner" / f).read_text())
+        for node in ast.walk(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
+            assert not any(m == "torch" or m.startswith("torch.") for m in mods), f

@@ -4,12 +4,14 @@ Saved tensors go to recomputation or to a GPU cache backed by pinned host memory
 moved on dedicated CUDA streams and prefetched before backward needs them.
 
 The public names are below; everything else stays importable from its module
-(``torchckpt.memory.HostPool``, ``torchckpt.store.Stats``, ``torchckpt.codecs.TritonQuant``...).
+(``torchckpt.memory.HostPool``, ``torchckpt.store.Stats``, ``torchckpt.codecs.TritonQuant``,
+``torchckpt.planner.Plan``...).
 """
-from torchckpt import codecs, schedules
+from torchckpt import codecs, planner, schedules
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
 from torchckpt.api import checkpoint, default_store, offload
+from torchckpt.planner import plan
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.store import SnapshotStore, Store
 
@@ -29,6 +31,8 @@ __all__ = [
     "codecs",
     "default_store",
     "offload",
+    "plan",
+    "planner",
     "run_schedule",
     "schedules",
 ]

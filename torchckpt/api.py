@@ -192,7 +192,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
         return fn(*args, **kwargs)
     if isinstance(policy, Offload):
         store = policy.store if policy.store is not None else default_store(_device_of(args))
-        with store.hooks(_module_tensors(module), policy.codec):
+        with store.hooks(_module_tensors(module), policy.codec, policy.tensors):
             return fn(*args, **kwargs)
     ctx: Any = contextlib.nullcontext()
     if policy.store is not None:

@@ -66,13 +66,27 @@ class Offload:
             ``torchckpt.codecs.Codec`` (NOTE [ Store ] Rule 9); ``None``: the store's codec.
             A lossy codec (e.g. ``TritonQuant``) gives gradients within its stated guarantee,
             not bit-exact ones.
+        tensors: offload only these of the tensors the block saves, by position in the order the
+            block's forward saves them (0 first, parameters counted); the others stay on the
+            device (version-checked, as autograd keeps them). ``None``: all of them. The planner
+            (``torchckpt.plan``) sets this from a profiled step.
     """
 
     store: Store | None = None
     codec: Codec | None = None
+    tensors: frozenset[int] | None = None
 
     def __post_init__(self) -> None:
         _check_store("Offload", self.store)
+        if self.tensors is not None:
+            bad = not isinstance(self.tensors, (set, frozenset, list, tuple)) or any(
+                isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in self.tensors)
+            if bad:
+                raise TypeError(
+                    f"torchckpt: Offload(tensors=...) expects positions (ints >= 0) of the block's saved tensors or "
+                    f"None, got {self.tensors!r}; pass e.g. tensors={{0, 3}}, or None to offload every saved tensor."
+                )
+            object.__setattr__(self, "tensors", frozenset(self.tensors))
         if self.codec is not None and not isinstance(self.codec, Codec):
             raise TypeError(
                 f"torchckpt: Offload(codec=...) expects a torchckpt.codecs.Codec or None, got "

@@ -49,7 +49,7 @@ with cuZFP for adjoint snapshots.
 #    to use from two streams at once, so one lock covers set-stream and launch (both only
 #    enqueue work): the cache is safe across threads and streams. An evicted plan is
 #    destroyed once an event recorded on its last stream has completed. Host calls create a
-#    plan per call (about 30 us, nothing shared) and never set a stream on it.
+#    plan per call (nothing shared) and never set a stream on it.
 # 8. Compressed buffers must be 8-byte aligned; inputs and outputs whose address is not a
 #    multiple of 16 bytes go through a fresh buffer (a copy), others are used in place.
 # 9. fp16 with a step below fp16's smallest normal (2**-14) goes the bf16 way: nvCOMP takes

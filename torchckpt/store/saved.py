@@ -57,6 +57,7 @@
 """
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -270,16 +271,31 @@ class Store:
         """
         return (_store_from_config, (self._config,))
 
-    def hooks(self, keep: Iterable[torch.Tensor] = (), codec: Codec | None = None) -> torch.autograd.graph.saved_tensors_hooks:
+    def hooks(self, keep: Iterable[torch.Tensor] = (), codec: Codec | None = None,
+              only: frozenset[int] | None = None) -> torch.autograd.graph.saved_tensors_hooks:
         """A context manager routing every tensor autograd saves through this store.
 
         Args:
             keep: tensors (e.g. a module's buffers) whose storages stay by reference.
             codec: compress with this codec instead of the store's (NOTE [ Store ] Rule 9).
+            only: route only the tensors saved at these positions (0 for the first tensor saved
+                under this context); the others are kept by reference (Rule 1). ``None``: all.
         """
         keep_ptrs = storage_ptrs(keep)
         c = codec if codec is not None else self.codec
-        return _Hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
+        if only is None:
+            return _Hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
+        counter = itertools.count()
+
+        def pack(t: torch.Tensor) -> Any:
+            if next(counter) in only:
+                return self.pack(t, keep_ptrs, c)
+            self._c["packed"] += 1
+            self._c["kept"] += 1
+            self._c["kept_bytes"] += t.numel() * t.element_size()
+            return Kept(t)
+
+        return _Hooks(pack, self.unpack)
 
     def stats(self) -> Stats:
         """Counters so far; waits for the timing events of finished work (not on the hot path)."""

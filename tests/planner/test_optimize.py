@@ -1,0 +1,121 @@
+"""The plan search on synthetic costs (NOTE [ Step model ], NOTE [ Plan search ]): no torch needed."""
+from __future__ import annotations
+
+import time
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
+from torchckpt.planner.optimize import PlanError, ladder, search
+
+MiB = 1 << 20
+
+
+@st.composite
+def chains(draw: st.DrawFn) -> Chain:
+    n = draw(st.integers(1, 7))
+    blocks = []
+    for i in range(n):
+        saved = tuple(draw(st.lists(st.integers(0, 64), min_size=1, max_size=5)))
+        blocks.append(Block(f"b{i}", draw(st.floats(1e-4, 1e-2)), draw(st.floats(1e-4, 2e-2)),
+                            draw(st.integers(0, 8)) * MiB, tuple(s * MiB for s in saved)))
+    codec = draw(st.sampled_from([None, CodecCost("q4", 3.8, 5e11, 5e11, True, "test bound")]))
+    link = Link(draw(st.floats(1e9, 1e11)), draw(st.floats(1e9, 1e11)))
+    peak_none = draw(st.integers(0, 512)) * MiB + sum(b.saved_bytes for b in blocks)
+    return Chain.calibrated(blocks, peak_none, draw(st.integers(0, 16)) * MiB, draw(st.floats(0, 1e-2)),
+                            draw(st.floats(0, 1e-2)), link, codec)
+
+
+@settings(max_examples=150, deadline=None)
+@given(chains(), st.lists(st.floats(0, 1.2), min_size=1, max_size=8))
+def test_budget_is_respected_and_time_never_rises_with_it(chain: Chain, fracs: list[float]) -> None:
+    found = search(chain)
+    none = found.plans[0][1]
+    assert found.plans[0][0] == (KEEP,) * len(chain.blocks)
+    lo, hi = found.floor, none.peak_bytes
+    times = []
+    for f in sorted(fracs):
+        budget = int(lo + (hi - lo) * f) if f <= 1 else int(hi * f)
+        if budget < lo:
+            with pytest.raises(PlanError, match="lowest peak"):
+                found.best(budget)
+            continue
+        plan, pred = found.best(budget)
+        assert pred.peak_bytes <= budget
+        assert simulate(chain, plan) == pred  # the recorded prediction is the plan's
+        times.append(pred.step_s)
+    assert all(b <= a + 1e-12 for a, b in zip(times, times[1:])), times
+
+
+@settings(max_examples=100, deadline=None)
+@given(chains())
+def test_a_budget_at_the_no_checkpointing_peak_keeps_everything(chain: Chain) -> None:
+    found = search(chain)
+    none = found.plans[0][1]
+    plan, pred = found.best(none.peak_bytes)
+    assert plan == (KEEP,) * len(chain.blocks)
+    assert pred.stall_s == 0 and pred.recompute_s == 0
+
+
+@settings(max_examples=100, deadline=None)
+@given(chains())
+def test_keep_everything_peaks_at_the_measured_peak(chain: Chain) -> None:
+    """NOTE [ Step model ] Rule 4: the calibration."""
+    p = simulate(chain, [KEEP] * len(chain.blocks))
+    assert p.peak_bytes == chain.fixed_bytes + chain.other_saved_bytes + sum(b.saved_bytes for b in chain.blocks)
+    assert p.step_s == pytest.approx(chain.other_fwd_s + chain.other_bwd_s + sum(b.fwd_s + b.bwd_s for b in chain.blocks))
+
+
+def _chain(n: int, link: float = 25e9, codec: CodecCost | None = None) -> Chain:
+    saved = (128 * MiB,) * 4 + (64 * MiB,) * 4 + (32 * MiB,) * 4 + (16 * MiB,) * 4
+    blocks = [Block(f"h.{i}", 3.1e-3, 6.9e-3, 32 * MiB, saved, "blk") for i in range(n)]
+    return Chain.calibrated(blocks, (4 << 30) + sum(b.saved_bytes for b in blocks), 100 * MiB, 2e-3, 4e-3,
+                            Link(link, link), codec)
+
+
+def test_recompute_costs_a_forward_and_offload_hides_behind_compute() -> None:
+    ch = _chain(4)
+    keep = simulate(ch, [KEEP] * 4)
+    rec = simulate(ch, [RECOMPUTE] + [KEEP] * 3)
+    assert rec.recompute_s == pytest.approx(3.1e-3) and rec.step_s == pytest.approx(keep.step_s + 3.1e-3)
+    small = Decision("offload", (15,))  # 16 MiB of the first block: hidden behind three blocks' compute
+    off = simulate(ch, [small] + [KEEP] * 3)
+    assert off.stall_s == 0 and off.step_s == pytest.approx(keep.step_s) and off.peak_bytes < keep.peak_bytes
+    last = simulate(ch, [KEEP] * 3 + [Decision("offload", tuple(range(16)))])  # the last block: nothing to hide it
+    assert last.stall_s > 0
+
+
+def test_ladder_orders_options_by_device_bytes() -> None:
+    b = _chain(1).blocks[0]
+    opts = ladder(b, compress=True)
+    assert opts[0] == KEEP and opts[-1] == RECOMPUTE
+    offs = [o for o in opts if o.mode == "offload"]
+    assert {o.compress for o in offs} == {False, True}
+    kept = [b.saved_bytes - sum(b.saved[k] for k in o.offload) for o in offs if not o.compress]
+    assert kept == sorted(kept, reverse=True) and kept[-1] == 0
+
+
+def test_plan_error_names_the_floor() -> None:
+    found = search(_chain(8))
+    with pytest.raises(PlanError) as e:
+        found.best(found.floor - 1)
+    assert f"pass budget >= {found.floor}" in str(e.value)
+    assert str(e.value).startswith("torchckpt:")
+
+
+def test_planning_32_blocks_takes_under_2_seconds() -> None:
+    ch = _chain(32, codec=CodecCost("q4", 3.8, 1e12, 1e12, True, "b"))
+    t = time.perf_counter()
+    found = search(ch)
+    dt = time.perf_counter() - t
+    assert dt < 2.0, f"{dt:.2f} s"
+    assert len(found.plans) > 32
+
+
+def test_decision_rejects_bad_modes() -> None:
+    with pytest.raises(ValueError, match="torchckpt:"):
+        Decision("swap")
+    with pytest.raises(ValueError, match="only Decision"):
+        Decision("keep", (1,))

@@ -1,0 +1,163 @@
+"""torchckpt.plan on CPU models: finding the chain, the profile, plans that keep gradients bit-exact, JSON."""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import torchckpt
+from torchckpt import Offload
+from torchckpt.planner import Decision, Link, Plan, PlanError, find_blocks, plan, profile
+from torchckpt.planner.plan import _make
+from torchckpt.planner.costs import Prediction
+
+D = 64
+
+
+class Blk(nn.Module):
+    def __init__(self, p: float = 0.0) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(D)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.drop = nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(self.fc2(torch.nn.functional.gelu(self.fc1(self.ln(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 5, p: float = 0.0) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.h = nn.ModuleList([Blk(p) for _ in range(n)])
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for b in self.h:
+            x = b(x)
+        return self.out(x)
+
+
+def _grads(m: nn.Module, x: torch.Tensor, seed: int = 0) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    return list(torch.autograd.grad(m(x).square().mean(), list(m.parameters())))
+
+
+def test_find_blocks_takes_the_largest_repeated_container() -> None:
+    m = Net()
+    assert [n for n, _ in find_blocks(m)] == [f"h.{i}" for i in range(5)]
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
+    assert [n for n, _ in find_blocks(seq)] == ["0", "1", "2"]
+    with pytest.raises(ValueError, match="torchckpt: found no chain of blocks.*blocks="):
+        find_blocks(nn.Linear(3, 3))
+
+
+def test_profile_records_saved_tensors_in_order_and_leaves_parameters_out() -> None:
+    m = Net(3)
+    x = torch.randn(32, D)
+    prof = profile(m, (x,), {})
+    assert prof.names == ("h.0", "h.1", "h.2") and len(set(prof.kinds)) == 1
+    for saved in prof.saved:
+        assert [s.position for s in saved] == list(range(len(saved)))
+        assert any(s.why_zero == "parameter" and s.nbytes == 0 for s in saved)
+        assert sum(s.nbytes for s in saved) > 0
+    assert all(f > 0 for f in prof.fwd_s) and all(b > 0 for b in prof.bwd_s)
+    assert prof.input_bytes[0] == 32 * D * 4
+
+
+def _forced(m: nn.Module, x: torch.Tensor, decisions: list[Decision]) -> Plan:
+    prof = profile(m, (x,), {})
+    pred = Prediction(0, 1.0, 0.0, 0.0, 0, 0, "")
+    return _make(prof, decisions, pred, 0, pred, 1 << 40, Link(1e9, 1e9), None)
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_every_decision_gives_plain_autograd_gradients_bit_for_bit(p: float) -> None:
+    """NOTE [ Applying a plan ] Rule 3, with dropout (the RNG) and each mode: keep, recompute, offload all, offload some."""
+    torch.manual_seed(1)
+    m = Net(5, p)
+    x = torch.randn(16, D, requires_grad=False)
+    ref = _grads(m, x)
+    prof = profile(m, (x,), {})
+    some = tuple(k for k, s in enumerate(prof.saved[3]) if s.nbytes)[::2]
+    allk = tuple(k for k, s in enumerate(prof.saved[2]) if s.nbytes)
+    pl = _forced(m, x, [Decision("keep"), Decision("recompute"), Decision("offload", allk), Decision("offload", some),
+                        Decision("recompute")])
+    applied = pl.apply(m)
+    try:
+        got = _grads(m, x)
+        assert applied.store is not None and applied.store.stats().offloaded > 0
+    finally:
+        applied.remove()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all(torch.equal(a, b) for a, b in zip(ref, _grads(m, x)))  # removed: plain again
+    assert all("forward" not in blk.__dict__ for blk in m.h)
+
+
+def test_plans_at_budgets_between_floor_and_peak_are_exact_and_within_budget() -> None:
+    torch.manual_seed(2)
+    m = Net(6)
+    x = torch.randn(64, D)
+    ref = _grads(m, x)
+    slow = Link(2e8, 2e8)  # a slow link makes recomputation win some blocks
+    top = plan(m, x, budget=1 << 40, link=slow)
+    assert [b.mode for b in top.blocks] == ["keep"] * 6
+    modes = set()
+    for frac in (0.0, 0.3, 0.6, 0.9):
+        budget = int(top.floor_bytes + (top.none_peak_bytes - top.floor_bytes) * frac)
+        p = plan(m, x, budget=budget, link=slow)
+        assert p.peak_bytes <= budget
+        modes |= {b.mode for b in p.blocks}
+        a = p.apply(m)
+        try:
+            assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x)))
+        finally:
+            a.remove()
+    assert "recompute" in modes
+
+
+def test_budget_below_the_floor_names_it() -> None:
+    m = Net(3)
+    with pytest.raises(PlanError, match=r"^torchckpt: no plan fits a budget of .* lowest peak"):
+        plan(m, torch.randn(8, D), budget="1KiB")
+    with pytest.raises(ValueError, match="torchckpt:"):
+        plan(m, torch.randn(8, D), budget="lots")
+
+
+def test_plan_json_round_trip(tmp_path) -> None:
+    m = Net(3)
+    x = torch.randn(8, D)
+    p = plan(m, x, budget=1 << 40)
+    assert Plan.from_json(p.to_json()) == p
+    f = tmp_path / "plan.json"
+    p.save(str(f))
+    assert Plan.load(str(f)) == p
+    assert "h.0" in p.explain(file=open("/dev/null", "w"))
+
+
+def test_plan_rejects_blocks_of_another_model_and_a_non_codec() -> None:
+    m = Net(3)
+    with pytest.raises(ValueError, match="plan\\(blocks=...\\) must be submodules"):
+        plan(m, torch.randn(8, D), budget=1 << 40, blocks=[nn.Linear(2, 2)])
+    with pytest.raises(TypeError, match="plan\\(codec=...\\)"):
+        plan(m, torch.randn(8, D), budget=1 << 40, codec="q4")
+
+
+def test_offload_tensors_argument_is_checked() -> None:
+    with pytest.raises(TypeError, match="Offload\\(tensors=...\\)"):
+        Offload(tensors=[-1])
+    assert Offload(tensors=[0, 2]).tensors == frozenset({0, 2})
+
+
+def test_offload_of_chosen_positions_moves_only_those() -> None:
+    store = torchckpt.Store(device="cpu", min_bytes=0)
+    m = Blk()
+    x = torch.randn(16, D, requires_grad=True)
+    ref = torch.autograd.grad(m(x).sum(), [x])
+    prof = profile(nn.Sequential(m, Blk()), (x,), {})
+    first = next(k for k, s in enumerate(prof.saved[0]) if s.nbytes)
+    wrapped = torchckpt.checkpoint(m, policy=Offload(store, tensors={first}))
+    got = torch.autograd.grad(wrapped(x).sum(), [x])
+    assert torch.equal(ref[0], got[0])
+    assert store.stats().offloaded == 1

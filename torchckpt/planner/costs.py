@@ -1,0 +1,259 @@
+"""What a training step costs under a plan: the measured costs of a chain of blocks, and a timeline model.
+
+Pure Python (no torch): the optimiser and its tests run on synthetic costs.
+
+# NOTE [ Step model ]
+# A step is the forward of a chain of blocks, then its backward in reverse order. Each block
+# saves tensors for backward; a decision per block says where they live in between:
+# ``keep`` (on the device), ``recompute`` (only the block's inputs are kept; the block's forward
+# runs again right before its backward, as ``torch.utils.checkpoint`` does) or ``offload``
+# (a chosen subset of its saved tensors is copied to host memory, optionally compressed; the rest
+# is kept). ``simulate`` replays the step on one compute stream and one copy engine per direction:
+# 1. Forward: block i computes for ``fwd_s`` (plus the compression of what it offloads); at its end
+#    its offloaded bytes queue on the device-to-host engine (FIFO, ``Link.d2h`` bytes/s of wire
+#    bytes, i.e. after compression). An offloaded tensor occupies the device until its copy ends.
+# 2. Backward: the work outside the blocks (the head, the loss) runs first, then block i's
+#    backward, ``bwd_s``, plus ``fwd_s`` again if recomputed, plus decompression. The copy back of
+#    block i is issued when the backward of block i + ``lookahead`` starts (at the end of the
+#    forward for the last blocks), on the host-to-device engine (FIFO), never before its
+#    device-to-host copy ended; block i waits for it (a stall).
+# 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks,
+#    offloaded tensors until their copy to host ends, then again from the start of their copy
+#    back to the end of their block's backward; a recomputed block holds all its saved tensors
+#    from its recomputation to the end of its backward. ``peak`` is the largest sum, sampled at
+#    every block boundary of both sweeps, plus ``Chain.fixed_bytes`` (parameters, gradients,
+#    optimiser state, the transient working memory measured at the no-checkpointing peak).
+# 4. With every block kept, the model's peak is ``fixed_bytes`` + every saved byte: the measured
+#    no-checkpointing peak, by the definition of ``fixed_bytes`` (``Chain.calibrated``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "simulate"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Link:
+    """Host link bandwidth, bytes per second, each direction (measured on the device)."""
+
+    d2h: float
+    h2d: float
+
+    def __post_init__(self) -> None:
+        if not (self.d2h > 0 and self.h2d > 0):
+            raise ValueError(f"torchckpt: Link bandwidths must be > 0 bytes/s, got d2h={self.d2h}, h2d={self.h2d}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class CodecCost:
+    """A codec's measured ratio and throughputs (bytes of input per second), and whether it is lossy.
+
+    Args:
+        name: how ``explain`` names it.
+        ratio: input bytes over wire bytes (>= 1 makes it worth sending).
+        compress: input bytes compressed per second, on the compute stream's device.
+        decompress: input bytes decompressed per second.
+        lossy: the gradients are within the codec's stated bound, not bit-exact.
+        bound: the bound, in words (e.g. ``"|err| <= 1e-2 * max|x| per block"``); ``""`` if lossless.
+    """
+
+    name: str
+    ratio: float
+    compress: float
+    decompress: float
+    lossy: bool
+    bound: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Block:
+    """One block of the chain, as measured.
+
+    Args:
+        name: the module's qualified name.
+        fwd_s: forward time.
+        bwd_s: backward time.
+        input_bytes: bytes of the block's tensor inputs (what a recomputed block keeps).
+        saved: bytes of each tensor the block saves for backward, parameters and views of them
+            left out (they stay by reference whatever the plan), each storage counted once.
+        kind: blocks with the same kind have the same structure (their decisions can be shared).
+    """
+
+    name: str
+    fwd_s: float
+    bwd_s: float
+    input_bytes: int
+    saved: tuple[int, ...]
+    kind: str = ""
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(self.saved)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chain:
+    """A step's measured costs: its blocks in forward order and everything else.
+
+    Args:
+        blocks: the chain, forward order.
+        fixed_bytes: device bytes that no decision changes (see NOTE [ Step model ] Rule 3).
+        other_saved_bytes: bytes saved outside the blocks (embedding, head, loss), always kept.
+        other_fwd_s / other_bwd_s: time outside the blocks in each sweep.
+        link: the host link.
+        codec: the codec offloads may use (``None``: offloads are uncompressed).
+    """
+
+    blocks: tuple[Block, ...]
+    fixed_bytes: int
+    other_saved_bytes: int
+    other_fwd_s: float
+    other_bwd_s: float
+    link: Link
+    codec: CodecCost | None = None
+
+    @staticmethod
+    def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
+                   other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> Chain:
+        """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4)."""
+        saved = sum(b.saved_bytes for b in blocks) + other_saved_bytes
+        return Chain(tuple(blocks), max(0, peak_none - saved), other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """Where one block's saved tensors live between forward and backward (NOTE [ Step model ]).
+
+    Args:
+        mode: ``"keep"``, ``"recompute"`` or ``"offload"``.
+        offload: for ``"offload"``, indices into ``Block.saved`` of the tensors sent to host (the
+            others are kept).
+        compress: offloaded tensors go through the chain's codec.
+    """
+
+    mode: str
+    offload: tuple[int, ...] = ()
+    compress: bool = False
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("keep", "recompute", "offload"):
+            raise ValueError(f"torchckpt: Decision(mode=...) is 'keep', 'recompute' or 'offload', got {self.mode!r}.")
+        if self.mode != "offload" and (self.offload or self.compress):
+            raise ValueError("torchckpt: only Decision(mode='offload') takes offload=... and compress=True.")
+
+
+KEEP = Decision("keep")
+RECOMPUTE = Decision("recompute")
+
+
+@dataclasses.dataclass(frozen=True)
+class Prediction:
+    """What ``simulate`` predicts for one plan.
+
+    Attributes:
+        peak_bytes: device bytes at the peak, ``fixed_bytes`` included.
+        step_s: forward plus backward, recomputation and stalls included.
+        recompute_s: time spent recomputing.
+        stall_s: time the compute stream waited for copies back.
+        d2h_bytes / h2d_bytes: bytes over the link each way (after compression).
+        at: where the peak is: ``"forward i"`` or ``"backward i"`` (block index).
+    """
+
+    peak_bytes: int
+    step_s: float
+    recompute_s: float
+    stall_s: float
+    d2h_bytes: int
+    h2d_bytes: int
+    at: str
+
+
+def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Prediction:
+    """Replay one step of ``chain`` under ``plan`` (one decision per block) on the model of NOTE [ Step model ]."""
+    blocks = chain.blocks
+    n = len(blocks)
+    if len(plan) != n:
+        raise ValueError(f"torchckpt: a plan needs one decision per block: {n} blocks, {len(plan)} decisions.")
+    codec = chain.codec
+    d2h_bw, h2d_bw = chain.link.d2h, chain.link.h2d
+    kept = [0] * n  # bytes on the device from the block's forward to its backward
+    off = [0] * n  # bytes offloaded (device-side size)
+    wire = [0] * n  # bytes over the link each way
+    extra_f = [0.0] * n  # compression time in the forward
+    extra_b = [0.0] * n  # decompression / recomputation time in the backward
+    for i, (b, d) in enumerate(zip(blocks, plan)):
+        if d.mode == "keep":
+            kept[i] = b.saved_bytes
+        elif d.mode == "recompute":
+            kept[i] = b.input_bytes
+            extra_b[i] = b.fwd_s
+        else:
+            o = sum(b.saved[k] for k in d.offload)
+            kept[i] = b.saved_bytes - o
+            off[i] = o
+            if d.compress and codec is not None:
+                wire[i] = int(o / codec.ratio)
+                extra_f[i] = o / codec.compress
+                extra_b[i] = o / codec.decompress
+            else:
+                wire[i] = o
+    base = chain.fixed_bytes + chain.other_saved_bytes
+    # Forward (Rule 1): d2h[i] is when block i's copy to host ends.
+    t = chain.other_fwd_s
+    free = 0.0
+    d2h = [0.0] * n
+    resident = 0  # kept bytes so far
+    inflight: list[tuple[float, int]] = []  # (end of copy, bytes) not yet ended
+    peak, at = base, "forward 0"
+    for i in range(n):
+        t += blocks[i].fwd_s + extra_f[i]
+        resident += kept[i]
+        if wire[i]:
+            start = max(t, free)
+            free = d2h[i] = start + wire[i] / d2h_bw
+            inflight.append((d2h[i], off[i]))
+        else:
+            d2h[i] = t
+        inflight = [(e, nb) for e, nb in inflight if e > t]
+        mem = base + resident + sum(nb for _, nb in inflight)
+        if mem > peak:
+            peak, at = mem, f"forward {i}"
+    # Backward (Rule 2).
+    t += chain.other_bwd_s
+    h2d_free = 0.0
+    ready = [0.0] * n
+    issued = [False] * n
+
+    def issue(k: int, now: float) -> None:
+        nonlocal h2d_free
+        if k < 0 or issued[k] or not wire[k]:
+            return
+        issued[k] = True
+        start = max(now, h2d_free, d2h[k])
+        h2d_free = ready[k] = start + wire[k] / h2d_bw
+
+    for k in range(n - 1, max(-1, n - 1 - lookahead), -1):
+        issue(k, t)
+    stall = recompute = 0.0
+    back = 0  # offloaded bytes on the device again (issued copies back of blocks not yet done)
+    for i in range(n - 1, -1, -1):
+        for k in range(i, max(-1, i - lookahead - 1), -1):
+            issue(k, t)
+        back = sum(off[k] for k in range(i + 1) if issued[k])
+        if wire[i] and ready[i] > t:
+            stall += ready[i] - t
+            t = ready[i]
+        if plan[i].mode == "recompute":
+            recompute += blocks[i].fwd_s
+            materialised = blocks[i].saved_bytes
+        else:
+            materialised = kept[i]
+        mem = base + resident - kept[i] + materialised + back
+        if mem > peak:
+            peak, at = mem, f"backward {i}"
+        t += blocks[i].bwd_s + extra_b[i]
+        resident -= kept[i]
+        off[i] = 0
+    return Prediction(peak, t, recompute, stall, sum(wire), sum(wire), at)

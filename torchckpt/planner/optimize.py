@@ -1,0 +1,136 @@
+"""Choosing a decision per block under a byte budget (pure Python, on the model of NOTE [ Step model ]).
+
+# NOTE [ Plan search ]
+# 1. Each block has a ladder of options, ordered by the bytes they leave on the device: keep;
+#    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
+#    recompute. Every option is simulated with the whole chain (``simulate``), so the link's
+#    contention and the position of the block (offloading the last blocks cannot be hidden) are
+#    priced, not assumed.
+# 2. The search walks from "keep everything" down: at each step it takes the one move (one block
+#    to a lower rung) that lowers the predicted peak for the least added time per byte saved,
+#    until no move lowers it. Every plan on that path is recorded; the last one's peak is the
+#    floor this search can reach.
+# 3. For a budget, the answer is the fastest recorded plan whose predicted peak is at most the
+#    budget (among equally fast ones, the one moving the fewest bytes over the link). So a plan over the budget is never returned, and a larger budget, which admits every
+#    plan a smaller one admits, never gets a slower plan (time is non-increasing in the budget).
+# 4. A budget under the floor raises ``PlanError`` naming the floor.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+from torchckpt._errors import CheckpointError
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, Decision, Prediction, simulate
+
+__all__ = ["PlanError", "Search", "ladder", "search"]
+
+
+class PlanError(CheckpointError, ValueError):
+    """No plan meets the budget (the message names the lowest reachable peak)."""
+
+
+def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
+    """A block's options, from the most device bytes to the fewest (Rule 1).
+
+    Offload rungs send the block's largest saved tensors, up to about ``1/rungs``, ``2/rungs``, ...
+    of its saved bytes, then all of them.
+    """
+    out = [KEEP]
+    order = sorted(range(len(block.saved)), key=lambda k: -block.saved[k])
+    total = block.saved_bytes
+    if total > 0:
+        prefixes: list[tuple[int, ...]] = []
+        acc, level = 0, 1
+        for j, k in enumerate(order):
+            acc += block.saved[k]
+            while level <= rungs and acc >= total * level / rungs - 1e-9:
+                p = tuple(sorted(order[: j + 1]))
+                if not prefixes or prefixes[-1] != p:
+                    prefixes.append(p)
+                level += 1
+        for p in prefixes:
+            out.append(Decision("offload", p))
+            if compress:
+                out.append(Decision("offload", p, compress=True))
+    out.append(RECOMPUTE)
+    return out
+
+
+def _device_bytes(block: Block, d: Decision) -> int:
+    if d.mode == "keep":
+        return block.saved_bytes
+    if d.mode == "recompute":
+        return block.input_bytes
+    return block.saved_bytes - sum(block.saved[k] for k in d.offload)
+
+
+@dataclasses.dataclass(frozen=True)
+class Search:
+    """The plans the search recorded (NOTE [ Plan search ] Rule 2), keep-everything first."""
+
+    chain: Chain
+    plans: tuple[tuple[tuple[Decision, ...], Prediction], ...]
+
+    @property
+    def floor(self) -> int:
+        """The lowest predicted peak of any recorded plan."""
+        return min(p.peak_bytes for _, p in self.plans)
+
+    def best(self, budget: int) -> tuple[tuple[Decision, ...], Prediction]:
+        """The fastest recorded plan whose predicted peak is at most ``budget`` (Rules 3-4)."""
+        fit = [(d, p) for d, p in self.plans if p.peak_bytes <= budget]
+        if not fit:
+            raise PlanError(
+                f"torchckpt: no plan fits a budget of {_gib(budget)}: the lowest peak this model reaches is "
+                f"{_gib(self.floor)} ({self.floor} bytes, parameters, gradients and the blocks' inputs included); "
+                f"pass budget >= {self.floor}, or make the step smaller (batch, sequence length)."
+            )
+        return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
+    """Walk the plans from keep-everything down to the floor (NOTE [ Plan search ] Rule 2)."""
+    blocks = chain.blocks
+    compress = chain.codec is not None
+    options = [ladder(b, compress, rungs) for b in blocks]
+    nbytes = [[_device_bytes(b, d) for d in opts] for b, opts in zip(blocks, options)]
+    pos = [0] * len(blocks)
+    cur = [opts[0] for opts in options]
+    pred = simulate(chain, cur, lookahead)
+    plans = [(tuple(cur), pred)]
+    while True:
+        best: tuple[float, int, int, Prediction] | None = None
+        for i, opts in enumerate(options):
+            here = nbytes[i][pos[i]]
+            for j in range(pos[i] + 1, len(opts)):
+                if nbytes[i][j] >= here:
+                    continue
+                cur[i] = opts[j]
+                p = simulate(chain, cur, lookahead)
+                gain = pred.peak_bytes - p.peak_bytes
+                if gain > 0:
+                    score = (p.step_s - pred.step_s) / gain
+                    if best is None or score < best[0] or (score == best[0] and p.peak_bytes < best[3].peak_bytes):
+                        best = (score, i, j, p)
+            cur[i] = opts[pos[i]]
+        if best is None:
+            break
+        _, i, j, pred = best
+        pos[i] = j
+        cur[i] = options[i][j]
+        plans.append((tuple(cur), pred))
+    return Search(chain, tuple(plans))
+
+
+def plan_for(chain: Chain, budget: int, rungs: int = 4, lookahead: int = 1) -> tuple[tuple[Decision, ...], Prediction]:
+    """The fastest plan the search finds with a predicted peak of at most ``budget`` bytes."""
+    return search(chain, rungs, lookahead).best(budget)
+
+
+def keep_all(chain: Chain) -> Sequence[Decision]:
+    return [KEEP] * len(chain.blocks)

@@ -1,0 +1,291 @@
+"""``torchckpt.plan``: profile a model, choose a decision per block and per saved tensor, and apply it.
+
+# NOTE [ Applying a plan ]
+# 1. ``Plan.apply(model)`` wraps each planned block with the policy its decision names, through
+#    ``torchckpt.checkpoint(block, policy=...)``: ``Recompute()``, or ``Offload(store, codec,
+#    tensors=positions)`` for an offload, where ``positions`` are the block's saved tensors (by
+#    the order its forward saves them, NOTE [ Profiling step ] Rule 2) the plan sends to host; kept
+#    blocks are left as they are. ``Applied.remove()`` puts the blocks' forwards back.
+# 2. Offloads go through one ``Store`` made for the plan (unless one is passed), whose GPU cache
+#    holds two blocks' offloaded bytes: the block whose backward runs and the next one, prefetched
+#    (NOTE [ Step model ] Rule 2 with ``lookahead=1``).
+# 3. Every decision moves a saved tensor through the store or recomputes it exactly, so gradients
+#    are those of plain autograd whatever the plan, except with a lossy codec, which ``explain``
+#    and ``Plan.lossy`` state with its bound. If a block saves other tensors than profiled, the
+#    positions only change which tensors go to host: the result is still exact.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchckpt._args import parse_bytes
+from torchckpt.api import checkpoint
+from torchckpt.codecs.base import Codec
+from torchckpt.planner.costs import Decision, Link, Prediction
+from torchckpt.planner.optimize import search
+from torchckpt.planner.trace import Profile, SavedTensor, find_blocks, measure_codec, measure_link, profile
+from torchckpt.policies import Offload, Recompute
+from torchckpt.store import Store
+
+__all__ = ["Applied", "BlockPlan", "Plan", "plan"]
+
+_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """One block's decision and what the model predicts for it.
+
+    Attributes:
+        name: the block's qualified name in the model.
+        mode: ``"keep"``, ``"recompute"`` or ``"offload"``.
+        offload: positions of the saved tensors sent to host (``"offload"`` only).
+        compress: the offloaded tensors go through the plan's codec.
+        tensors: the block's saved tensors as profiled.
+        input_bytes: bytes of its inputs.
+        fwd_s / bwd_s: measured forward and backward time.
+    """
+
+    name: str
+    mode: str
+    offload: tuple[int, ...]
+    compress: bool
+    tensors: tuple[SavedTensor, ...]
+    input_bytes: int
+    fwd_s: float
+    bwd_s: float
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(t.nbytes for t in self.tensors)
+
+    @property
+    def device_bytes(self) -> int:
+        """Bytes this block leaves on the device between its forward and backward."""
+        if self.mode == "keep":
+            return self.saved_bytes
+        if self.mode == "recompute":
+            return self.input_bytes
+        return self.saved_bytes - sum(self.tensors[k].nbytes for k in self.offload)
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """What to do with every block's saved tensors for one model and batch shape (``torchckpt.plan``).
+
+    Attributes:
+        budget: the budget planned for, bytes of device memory.
+        blocks: one ``BlockPlan`` per block of the chain, forward order.
+        peak_bytes: the predicted peak device memory of a step (at most ``budget``).
+        step_time: the predicted step time, seconds.
+        none_peak_bytes / none_step_time: no checkpointing, as measured on the profiling step.
+        floor_bytes: the lowest peak the search reached for this model.
+        codec: the codec offloads may use (``repr``), or ``None``.
+        lossy / bound: whether that codec is lossy, and its bound in words.
+        link: the measured host link, bytes/s each way.
+        device: where the profiling step ran.
+    """
+
+    budget: int
+    blocks: tuple[BlockPlan, ...]
+    peak_bytes: int
+    step_time: float
+    none_peak_bytes: int
+    none_step_time: float
+    floor_bytes: int
+    codec: str | None
+    lossy: bool
+    bound: str
+    link: tuple[float, float]
+    device: str
+
+    # -- reading ----------------------------------------------------------------------------
+    def explain(self, file: Any = None) -> str:
+        """One row per block and per offloaded tensor: decision, bytes, cost, prefetch point; printed and returned."""
+        g = 2**30
+        lines = [
+            f"torchckpt plan on {self.device}: budget {self.budget / g:.2f} GiB, predicted peak "
+            f"{self.peak_bytes / g:.2f} GiB, step {self.step_time * 1e3:.1f} ms "
+            f"(no checkpointing: {self.none_peak_bytes / g:.2f} GiB, {self.none_step_time * 1e3:.1f} ms, "
+            f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
+            f"floor {self.floor_bytes / g:.2f} GiB",
+            f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
+        ]
+        if self.codec is not None:
+            lines.append(f"codec {self.codec}: " + (f"LOSSY, {self.bound}" if self.lossy else "lossless"))
+        lines.append(f"{'block':<28} {'decision':<22} {'saved MiB':>9} {'on device':>9} {'cost ms':>8}  prefetch")
+        d2h = self.link[0]
+        for i, b in enumerate(self.blocks):
+            if b.mode == "offload":
+                what = f"offload {len(b.offload)}/{sum(1 for t in b.tensors if t.nbytes)}" + (" compressed" if b.compress
+                                                                                              else "")
+                moved = b.saved_bytes - b.device_bytes
+                cost = f"{moved / d2h * 1e3:8.2f}"
+                pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
+            elif b.mode == "recompute":
+                what, cost, pre = "recompute", f"{b.fwd_s * 1e3:8.2f}", "-"
+            else:
+                what, cost, pre = "keep", f"{0:8.2f}", "-"
+            lines.append(f"{b.name:<28} {what:<22} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
+            if b.mode == "offload":
+                for k in b.offload:
+                    t = b.tensors[k]
+                    lines.append(f"    tensor {k:<3} {str(list(t.shape)):<28} {t.dtype:<9} {t.nbytes / 2**20:9.1f} MiB "
+                                 f"to host" + (" (lossy)" if b.compress and self.lossy else ""))
+        text = "\n".join(lines)
+        print(text, file=file)
+        return text
+
+    def to_json(self) -> str:
+        """The plan as JSON (``Plan.from_json`` reads it back)."""
+        d = dataclasses.asdict(self)
+        d["format"] = _FORMAT
+        return json.dumps(d, indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> Plan:
+        """Read a plan written by ``to_json``."""
+        d = json.loads(text)
+        if d.pop("format", None) != _FORMAT:
+            raise ValueError(f"torchckpt: this plan was written in another format; plan the model again (format {_FORMAT}).")
+        blocks = tuple(BlockPlan(**{**b, "offload": tuple(b["offload"]),
+                                    "tensors": tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
+                       for b in d.pop("blocks"))
+        return Plan(blocks=blocks, **{**d, "link": tuple(d["link"])})
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json())
+
+    @staticmethod
+    def load(path: str) -> Plan:
+        with open(path) as f:
+            return Plan.from_json(f.read())
+
+    # -- applying ---------------------------------------------------------------------------
+    def apply(self, model: nn.Module, store: Store | None = None, codec: Codec | None = None) -> Applied:
+        """Make every later step of ``model`` follow this plan (NOTE [ Applying a plan ]).
+
+        Args:
+            model: the model planned (its blocks are found by name).
+            store: the store offloads go through (default: one made for the plan, Rule 2).
+            codec: the codec for compressed offloads (the one passed to ``plan``; needed when the
+                plan was loaded from JSON and compresses).
+        """
+        if any(b.compress for b in self.blocks) and codec is None:
+            raise ValueError(f"torchckpt: this plan compresses with {self.codec}; pass the codec: plan.apply(model, "
+                             "codec=...).")
+        mods = []
+        for b in self.blocks:
+            try:
+                mods.append(model.get_submodule(b.name))
+            except AttributeError as e:
+                raise ValueError(f"torchckpt: the model has no block {b.name!r} of this plan; apply a plan to the model "
+                                 "it was made for.") from e
+        if store is None and any(b.mode == "offload" for b in self.blocks):
+            first = next(iter(model.parameters()), None)
+            dev = first.device if first is not None else torch.device(self.device)
+            most = max((b.saved_bytes - b.device_bytes for b in self.blocks if b.mode == "offload"), default=0)
+            store = Store(device=dev, gpu_bytes=2 * most, min_bytes=0)
+        undo = []
+        for b, mod in zip(self.blocks, mods):
+            if b.mode == "keep":
+                continue
+            had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
+            policy: Any = Recompute() if b.mode == "recompute" else Offload(
+                store, codec if b.compress else None, tensors=frozenset(b.offload))
+            checkpoint(mod, policy=policy)
+            undo.append((mod, had, prev))
+        return Applied(self, store, undo)
+
+
+class Applied:
+    """A plan in force on a model; ``remove()`` puts the blocks back as they were."""
+
+    def __init__(self, plan: Plan, store: Store | None, undo: list[tuple[nn.Module, bool, Any]]) -> None:
+        self.plan = plan
+        self.store = store
+        self._undo = undo
+
+    def remove(self) -> None:
+        for mod, had, prev in reversed(self._undo):
+            if had:
+                object.__setattr__(mod, "forward", prev)
+            else:
+                mod.__dict__.pop("forward", None)
+        self._undo = []
+
+
+def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec | None = None,
+         blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+         link: Link | None = None, **example_kwargs: Any) -> Plan:
+    """Profile one step of ``model`` on an example batch and plan its saved tensors under ``budget``.
+
+    The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]);
+    their gradients are left in the parameters' ``.grad``. Then the search of NOTE [ Plan search ]
+    picks, per block, keep / recompute / offload of chosen tensors (compressed when ``codec`` is
+    given), with the fastest predicted step whose predicted peak is at most ``budget``.
+
+    Args:
+        model: the model; its chain of blocks is found (``find_blocks``) unless ``blocks`` is given.
+        *example_args / **example_kwargs: a batch of the shape training will use.
+        budget: device bytes for the whole step (parameters, gradients and optimizer state
+            included): an int or a string such as ``"6GiB"``.
+        codec: a ``torchckpt.codecs.Codec`` offloads may use (lossy ones say so in ``explain()``).
+        blocks: the blocks to plan, in forward order.
+        loss_fn: output -> scalar loss (default: the output's ``.loss``, else the mean square of its tensors).
+        link: host link bandwidths (default: measured on the model's device).
+
+    Returns:
+        A ``Plan``; ``plan.apply(model)`` puts it in force.
+
+    Raises:
+        PlanError: ``budget`` is below the lowest peak reachable (the message names it).
+
+    Example::
+
+        >>> import torch, torchckpt
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+        >>> p = torchckpt.plan(model, torch.randn(32, 64, requires_grad=True), budget=10**9)
+        >>> [b.mode for b in p.blocks]
+        ['keep', 'keep', 'keep', 'keep']
+    """
+    nbytes = parse_bytes(budget, "plan(budget=...)")
+    if codec is not None and not isinstance(codec, Codec):
+        raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got {type(codec).__name__};"
+                        " pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
+    named = None
+    if blocks is not None:
+        names = {id(m): n for n, m in model.named_modules()}
+        missing = [b for b in blocks if id(b) not in names]
+        if missing:
+            raise ValueError("torchckpt: plan(blocks=...) must be submodules of the model, in forward order; "
+                             f"{type(missing[0]).__name__} is not one.")
+        named = [(names[id(b)], b) for b in blocks]
+    chain_mods = named if named is not None else find_blocks(model)
+    sample: list[torch.Tensor] = []
+    prof = profile(model, example_args, example_kwargs, blocks=chain_mods, loss_fn=loss_fn,
+                   keep_sample=sample if codec is not None else None)
+    dev = torch.device(prof.device)
+    ln = link if link is not None else measure_link(dev)
+    ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
+    chain = prof.chain(ln, ccost)
+    found = search(chain)
+    decisions, pred = found.best(nbytes)
+    return _make(prof, decisions, pred, found.floor, found.plans[0][1], nbytes, ln, ccost)
+
+
+def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
+          link: Link, codec: Any) -> Plan:
+    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, prof.saved[i], prof.input_bytes[i],
+                             prof.fwd_s[i], prof.bwd_s[i]) for i, d in enumerate(decisions))
+    return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
+                none_peak_bytes=prof.peak_none, none_step_time=none.step_s, floor_bytes=floor,
+                codec=codec.name if codec is not None else None, lossy=bool(codec is not None and codec.lossy),
+                bound=codec.bound if codec is not None else "", link=(link.d2h, link.h2d), device=prof.device)

@@ -1,0 +1,395 @@
+"""Finding a model's chain of blocks and measuring one training step of it.
+
+# NOTE [ Profiling step ]
+# 1. The chain is the ``nn.ModuleList`` / ``nn.Sequential`` whose children hold the most parameters,
+#    among those with at least two children of one class (transformer layers, timm blocks,
+#    torchvision stages); ``blocks=`` overrides it. Blocks of one class whose parameters have the
+#    same shapes share a ``kind``.
+# 2. One step runs as plain autograd would (every saved tensor stays where it is), with a
+#    saved-tensor hook that only records: for each block, every tensor its forward saves, in order
+#    (the position ``Offload(tensors=...)`` counts), its storage and size; tensors saved outside the
+#    blocks count as ``other``. Parameters, views of them and leaves that require grad stay by
+#    reference under any plan and are left out of the bytes; a storage saved twice counts once, in
+#    the first block that saved it.
+# 3. Times come from CUDA events on the device (``time.perf_counter`` on the CPU): a block's
+#    forward between its forward's start and end; its backward from the gradient's arrival at its
+#    output to its arrival at its input (the previous block's output). The step is run
+#    ``warmup`` times first, unmeasured, so allocator and kernel caches are warm.
+# 4. The no-checkpointing peak is the device's peak allocated bytes over the profiled step; the
+#    host link is measured each way with pinned 64 MiB copies, once per process and device.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchckpt.planner.costs import Block, Chain, CodecCost, Link
+
+__all__ = ["Profile", "SavedTensor", "find_blocks", "measure_codec", "measure_link", "profile"]
+
+
+def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The model's chain of repeated blocks (NOTE [ Profiling step ] Rule 1), as ``(qualified name, module)``.
+
+    Raises:
+        ValueError: no ``nn.ModuleList`` or ``nn.Sequential`` with two children of one class.
+    """
+    best: tuple[int, int, str, nn.Module] | None = None
+    for name, mod in model.named_modules():
+        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+            continue
+        kids = list(mod.children())
+        if len(kids) < 2:
+            continue
+        counts: dict[type, int] = {}
+        for k in kids:
+            counts[type(k)] = counts.get(type(k), 0) + 1
+        if max(counts.values()) < 2:
+            continue
+        params = sum(p.numel() for k in kids for p in k.parameters())
+        key = (params, len(kids))
+        if best is None or key > best[:2]:
+            best = (params, len(kids), name, mod)
+    if best is None:
+        raise ValueError(
+            f"torchckpt: found no chain of blocks in {type(model).__name__}: no nn.ModuleList or nn.Sequential holds two "
+            "modules of one class; pass blocks=[...] (the modules to plan, in forward order)."
+        )
+    _, _, name, mod = best
+    prefix = f"{name}." if name else ""
+    return [(f"{prefix}{n}", k) for n, k in mod.named_children()]
+
+
+def _kind(module: nn.Module) -> str:
+    shapes = ",".join("x".join(map(str, p.shape)) for p in module.parameters())
+    return f"{type(module).__qualname__}[{shapes}]"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedTensor:
+    """One tensor a block's forward saved (NOTE [ Profiling step ] Rule 2).
+
+    Attributes:
+        position: its position among the block's saved tensors (``Offload(tensors=...)``).
+        nbytes: bytes of the storage span it keeps alive; 0 when it stays by reference under any
+            plan (a parameter, a view of one) or its storage was counted before.
+        shape / dtype: as saved.
+        why_zero: ``""``, ``"parameter"`` or ``"shared"``.
+    """
+
+    position: int
+    nbytes: int
+    shape: tuple[int, ...]
+    dtype: str
+    why_zero: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    """What one measured step says about a model (NOTE [ Profiling step ])."""
+
+    names: tuple[str, ...]
+    kinds: tuple[str, ...]
+    saved: tuple[tuple[SavedTensor, ...], ...]
+    input_bytes: tuple[int, ...]
+    fwd_s: tuple[float, ...]
+    bwd_s: tuple[float, ...]
+    other_saved_bytes: int
+    other_fwd_s: float
+    other_bwd_s: float
+    step_s: float
+    peak_none: int
+    device: str
+
+    def chain(self, link: Link, codec: CodecCost | None = None) -> Chain:
+        """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order)."""
+        blocks = []
+        for i, name in enumerate(self.names):
+            blocks.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
+                                tuple(s.nbytes for s in self.saved[i]), self.kinds[i]))
+        return Chain.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
+                                link, codec)
+
+
+class _Clock:
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def mark(self) -> Any:
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def between(self, a: Any, b: Any) -> float:
+        if self.cuda:
+            return float(a.elapsed_time(b)) / 1e3
+        return float(b - a)
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def _tensors(x: Any) -> Iterator[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        yield x
+    elif isinstance(x, (list, tuple)):
+        for v in x:
+            yield from _tensors(v)
+    elif isinstance(x, dict):
+        for v in x.values():
+            yield from _tensors(v)
+    elif hasattr(x, "to_tuple"):  # transformers' ModelOutput
+        yield from _tensors(x.to_tuple())
+
+
+def _first_grad_tensor(x: Any) -> torch.Tensor | None:
+    return next((t for t in _tensors(x) if t.requires_grad and t.is_floating_point()), None)
+
+
+class _Recorder:
+    """Saved-tensor hooks that record and change nothing (Rule 2), and the per-block timing hooks (Rule 3)."""
+
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], params: set[int], clock: _Clock) -> None:
+        self.blocks = blocks
+        self.params = params
+        self.clock = clock
+        self.current: int | None = None
+        self.seen: set[int] = set()
+        self.saved: list[list[SavedTensor]] = [[] for _ in blocks]
+        self.other = 0
+        self.inputs = [0] * len(blocks)
+        self.fwd: list[tuple[Any, Any]] = [(None, None)] * len(blocks)
+        self.grad_at_out: list[Any] = [None] * len(blocks)
+        self.grad_at_in: list[Any] = [None] * len(blocks)
+        self.keep_sample = False
+        self.sample: torch.Tensor | None = None
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        st = t.untyped_storage()
+        ptr = st.data_ptr()
+        i = self.current
+        why = ""
+        nbytes = st.nbytes()
+        if ptr in self.params or (t.requires_grad and t.is_leaf):
+            why, nbytes = "parameter", 0
+        elif ptr in self.seen:
+            why, nbytes = "shared", 0
+        else:
+            self.seen.add(ptr)
+        if i is None:
+            self.other += nbytes
+        else:
+            if self.keep_sample and nbytes and t.is_floating_point() and (
+                    self.sample is None or t.numel() > self.sample.numel()):
+                self.sample = t.detach()
+            self.saved[i].append(SavedTensor(len(self.saved[i]), nbytes, tuple(t.shape), str(t.dtype).replace("torch.", ""),
+                                             why))
+        return t
+
+    @staticmethod
+    def unpack(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @contextlib.contextmanager
+    def block(self, i: int, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[None]:
+        self.inputs[i] = sum(t.untyped_storage().nbytes() for t in _tensors((args, kwargs))
+                             if t.untyped_storage().data_ptr() not in self.params)
+        x = _first_grad_tensor((args, kwargs))
+        if x is not None:
+            x.register_hook(lambda g: self._at(self.grad_at_in, i))
+        outer, self.current = self.current, i
+        start = self.clock.mark()
+        try:
+            yield
+        finally:
+            self.fwd[i] = (start, self.clock.mark())
+            self.current = outer
+
+    def output(self, i: int, out: Any) -> None:
+        y = _first_grad_tensor(out)
+        if y is not None:
+            y.register_hook(lambda g: self._at(self.grad_at_out, i))
+
+    def _at(self, where: list[Any], i: int) -> None:
+        if where[i] is None:
+            where[i] = self.clock.mark()
+
+
+def _loss_of(out: Any) -> torch.Tensor:
+    loss = getattr(out, "loss", None)
+    if isinstance(loss, torch.Tensor) and loss.requires_grad:
+        return loss
+    ts = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+    if not ts:
+        raise ValueError("torchckpt: the model's output holds no tensor that requires grad; pass loss_fn=... (a function "
+                         "of the output returning a scalar to differentiate).")
+    return sum((t.float().square().mean() for t in ts), torch.zeros((), device=ts[0].device))
+
+
+def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+            blocks: Sequence[tuple[str, nn.Module]] | None = None,
+            loss_fn: Callable[[Any], torch.Tensor] | None = None, warmup: int = 1,
+            keep_sample: list[torch.Tensor] | None = None) -> Profile:
+    """Run and measure one step of ``model(*args, **kwargs)`` (NOTE [ Profiling step ]); gradients are left in place.
+
+    Args:
+        model: the model.
+        args / kwargs: an example batch.
+        blocks: the chain, ``(name, module)`` in forward order (default: ``find_blocks``).
+        loss_fn: output -> scalar (default: the output's ``.loss``, else the mean square of its tensors).
+        warmup: unmeasured steps first.
+        keep_sample: if a list, the largest tensor a block saved is appended to it (to measure a codec on).
+    """
+    chain = list(blocks) if blocks is not None else find_blocks(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    clock = _Clock(device)
+    loss_of = loss_fn if loss_fn is not None else _loss_of
+
+    def step(rec: _Recorder | None) -> None:
+        handles = []
+        if rec is not None:
+            for i, (_, mod) in enumerate(chain):
+                handles.append(_wrap(mod, i, rec))
+        try:
+            ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
+                   else contextlib.nullcontext())
+            with ctx:
+                out = model(*args, **kwargs)
+                loss = loss_of(out)
+            if rec is not None:
+                rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
+            loss.backward()
+        finally:
+            for h in handles:
+                h()
+
+    for _ in range(warmup):
+        step(None)
+    model.zero_grad(set_to_none=True)
+    clock.sync()
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    rec = _Recorder(chain, params, clock)
+    rec.keep_sample = keep_sample is not None
+    t0 = clock.mark()
+    step(rec)
+    t1 = clock.mark()
+    clock.sync()
+    peak = torch.cuda.max_memory_allocated(device) if clock.cuda else _cpu_peak(model, rec)
+    n = len(chain)
+    if keep_sample is not None and rec.sample is not None:
+        keep_sample.append(rec.sample)
+    fwd = [clock.between(a, b) for a, b in rec.fwd]
+    bwd = []
+    for i in range(n):
+        start = rec.grad_at_out[i]
+        end = rec.grad_at_in[i]
+        bwd.append(clock.between(start, end) if start is not None and end is not None else 0.0)
+    fwd_total = clock.between(t0, rec.fwd_end)  # type: ignore[attr-defined]
+    step_s = clock.between(t0, t1)
+    return Profile(
+        names=tuple(nm for nm, _ in chain), kinds=tuple(_kind(m) for _, m in chain),
+        saved=tuple(tuple(s) for s in rec.saved), input_bytes=tuple(rec.inputs),
+        fwd_s=tuple(fwd), bwd_s=tuple(bwd), other_saved_bytes=rec.other,
+        other_fwd_s=max(0.0, fwd_total - sum(fwd)), other_bwd_s=max(0.0, step_s - fwd_total - sum(bwd)),
+        step_s=step_s, peak_none=int(peak), device=str(device),
+    )
+
+
+def _cpu_peak(model: nn.Module, rec: _Recorder) -> int:
+    """On the CPU there is no allocator peak: parameters and gradients plus every saved byte."""
+    params = sum(p.numel() * p.element_size() for p in model.parameters())
+    return 2 * params + sum(s.nbytes for b in rec.saved for s in b) + rec.other
+
+
+def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
+    """Run ``mod``'s forward inside ``rec.block(i)``; returns the undo."""
+    had = "forward" in mod.__dict__
+    inner = mod.__dict__.get("forward", None)
+    call = inner if inner is not None else type(mod).forward.__get__(mod)
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        with rec.block(i, args, kwargs):
+            out = call(*args, **kwargs)
+        rec.output(i, out)
+        return out
+
+    object.__setattr__(mod, "forward", forward)
+
+    def undo() -> None:
+        if had:
+            object.__setattr__(mod, "forward", inner)
+        else:
+            del mod.__dict__["forward"]
+
+    return undo
+
+
+_LINKS: dict[str, Link] = {}
+
+
+def measure_link(device: torch.device, nbytes: int = 64 << 20, reps: int = 5) -> Link:
+    """Host-link bandwidth each way on ``device`` (median of ``reps`` copies of pinned memory), once per process.
+
+    On the CPU it is the bandwidth of a copy within host memory (what an offload there does).
+    """
+    key = str(device)
+    if key in _LINKS:
+        return _LINKS[key]
+    d = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    clock = _Clock(device)
+
+    def timed(fn: Callable[[], Any]) -> float:  # on the CPU, offloading is a copy within host memory
+        ts = []
+        for _ in range(reps + 1):
+            clock.sync()
+            a = clock.mark()
+            fn()
+            b = clock.mark()
+            clock.sync()
+            ts.append(max(clock.between(a, b), 1e-9))
+        ts = sorted(ts[1:])
+        return ts[len(ts) // 2]
+
+    link = Link(d2h=nbytes / timed(lambda: h.copy_(d, non_blocking=True)),
+                h2d=nbytes / timed(lambda: d.copy_(h, non_blocking=True)))
+    _LINKS[key] = link
+    return link
+
+
+def measure_codec(codec: Any, sample: torch.Tensor, reps: int = 3) -> CodecCost:
+    """``codec``'s ratio and throughputs on ``sample`` (a saved tensor of the profiled step)."""
+    clock = _Clock(sample.device)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        best = float("inf")
+        for _ in range(reps):
+            clock.sync()
+            a = clock.mark()
+            fn()
+            b = clock.mark()
+            clock.sync()
+            best = min(best, clock.between(a, b))
+        return max(best, 1e-9)
+
+    packed = codec.compress(sample)
+    nb = sample.numel() * sample.element_size()
+    tc = timed(lambda: codec.compress(sample))
+    td = timed(lambda: codec.decompress(packed))
+    g = codec.guarantee()
+    lossy = g.kind != "lossless"
+    return CodecCost(name=repr(codec), ratio=float(packed.ratio), compress=nb / tc, decompress=nb / td, lossy=lossy,
+                     bound=g.describe() if lossy else "")
