@@ -83,7 +83,7 @@ def test_every_decision_gives_plain_autograd_gradients_bit_for_bit(p: float) -> 
     some = tuple(k for k, s in enumerate(prof.saved[3]) if s.nbytes)[::2]
     allk = tuple(k for k, s in enumerate(prof.saved[2]) if s.nbytes)
     pl = _forced(m, x, [Decision("keep"), Decision("recompute"), Decision("offload", allk), Decision("offload", some),
-                        Decision("recompute")])
+                        Decision("recompute", host_inputs=True)])
     applied = pl.apply(m)
     try:
         got = _grads(m, x)

@@ -17,12 +17,17 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    block i is issued when the backward of block i + ``lookahead`` starts (at the end of the
 #    forward for the last blocks), on the host-to-device engine (FIFO), never before its
 #    device-to-host copy ended; block i waits for it (a stall).
-# 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks,
-#    offloaded tensors until their copy to host ends, then again from the start of their copy
-#    back to the end of their block's backward; a recomputed block holds all its saved tensors
-#    from its recomputation to the end of its backward. ``peak`` is the largest sum, sampled at
-#    every block boundary of both sweeps, plus ``Chain.fixed_bytes`` (parameters, gradients,
-#    optimiser state, the transient working memory measured at the no-checkpointing peak).
+# 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks
+#    (unless they go to host too), offloaded tensors until their copy to host ends, then again
+#    from the start of their copy back to the end of their block's backward; a recomputed block
+#    holds all its saved tensors from its recomputation to the end of its backward. The store's
+#    GPU cache (``cache_bytes``: room for the block in use and the one prefetched) keeps the
+#    most recent offloaded tensors resident up to its size, so offloaded bytes count at least
+#    ``min(cache, offloaded bytes not yet used)`` in both sweeps. ``peak`` is the largest sum, sampled at
+#    every block boundary of both sweeps, plus ``Chain.fixed_bytes``: what a step adds besides
+#    saved tensors (gradients allocated during backward, the transient working memory at the
+#    no-checkpointing peak). Memory allocated before the step (parameters, optimiser state) is
+#    not counted: a budget is what one step may add.
 # 4. With every block kept, the model's peak is ``fixed_bytes`` + every saved byte: the measured
 #    no-checkpointing peak, by the definition of ``fixed_bytes`` (``Chain.calibrated``).
 """
@@ -31,7 +36,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "simulate"]
+__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "cache_bytes", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,21 +136,32 @@ class Decision:
         offload: for ``"offload"``, indices into ``Block.saved`` of the tensors sent to host (the
             others are kept).
         compress: offloaded tensors go through the chain's codec.
+        host_inputs: for ``"recompute"``, the block's inputs go to host too (nothing of the block
+            stays on the device between its forward and its backward).
     """
 
     mode: str
     offload: tuple[int, ...] = ()
     compress: bool = False
+    host_inputs: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("keep", "recompute", "offload"):
             raise ValueError(f"torchckpt: Decision(mode=...) is 'keep', 'recompute' or 'offload', got {self.mode!r}.")
         if self.mode != "offload" and (self.offload or self.compress):
             raise ValueError("torchckpt: only Decision(mode='offload') takes offload=... and compress=True.")
+        if self.host_inputs and self.mode != "recompute":
+            raise ValueError("torchckpt: only Decision(mode='recompute') takes host_inputs=True.")
 
 
 KEEP = Decision("keep")
 RECOMPUTE = Decision("recompute")
+RECOMPUTE_HOST = Decision("recompute", host_inputs=True)
+
+
+def cache_bytes(offloaded: Sequence[int], lookahead: int = 1) -> int:
+    """The GPU cache a plan's store gets: ``lookahead + 1`` times the most bytes one block offloads (Rule 3)."""
+    return (lookahead + 1) * max(offloaded, default=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,8 +186,12 @@ class Prediction:
     at: str
 
 
-def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Prediction:
-    """Replay one step of ``chain`` under ``plan`` (one decision per block) on the model of NOTE [ Step model ]."""
+def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: bool = True) -> Prediction:
+    """Replay one step of ``chain`` under ``plan`` (one decision per block) on the model of NOTE [ Step model ].
+
+    ``cache=False`` leaves the store's GPU cache out of the memory (Rule 3): what the plan's
+    decisions alone free, which the search ranks moves by (NOTE [ Plan search ] Rule 2).
+    """
     blocks = chain.blocks
     n = len(blocks)
     if len(plan) != n:
@@ -187,8 +207,11 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Pred
         if d.mode == "keep":
             kept[i] = b.saved_bytes
         elif d.mode == "recompute":
-            kept[i] = b.input_bytes
             extra_b[i] = b.fwd_s
+            if d.host_inputs:
+                off[i] = wire[i] = b.input_bytes
+            else:
+                kept[i] = b.input_bytes
         else:
             o = sum(b.saved[k] for k in d.offload)
             kept[i] = b.saved_bytes - o
@@ -200,12 +223,16 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Pred
             else:
                 wire[i] = o
     base = chain.fixed_bytes + chain.other_saved_bytes
+    room = cache_bytes(off, lookahead) if cache else 0
+    offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
     # Forward (Rule 1): d2h[i] is when block i's copy to host ends.
     t = chain.other_fwd_s
     free = 0.0
     d2h = [0.0] * n
     resident = 0  # kept bytes so far
-    inflight: list[tuple[float, int]] = []  # (end of copy, bytes) not yet ended
+    queue: list[tuple[float, int]] = []  # (end of copy, bytes), in issue order: ends never decrease (FIFO)
+    head = 0
+    flying = 0  # bytes of copies not yet ended
     peak, at = base, "forward 0"
     for i in range(n):
         t += blocks[i].fwd_s + extra_f[i]
@@ -213,11 +240,15 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Pred
         if wire[i]:
             start = max(t, free)
             free = d2h[i] = start + wire[i] / d2h_bw
-            inflight.append((d2h[i], off[i]))
+            queue.append((d2h[i], off[i]))
+            flying += off[i]
         else:
             d2h[i] = t
-        inflight = [(e, nb) for e, nb in inflight if e > t]
-        mem = base + resident + sum(nb for _, nb in inflight)
+        offloaded += off[i]
+        while head < len(queue) and queue[head][0] <= t:
+            flying -= queue[head][1]
+            head += 1
+        mem = base + resident + max(flying, min(room, offloaded))
         if mem > peak:
             peak, at = mem, f"forward {i}"
     # Backward (Rule 2).
@@ -226,22 +257,24 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Pred
     ready = [0.0] * n
     issued = [False] * n
 
+    issued_bytes = 0  # offloaded bytes on the device again (issued copies back of blocks not yet done)
+
     def issue(k: int, now: float) -> None:
-        nonlocal h2d_free
+        nonlocal h2d_free, issued_bytes
         if k < 0 or issued[k] or not wire[k]:
             return
         issued[k] = True
+        issued_bytes += off[k]
         start = max(now, h2d_free, d2h[k])
         h2d_free = ready[k] = start + wire[k] / h2d_bw
 
     for k in range(n - 1, max(-1, n - 1 - lookahead), -1):
         issue(k, t)
     stall = recompute = 0.0
-    back = 0  # offloaded bytes on the device again (issued copies back of blocks not yet done)
     for i in range(n - 1, -1, -1):
         for k in range(i, max(-1, i - lookahead - 1), -1):
             issue(k, t)
-        back = sum(off[k] for k in range(i + 1) if issued[k])
+        back = max(issued_bytes, min(room, offloaded))
         if wire[i] and ready[i] > t:
             stall += ready[i] - t
             t = ready[i]
@@ -251,9 +284,14 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1) -> Pred
         else:
             materialised = kept[i]
         mem = base + resident - kept[i] + materialised + back
+        if plan[i].mode == "recompute" and plan[i].host_inputs:
+            mem -= min(off[i], back)  # its inputs, back on the device, are part of what it materialises
         if mem > peak:
             peak, at = mem, f"backward {i}"
         t += blocks[i].bwd_s + extra_b[i]
         resident -= kept[i]
+        offloaded -= off[i]
+        if issued[i]:
+            issued_bytes -= off[i]
         off[i] = 0
     return Prediction(peak, t, recompute, stall, sum(wire), sum(wire), at)

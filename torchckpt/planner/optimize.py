@@ -3,13 +3,18 @@
 # NOTE [ Plan search ]
 # 1. Each block has a ladder of options, ordered by the bytes they leave on the device: keep;
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
-#    recompute. Every option is simulated with the whole chain (``simulate``), so the link's
+#    recompute; recompute with its inputs on the host. Every option is simulated with the whole chain (``simulate``), so the link's
 #    contention and the position of the block (offloading the last blocks cannot be hidden) are
 #    priced, not assumed.
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
 #    to a lower rung) that lowers the predicted peak for the least added time per byte saved,
-#    until no move lowers it. Every plan on that path is recorded; the last one's peak is the
-#    floor this search can reach.
+#    until no move lowers it. Moves are ranked by the peak without the store's GPU cache (whose
+#    size follows the largest block's offload, so one offload alone seldom lowers the full peak);
+#    every plan on the path is recorded with its full prediction, cache included. The walk runs
+#    once per cap on the bytes one block may send to host (a block's inputs, a quarter, half and
+#    all of the largest block's saved bytes), since the cache a plan needs grows with that cap:
+#    small caps reach low peaks, large ones fast plans. All walks' plans are recorded; the lowest
+#    of their peaks is the floor this search reaches.
 # 3. For a budget, the answer is the fastest recorded plan whose predicted peak is at most the
 #    budget (among equally fast ones, the one moving the fewest bytes over the link). So a plan over the budget is never returned, and a larger budget, which admits every
 #    plan a smaller one admits, never gets a slower plan (time is non-increasing in the budget).
@@ -21,7 +26,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from torchckpt._errors import CheckpointError
-from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, Decision, Prediction, simulate
+from torchckpt.planner.costs import KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, simulate
 
 __all__ = ["PlanError", "Search", "ladder", "search"]
 
@@ -54,6 +59,8 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
             if compress:
                 out.append(Decision("offload", p, compress=True))
     out.append(RECOMPUTE)
+    if block.input_bytes:
+        out.append(RECOMPUTE_HOST)
     return out
 
 
@@ -61,7 +68,7 @@ def _device_bytes(block: Block, d: Decision) -> int:
     if d.mode == "keep":
         return block.saved_bytes
     if d.mode == "recompute":
-        return block.input_bytes
+        return 0 if d.host_inputs else block.input_bytes
     return block.saved_bytes - sum(block.saved[k] for k in d.offload)
 
 
@@ -93,16 +100,38 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:.2f} GiB"
 
 
+def _host_bytes(block: Block, d: Decision) -> int:
+    if d.mode == "recompute":
+        return block.input_bytes if d.host_inputs else 0
+    return block.saved_bytes - _device_bytes(block, d)
+
+
 def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
-    """Walk the plans from keep-everything down to the floor (NOTE [ Plan search ] Rule 2)."""
+    """Walk the plans from keep-everything down to the floor (NOTE [ Plan search ] Rules 2-3)."""
     blocks = chain.blocks
-    compress = chain.codec is not None
-    options = [ladder(b, compress, rungs) for b in blocks]
+    options = [ladder(b, chain.codec is not None, rungs) for b in blocks]
+    most = max((b.saved_bytes for b in blocks), default=0)
+    inputs = max((b.input_bytes for b in blocks), default=0)
+    caps = sorted({c for c in (inputs, most // 4, most // 2, most) if c > 0}) or [0]
+    plans: list[tuple[tuple[Decision, ...], Prediction]] = []
+    seen: set[tuple[Decision, ...]] = set()
+    for cap in caps:
+        allowed = [[d for d in opts if _host_bytes(b, d) <= cap] for b, opts in zip(blocks, options)]
+        for d, p in _walk(chain, allowed, lookahead):
+            if d not in seen:
+                seen.add(d)
+                plans.append((d, p))
+    return Search(chain, tuple(plans))
+
+
+def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
+    """One greedy walk over ``options`` (each block's ladder, keep first) (Rule 2)."""
+    blocks = chain.blocks
     nbytes = [[_device_bytes(b, d) for d in opts] for b, opts in zip(blocks, options)]
     pos = [0] * len(blocks)
     cur = [opts[0] for opts in options]
-    pred = simulate(chain, cur, lookahead)
-    plans = [(tuple(cur), pred)]
+    pred = simulate(chain, cur, lookahead, cache=False)
+    plans = [(tuple(cur), simulate(chain, cur, lookahead))]
     while True:
         best: tuple[float, int, int, Prediction] | None = None
         for i, opts in enumerate(options):
@@ -111,7 +140,7 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
                 if nbytes[i][j] >= here:
                     continue
                 cur[i] = opts[j]
-                p = simulate(chain, cur, lookahead)
+                p = simulate(chain, cur, lookahead, cache=False)
                 gain = pred.peak_bytes - p.peak_bytes
                 if gain > 0:
                     score = (p.step_s - pred.step_s) / gain
@@ -123,8 +152,8 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
         _, i, j, pred = best
         pos[i] = j
         cur[i] = options[i][j]
-        plans.append((tuple(cur), pred))
-    return Search(chain, tuple(plans))
+        plans.append((tuple(cur), simulate(chain, cur, lookahead)))
+    return plans
 
 
 def plan_for(chain: Chain, budget: int, rungs: int = 4, lookahead: int = 1) -> tuple[tuple[Decision, ...], Prediction]:

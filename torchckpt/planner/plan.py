@@ -6,9 +6,10 @@
 #    tensors=positions)`` for an offload, where ``positions`` are the block's saved tensors (by
 #    the order its forward saves them, NOTE [ Profiling step ] Rule 2) the plan sends to host; kept
 #    blocks are left as they are. ``Applied.remove()`` puts the blocks' forwards back.
-# 2. Offloads go through one ``Store`` made for the plan (unless one is passed), whose GPU cache
-#    holds two blocks' offloaded bytes: the block whose backward runs and the next one, prefetched
-#    (NOTE [ Step model ] Rule 2 with ``lookahead=1``).
+# 2. Offloads (and the inputs of blocks recomputed with ``host_inputs``, through
+#    ``Recompute(store=...)``) go through one ``Store`` made for the plan unless one is passed,
+#    whose GPU cache holds two blocks' offloaded bytes, the block whose backward runs and the next
+#    one, prefetched (``cache_bytes``; NOTE [ Step model ] Rules 2-3 with ``lookahead=1``).
 # 3. Every decision moves a saved tensor through the store or recomputes it exactly, so gradients
 #    are those of plain autograd whatever the plan, except with a lossy codec, which ``explain``
 #    and ``Plan.lossy`` state with its bound. If a block saves other tensors than profiled, the
@@ -27,13 +28,13 @@ from torch import nn
 from torchckpt._args import parse_bytes
 from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
-from torchckpt.planner.costs import Decision, Link, Prediction
+from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes
 from torchckpt.planner.optimize import search
 from torchckpt.planner.trace import Profile, SavedTensor, find_blocks, measure_codec, measure_link, profile
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
-__all__ = ["Applied", "BlockPlan", "Plan", "plan"]
+__all__ = ["Applied", "BlockPlan", "Plan", "plan", "plans"]
 
 _FORMAT = 1
 
@@ -47,6 +48,7 @@ class BlockPlan:
         mode: ``"keep"``, ``"recompute"`` or ``"offload"``.
         offload: positions of the saved tensors sent to host (``"offload"`` only).
         compress: the offloaded tensors go through the plan's codec.
+        host_inputs: (``"recompute"``) the block's inputs go to host too.
         tensors: the block's saved tensors as profiled.
         input_bytes: bytes of its inputs.
         fwd_s / bwd_s: measured forward and backward time.
@@ -56,6 +58,7 @@ class BlockPlan:
     mode: str
     offload: tuple[int, ...]
     compress: bool
+    host_inputs: bool
     tensors: tuple[SavedTensor, ...]
     input_bytes: int
     fwd_s: float
@@ -71,8 +74,15 @@ class BlockPlan:
         if self.mode == "keep":
             return self.saved_bytes
         if self.mode == "recompute":
-            return self.input_bytes
+            return 0 if self.host_inputs else self.input_bytes
         return self.saved_bytes - sum(self.tensors[k].nbytes for k in self.offload)
+
+    @property
+    def host_bytes(self) -> int:
+        """Bytes this block sends to host (before compression)."""
+        if self.mode == "recompute":
+            return self.input_bytes if self.host_inputs else 0
+        return self.saved_bytes - self.device_bytes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,6 +140,9 @@ class Plan:
                 pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             elif b.mode == "recompute":
                 what, cost, pre = "recompute", f"{b.fwd_s * 1e3:8.2f}", "-"
+                if b.host_inputs:
+                    what = "recompute, inputs host"
+                    pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             else:
                 what, cost, pre = "keep", f"{0:8.2f}", "-"
             lines.append(f"{b.name:<28} {what:<22} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
@@ -188,17 +201,16 @@ class Plan:
             except AttributeError as e:
                 raise ValueError(f"torchckpt: the model has no block {b.name!r} of this plan; apply a plan to the model "
                                  "it was made for.") from e
-        if store is None and any(b.mode == "offload" for b in self.blocks):
+        if store is None and any(b.host_bytes for b in self.blocks):
             first = next(iter(model.parameters()), None)
             dev = first.device if first is not None else torch.device(self.device)
-            most = max((b.saved_bytes - b.device_bytes for b in self.blocks if b.mode == "offload"), default=0)
-            store = Store(device=dev, gpu_bytes=2 * most, min_bytes=0)
+            store = Store(device=dev, gpu_bytes=cache_bytes([b.host_bytes for b in self.blocks]), min_bytes=0)
         undo = []
         for b, mod in zip(self.blocks, mods):
             if b.mode == "keep":
                 continue
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
-            policy: Any = Recompute() if b.mode == "recompute" else Offload(
+            policy: Any = Recompute(store=store if b.host_inputs else None) if b.mode == "recompute" else Offload(
                 store, codec if b.compress else None, tensors=frozenset(b.offload))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))
@@ -235,8 +247,9 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
     Args:
         model: the model; its chain of blocks is found (``find_blocks``) unless ``blocks`` is given.
         *example_args / **example_kwargs: a batch of the shape training will use.
-        budget: device bytes for the whole step (parameters, gradients and optimizer state
-            included): an int or a string such as ``"6GiB"``.
+        budget: device bytes one step may add to what is allocated when it starts (parameters
+            and optimizer state are not counted; gradients allocated during the step are): an
+            int or a string such as ``"6GiB"``.
         codec: a ``torchckpt.codecs.Codec`` offloads may use (lossy ones say so in ``explain()``).
         blocks: the blocks to plan, in forward order.
         loss_fn: output -> scalar loss (default: the output's ``.loss``, else the mean square of its tensors).
@@ -257,34 +270,69 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         ['keep', 'keep', 'keep', 'keep']
     """
     nbytes = parse_bytes(budget, "plan(budget=...)")
-    if codec is not None and not isinstance(codec, Codec):
-        raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got {type(codec).__name__};"
-                        " pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
-    named = None
-    if blocks is not None:
-        names = {id(m): n for n, m in model.named_modules()}
-        missing = [b for b in blocks if id(b) not in names]
-        if missing:
-            raise ValueError("torchckpt: plan(blocks=...) must be submodules of the model, in forward order; "
-                             f"{type(missing[0]).__name__} is not one.")
-        named = [(names[id(b)], b) for b in blocks]
-    chain_mods = named if named is not None else find_blocks(model)
-    sample: list[torch.Tensor] = []
-    prof = profile(model, example_args, example_kwargs, blocks=chain_mods, loss_fn=loss_fn,
-                   keep_sample=sample if codec is not None else None)
-    dev = torch.device(prof.device)
-    ln = link if link is not None else measure_link(dev)
-    ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
-    chain = prof.chain(ln, ccost)
-    found = search(chain)
-    decisions, pred = found.best(nbytes)
-    return _make(prof, decisions, pred, found.floor, found.plans[0][1], nbytes, ln, ccost)
+    return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link).plan(nbytes)
+
+
+def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], codec: Codec | None = None,
+          blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+          link: Link | None = None, **example_kwargs: Any) -> dict[int, Plan]:
+    """``plan`` for several budgets from one profiling step: ``{budget in bytes: Plan}``.
+
+    Budgets under the lowest reachable peak are left out (``plan`` raises for them); the
+    arguments are those of ``plan``.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> ps = plans(model, torch.randn(32, 64, requires_grad=True), budgets=[1, "1GiB"])
+        >>> list(ps)
+        [1073741824]
+    """
+    sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
+    p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link)
+    return {b: p.plan(b) for b in sizes if b >= p.found.floor}
+
+
+class _Planned:
+    """One profiling step and its search, planned for any budget."""
+
+    def __init__(self, prof: Profile, link: Link, codec: CodecCost | None) -> None:
+        self.prof, self.link, self.codec = prof, link, codec
+        self.found = search(prof.chain(link, codec))
+
+    @staticmethod
+    def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
+                blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
+                link: Link | None) -> _Planned:
+        if codec is not None and not isinstance(codec, Codec):
+            raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got "
+                            f"{type(codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
+        named = None
+        if blocks is not None:
+            names = {id(m): n for n, m in model.named_modules()}
+            missing = [b for b in blocks if id(b) not in names]
+            if missing:
+                raise ValueError("torchckpt: plan(blocks=...) must be submodules of the model, in forward order; "
+                                 f"{type(missing[0]).__name__} is not one.")
+            named = [(names[id(b)], b) for b in blocks]
+        chain_mods = named if named is not None else find_blocks(model)
+        sample: list[torch.Tensor] = []
+        prof = profile(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
+                       keep_sample=sample if codec is not None else None)
+        ln = link if link is not None else measure_link(torch.device(prof.device))
+        ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
+        return _Planned(prof, ln, ccost)
+
+    def plan(self, budget: int) -> Plan:
+        decisions, pred = self.found.best(budget)
+        return _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link, self.codec)
 
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
           link: Link, codec: Any) -> Plan:
-    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, prof.saved[i], prof.input_bytes[i],
-                             prof.fwd_s[i], prof.bwd_s[i]) for i, d in enumerate(decisions))
+    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host_inputs, prof.saved[i],
+                             prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i]) for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=prof.peak_none, none_step_time=none.step_s, floor_bytes=floor,
                 codec=codec.name if codec is not None else None, lossy=bool(codec is not None and codec.lossy),

@@ -15,8 +15,10 @@
 #    forward between its forward's start and end; its backward from the gradient's arrival at its
 #    output to its arrival at its input (the previous block's output). The step is run
 #    ``warmup`` times first, unmeasured, so allocator and kernel caches are warm.
-# 4. The no-checkpointing peak is the device's peak allocated bytes over the profiled step; the
-#    host link is measured each way with pinned 64 MiB copies, once per process and device.
+# 4. The no-checkpointing peak is the device's peak allocated bytes over the profiled step minus
+#    what was allocated when it started (parameters, optimiser state, gradients left by earlier
+#    steps): a budget counts what a step adds. The host link is measured each way with pinned
+#    64 MiB copies, once per process and device.
 """
 from __future__ import annotations
 
@@ -228,6 +230,8 @@ def _loss_of(out: Any) -> torch.Tensor:
     loss = getattr(out, "loss", None)
     if isinstance(loss, torch.Tensor) and loss.requires_grad:
         return loss
+    if isinstance(out, torch.Tensor) and out.numel() == 1 and out.requires_grad:
+        return out
     ts = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
     if not ts:
         raise ValueError("torchckpt: the model's output holds no tensor that requires grad; pass loss_fn=... (a function "
@@ -245,7 +249,8 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         model: the model.
         args / kwargs: an example batch.
         blocks: the chain, ``(name, module)`` in forward order (default: ``find_blocks``).
-        loss_fn: output -> scalar (default: the output's ``.loss``, else the mean square of its tensors).
+        loss_fn: output -> scalar (default: the output's ``.loss``, the output if it is a scalar, else the
+            mean square of its tensors).
         warmup: unmeasured steps first.
         keep_sample: if a list, the largest tensor a block saved is appended to it (to measure a codec on).
     """
@@ -277,17 +282,18 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
     for _ in range(warmup):
         step(None)
-    model.zero_grad(set_to_none=True)
     clock.sync()
+    start_bytes = 0
     if clock.cuda:
         torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
     rec = _Recorder(chain, params, clock)
     rec.keep_sample = keep_sample is not None
     t0 = clock.mark()
     step(rec)
     t1 = clock.mark()
     clock.sync()
-    peak = torch.cuda.max_memory_allocated(device) if clock.cuda else _cpu_peak(model, rec)
+    peak = torch.cuda.max_memory_allocated(device) - start_bytes if clock.cuda else _cpu_peak(model, rec)
     n = len(chain)
     if keep_sample is not None and rec.sample is not None:
         keep_sample.append(rec.sample)
@@ -309,9 +315,9 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
 
 
 def _cpu_peak(model: nn.Module, rec: _Recorder) -> int:
-    """On the CPU there is no allocator peak: parameters and gradients plus every saved byte."""
-    params = sum(p.numel() * p.element_size() for p in model.parameters())
-    return 2 * params + sum(s.nbytes for b in rec.saved for s in b) + rec.other
+    """On the CPU there is no allocator peak: the gradients plus every saved byte."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    return grads + sum(s.nbytes for b in rec.saved for s in b) + rec.other
 
 
 def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
@@ -389,7 +395,7 @@ def measure_codec(codec: Any, sample: torch.Tensor, reps: int = 3) -> CodecCost:
     nb = sample.numel() * sample.element_size()
     tc = timed(lambda: codec.compress(sample))
     td = timed(lambda: codec.decompress(packed))
-    g = codec.guarantee()
+    g = codec.guarantee
     lossy = g.kind != "lossless"
     return CodecCost(name=repr(codec), ratio=float(packed.ratio), compress=nb / tc, decompress=nb / td, lossy=lossy,
                      bound=g.describe() if lossy else "")

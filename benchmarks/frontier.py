@@ -1,0 +1,293 @@
+"""The memory/time frontier: torchckpt's planner against what users have today, in one run.
+
+Model: the GPT-style stack of the planner issue (``--shape D,H,S,B,L``, default 2048,16,2048,8,16:
+16 blocks, d2048, 16 heads, seq 2048, batch 8, bf16; loss ``h.float().square().mean()``), as
+../shared/bench/peers_train.py builds it.
+
+Methods, each measured the same way in this process:
+  none           plain autograd
+  checkpoint     ``torch.utils.checkpoint`` per block (non-reentrant)
+  every_other    ``torch.utils.checkpoint`` on every other block
+  sac            torch SAC per block: save mm/addmm/attention outputs, recompute the rest
+  offload_all    ``torchckpt.Offload`` on every block (a store with no GPU cache)
+  plan_{B}       ``torchckpt.plan(..., budget=B GiB)`` applied, lossless
+  plan_q4_{B}    the same with ``codec=TritonQuant(bits=4, mode="rel", bound=0.1)`` (LOSSY: each value
+                 within 0.1 x the max |x| of its block of 256)
+  compile_b{F}   ``torch.compile`` with ``activation_memory_budget = F`` (``--compile``)
+
+Each: 2 warm-up steps, then the median of ``--reps`` steps; peak = max_memory_allocated over the timed
+steps minus memory_allocated before them (gradients of earlier steps included in that base, as in
+peers_train.py). For planned settings the plan's predicted peak and step time are recorded beside
+the measured ones. One profiling step serves every budget of a codec (``torchckpt.planner.plans``).
+Prints the table with ratios to ``none`` of this run; writes ``frontier.json`` and ``frontier.png``
+(step time against peak, one line per method) to ``--out``. Without CUDA it runs a tiny shape.
+
+    python benchmarks/frontier.py [--shape 2048,16,2048,8,16] [--budgets 1.2,2.3,3.5,5,7,9,12,14]
+                                  [--q4-budgets 1.2,2.3,5] [--reps 5] [--compile] [--only a,b] [--out DIR]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import json
+import os
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+import torchckpt
+from torchckpt.planner import plans
+
+GiB = 2**30
+aten = torch.ops.aten
+SAVE = {getattr(aten, op).default for op in (
+    "mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, op)}
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.h, d // self.h).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Stack(nn.Module):
+    def __init__(self, d: int, h: int, layers: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.wrap: Callable[[int, nn.Module, torch.Tensor], torch.Tensor] | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, blk in enumerate(self.blocks):
+            x = self.wrap(i, blk, x) if self.wrap is not None else blk(x)
+        return x.float().square().mean()
+
+
+def sac_policy(ctx: Any, op: Any, *a: Any, **k: Any) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in SAVE else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.dev = torch.device("cuda" if self.cuda else "cpu")
+        d, h, s, b, layers = args.shape
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        torch.manual_seed(0)
+        self.model = Stack(d, h, layers).to(self.dev, self.dtype)
+        self.x = torch.randn(b, s, d, device=self.dev, dtype=self.dtype, requires_grad=True)
+        self.reps = args.reps
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def measure(self, step: Callable[[], None]) -> dict[str, float | None]:
+        for _ in range(2):
+            step()
+        self.sync()
+        base = 0
+        if self.cuda:
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+        ts = []
+        for _ in range(self.reps):
+            self.sync()
+            t0 = time.perf_counter()
+            step()
+            self.sync()
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        peak = (torch.cuda.max_memory_allocated() - base) / GiB if self.cuda else None
+        return {"step_s": ts[len(ts) // 2], "peak_GiB": peak}
+
+    def step(self) -> None:
+        self.model(self.x).backward()
+
+    def clean(self) -> None:
+        self.model.wrap = None
+        gc.collect()
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--shape", default=None, help="D,H,S,B,L (default 2048,16,2048,8,16 on CUDA, 64,4,32,2,6 on CPU)")
+    p.add_argument("--budgets", default=None, help="GiB, lossless plans (default 1.2,2.3,3.5,5,7,9,12,14)")
+    p.add_argument("--q4-budgets", default=None, help="GiB, plans with TritonQuant(bits=4) (default 1.2,2.3,5; CUDA)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--compile", action="store_true", help="also torch.compile with activation_memory_budget")
+    p.add_argument("--only", default="", help="run only methods whose name starts with one of these")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    cuda = torch.cuda.is_available()
+    args.shape = tuple(int(v) for v in (args.shape or ("2048,16,2048,8,16" if cuda else "64,4,32,2,6")).split(","))
+    budgets = [float(v) for v in (args.budgets or ("1.2,2.3,3.5,5,7,9,12,14" if cuda else "0.002,0.004,0.006")).split(",")]
+    q4 = [float(v) for v in (args.q4_budgets or ("1.2,2.3,5" if cuda else "")).split(",") if v]
+    out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
+    os.makedirs(out, exist_ok=True)
+    only = [o for o in args.only.split(",") if o]
+    bench = Bench(args)
+    gpu = torch.cuda.get_device_name() if cuda else "cpu"
+    print(f"frontier: {gpu}, torch {torch.__version__}, shape D,H,S,B,L = {args.shape}, {bench.dtype}", flush=True)
+    rows: list[dict[str, Any]] = []
+    result: dict[str, Any] = {"device": gpu, "torch": torch.__version__, "shape": args.shape, "rows": rows}
+
+    def save() -> None:
+        with open(os.path.join(out, "frontier.json"), "w") as f:
+            json.dump(result, f, indent=1)
+
+    def run(name: str, method: str, setup: Callable[[], Any], extra: dict[str, Any] | None = None) -> None:
+        if only and not any(name.startswith(o) for o in only):
+            return
+        row: dict[str, Any] = {"name": name, "method": method, **(extra or {})}
+        try:
+            undo = setup()
+            try:
+                row.update(bench.measure(bench.step))
+            finally:
+                if callable(undo):
+                    undo()
+        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
+            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            traceback.print_exc()
+        bench.clean()
+        rows.append(row)
+        none = next((r for r in rows if r["name"] == "none" and "step_s" in r), None)
+        if "step_s" in row:
+            ratio = row["step_s"] / none["step_s"] if none else float("nan")
+            row["x_none"] = ratio
+            pk = f"{row['peak_GiB']:.2f} GiB" if row.get("peak_GiB") is not None else "-"
+            pred = (f"   predicted {row['pred_peak_GiB']:.2f} GiB, {row['pred_step_s'] * 1e3:.1f} ms"
+                    if "pred_peak_GiB" in row else "")
+            print(f"{name:<16} {row['step_s'] * 1e3:9.1f} ms {ratio:6.2f}x {pk:>11}{pred}", flush=True)
+        else:
+            print(f"{name:<16} error: {row['error']}", flush=True)
+        save()
+
+    m = bench.model
+
+    def wrap(fn: Callable[[int, nn.Module, torch.Tensor], torch.Tensor]) -> Callable[[], None]:
+        m.wrap = fn
+        return lambda: setattr(m, "wrap", None)
+
+    run("none", "none", lambda: None)
+    run("checkpoint", "checkpoint", lambda: wrap(lambda i, b, x: checkpoint(b, x, use_reentrant=False)))
+    run("every_other", "every_other",
+        lambda: wrap(lambda i, b, x: checkpoint(b, x, use_reentrant=False) if i % 2 == 0 else b(x)))
+    run("sac", "sac", lambda: wrap(lambda i, b, x: checkpoint(
+        b, x, use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy))))
+    store_all = torchckpt.Store(bench.dev, gpu_bytes=0, min_bytes=0)
+    run("offload_all", "offload_all",
+        lambda: wrap(lambda i, b, x: torchckpt.api.run(torchckpt.Offload(store_all), b, x, module=b)))
+
+    for codec_name, bl in (("", budgets), ("q4", q4)):
+        if not bl or (only and not any(o.startswith("plan") for o in only)):
+            continue
+        codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name else None
+        t0 = time.perf_counter()
+        try:
+            found = plans(m, bench.x, budgets=[int(b * GiB) for b in bl], codec=codec)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            rows.append({"name": f"plan{codec_name}", "error": f"{type(e).__name__}: {e}"})
+            continue
+        bench.clean()
+        plan_s = time.perf_counter() - t0
+        print(f"planned {len(found)} of {len(bl)} budgets{' with ' + codec_name if codec_name else ''} in {plan_s:.1f} s "
+              "(profiling step included)", flush=True)
+        for b in bl:
+            name = f"plan{'_' + codec_name if codec_name else ''}_{b:g}"
+            pl = found.get(int(b * GiB))
+            if pl is None:
+                rows.append({"name": name, "method": f"plan{codec_name}", "budget_GiB": b, "error": "below the floor"})
+                print(f"{name:<16} below the floor", flush=True)
+                continue
+            with open(os.path.join(out, f"{name}.txt"), "w") as f:
+                pl.explain(file=f)
+            extra = {"budget_GiB": b, "pred_peak_GiB": pl.peak_bytes / GiB, "pred_step_s": pl.step_time,
+                     "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
+                     "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
+                                   for bp in pl.blocks]}
+            holder: dict[str, Any] = {}
+
+            def setup(pl: Any = pl, codec: Any = codec) -> Callable[[], None]:
+                a = pl.apply(m, codec=codec)
+                holder["a"] = a
+                return a.remove
+
+            run(name, f"plan{codec_name}", setup, extra)
+
+    if args.compile and cuda:
+        import torch._functorch.config as fconf
+
+        for frac in (0.7, 0.5, 0.3, 0.1):
+            def setup(frac: float = frac) -> Callable[[], None]:
+                torch._dynamo.reset()
+                fconf.activation_memory_budget = frac
+                compiled = torch.compile(bench.model)
+                old = bench.step
+                bench.step = lambda: compiled(bench.x).backward()  # type: ignore[method-assign]
+
+                def undo() -> None:
+                    bench.step = old  # type: ignore[method-assign]
+                    fconf.activation_memory_budget = 1.0
+
+                return undo
+
+            run(f"compile_b{frac:g}", "compile", setup, {"budget_fraction": frac})
+
+    save()
+    plot(rows, os.path.join(out, "frontier.png"), gpu)
+
+
+def plot(rows: list[dict[str, Any]], path: str, gpu: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot")
+        return
+    ok = [r for r in rows if r.get("peak_GiB") is not None and "step_s" in r]
+    if not ok:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    by: dict[str, list[dict[str, Any]]] = {}
+    for r in ok:
+        by.setdefault(r["method"], []).append(r)
+    for method, rs in by.items():
+        rs = sorted(rs, key=lambda r: r["peak_GiB"])
+        ax.plot([r["peak_GiB"] for r in rs], [r["step_s"] * 1e3 for r in rs], "o-" if len(rs) > 1 else "o",
+                label=method + (" (lossy)" if rs[0].get("lossy") else ""))
+    ax.set_xlabel("peak memory above the step's start, GiB")
+    ax.set_ylabel("step time, ms")
+    ax.set_title(f"Memory/time frontier, GPT stack, {gpu}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
