@@ -224,6 +224,7 @@ def main() -> None:
             with open(os.path.join(out, f"{name}.txt"), "w") as f:
                 pl.explain(file=f)
             extra = {"budget_GiB": b, "pred_peak_GiB": pl.peak_bytes / GiB, "pred_step_s": pl.step_time,
+                     "verified_peak_GiB": pl.measured_peak_bytes / GiB if pl.measured_peak_bytes is not None else None,
                      "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
                      "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
                                    for bp in pl.blocks]}

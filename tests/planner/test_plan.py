@@ -161,3 +161,33 @@ def test_offload_of_chosen_positions_moves_only_those() -> None:
     got = torch.autograd.grad(wrapped(x).sum(), [x])
     assert torch.equal(ref[0], got[0])
     assert store.stats().offloaded == 1
+
+
+def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
+    """NOTE [ Applying a plan ] Rule 4 with a stand-in for the measured step (the CPU has no allocator peak)."""
+    from torchckpt.planner.plan import _REPLANS, _Planned
+
+    m = Net(6)
+    x = torch.randn(64, D)
+    prof = profile(m, (x,), {})
+    seen: list[int] = []
+
+    def over_by(extra: int):
+        def step(p: Plan) -> int:
+            seen.append(p.peak_bytes)
+            return p.peak_bytes + extra
+        return step
+
+    ok = _Planned(prof, Link(2e8, 2e8), None, over_by(0))
+    hi = ok.found.plans[0][1].peak_bytes
+    budget = (ok.found.floor + hi) // 2
+    assert ok.plan(budget).measured_peak_bytes <= budget
+    seen.clear()
+    extra = (budget - ok.found.floor) // 3  # a step peaks a little above each prediction: planned again, lower
+    p = _Planned(prof, Link(2e8, 2e8), None, over_by(extra)).plan(budget)
+    assert p.measured_peak_bytes <= budget and p.budget == budget
+    assert len(seen) >= 2 and seen == sorted(seen, reverse=True)
+    seen.clear()
+    with pytest.raises(PlanError, match="when measured"):
+        _Planned(prof, Link(2e8, 2e8), None, over_by(hi)).plan(budget)
+    assert 1 <= len(seen) <= _REPLANS + 1

@@ -20,7 +20,8 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 # 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks
 #    (unless they go to host too), offloaded tensors until their copy to host ends, then again
 #    from the start of their copy back to the end of their block's backward; a recomputed block
-#    holds all its saved tensors from its recomputation to the end of its backward. The store's
+#    holds all its saved tensors from its recomputation to the end of its backward, and every
+#    block's backward adds its measured working memory (``Block.bwd_bytes``). The store's
 #    GPU cache (``cache_bytes``: room for the block in use and the one prefetched) keeps the
 #    most recent offloaded tensors resident up to its size, so offloaded bytes count at least
 #    ``min(cache, offloaded bytes not yet used)`` in both sweeps. ``peak`` is the largest sum, sampled at
@@ -28,8 +29,8 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    saved tensors (gradients allocated during backward, the transient working memory at the
 #    no-checkpointing peak). Memory allocated before the step (parameters, optimiser state) is
 #    not counted: a budget is what one step may add.
-# 4. With every block kept, the model's peak is ``fixed_bytes`` + every saved byte: the measured
-#    no-checkpointing peak, by the definition of ``fixed_bytes`` (``Chain.calibrated``).
+# 4. ``fixed_bytes`` is chosen so that keeping every block predicts the measured
+#    no-checkpointing peak (``Chain.calibrated``).
 """
 from __future__ import annotations
 
@@ -84,6 +85,8 @@ class Block:
         saved: bytes of each tensor the block saves for backward, parameters and views of them
             left out (they stay by reference whatever the plan), each storage counted once.
         kind: blocks with the same kind have the same structure (their decisions can be shared).
+        bwd_bytes: the most bytes its backward allocates beyond what was allocated when it
+            started (gradients of its activations, temporaries).
     """
 
     name: str
@@ -92,6 +95,7 @@ class Block:
     input_bytes: int
     saved: tuple[int, ...]
     kind: str = ""
+    bwd_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -123,8 +127,9 @@ class Chain:
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
                    other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> Chain:
         """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4)."""
-        saved = sum(b.saved_bytes for b in blocks) + other_saved_bytes
-        return Chain(tuple(blocks), max(0, peak_none - saved), other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
+        bare = Chain(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
+        keep = simulate(bare, [KEEP] * len(blocks)).peak_bytes
+        return dataclasses.replace(bare, fixed_bytes=max(0, peak_none - keep))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -283,7 +288,7 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
             materialised = blocks[i].saved_bytes
         else:
             materialised = kept[i]
-        mem = base + resident - kept[i] + materialised + back
+        mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes
         if plan[i].mode == "recompute" and plan[i].host_inputs:
             mem -= min(off[i], back)  # its inputs, back on the device, are part of what it materialises
         if mem > peak:

@@ -11,8 +11,8 @@
 #    until no move lowers it. Moves are ranked by the peak without the store's GPU cache (whose
 #    size follows the largest block's offload, so one offload alone seldom lowers the full peak);
 #    every plan on the path is recorded with its full prediction, cache included. The walk runs
-#    once per cap on the bytes one block may send to host (a block's inputs, a quarter, half and
-#    all of the largest block's saved bytes), since the cache a plan needs grows with that cap:
+#    once per cap on the bytes one block may send to host (none, a block's inputs, a quarter,
+#    half and all of the largest block's saved bytes), since the cache a plan needs grows with that cap:
 #    small caps reach low peaks, large ones fast plans. All walks' plans are recorded; the lowest
 #    of their peaks is the floor this search reaches.
 # 3. For a budget, the answer is the fastest recorded plan whose predicted peak is at most the
@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import dataclasses
+import heapq
 from collections.abc import Sequence
 
 from torchckpt._errors import CheckpointError
@@ -89,15 +90,16 @@ class Search:
         fit = [(d, p) for d, p in self.plans if p.peak_bytes <= budget]
         if not fit:
             raise PlanError(
-                f"torchckpt: no plan fits a budget of {_gib(budget)}: the lowest peak this model reaches is "
-                f"{_gib(self.floor)} ({self.floor} bytes, parameters, gradients and the blocks' inputs included); "
+                f"torchckpt: no plan fits a budget of {size(budget)}: the lowest peak this model reaches is "
+                f"{size(self.floor)} ({self.floor} bytes, parameters, gradients and the blocks' inputs included); "
                 f"pass budget >= {self.floor}, or make the step smaller (batch, sequence length)."
             )
         return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def size(n: float) -> str:
+    """``n`` bytes in GiB, or MiB below 1 GiB (error messages, ``explain``)."""
+    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
 
 
 def _host_bytes(block: Block, d: Decision) -> int:
@@ -112,7 +114,7 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
     options = [ladder(b, chain.codec is not None, rungs) for b in blocks]
     most = max((b.saved_bytes for b in blocks), default=0)
     inputs = max((b.input_bytes for b in blocks), default=0)
-    caps = sorted({c for c in (inputs, most // 4, most // 2, most) if c > 0}) or [0]
+    caps = sorted({0, inputs, most // 4, most // 2, most})
     plans: list[tuple[tuple[Decision, ...], Prediction]] = []
     seen: set[tuple[Decision, ...]] = set()
     for cap in caps:
@@ -125,34 +127,58 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
 
 
 def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
-    """One greedy walk over ``options`` (each block's ladder, keep first) (Rule 2)."""
+    """One greedy walk over ``options`` (each block's ladder, keep first) (Rule 2).
+
+    Lazy greedy: a move's score (added time per byte of peak saved) is kept from when it was last
+    simulated; the best stale score is simulated again and taken if it still beats every other
+    stale score. When no stale score is left, every move is simulated again before the walk ends.
+    """
     blocks = chain.blocks
     nbytes = [[_device_bytes(b, d) for d in opts] for b, opts in zip(blocks, options)]
     pos = [0] * len(blocks)
     cur = [opts[0] for opts in options]
     pred = simulate(chain, cur, lookahead, cache=False)
     plans = [(tuple(cur), simulate(chain, cur, lookahead))]
-    while True:
-        best: tuple[float, int, int, Prediction] | None = None
-        for i, opts in enumerate(options):
-            here = nbytes[i][pos[i]]
-            for j in range(pos[i] + 1, len(opts)):
-                if nbytes[i][j] >= here:
-                    continue
-                cur[i] = opts[j]
-                p = simulate(chain, cur, lookahead, cache=False)
-                gain = pred.peak_bytes - p.peak_bytes
-                if gain > 0:
-                    score = (p.step_s - pred.step_s) / gain
-                    if best is None or score < best[0] or (score == best[0] and p.peak_bytes < best[3].peak_bytes):
-                        best = (score, i, j, p)
-            cur[i] = opts[pos[i]]
-        if best is None:
-            break
-        _, i, j, pred = best
-        pos[i] = j
+
+    def score(i: int, j: int) -> tuple[float, int] | None:
         cur[i] = options[i][j]
-        plans.append((tuple(cur), simulate(chain, cur, lookahead)))
+        p = simulate(chain, cur, lookahead, cache=False)
+        cur[i] = options[i][pos[i]]
+        gain = pred.peak_bytes - p.peak_bytes
+        return ((p.step_s - pred.step_s) / gain, -p.peak_bytes) if gain > 0 else None
+
+    def moves(i: int) -> list[int]:
+        return [j for j in range(pos[i] + 1, len(options[i])) if nbytes[i][j] < nbytes[i][pos[i]]]
+
+    def scan() -> list[tuple[float, int, int, int]]:
+        heap = []
+        for i in range(len(blocks)):
+            for j in moves(i):
+                sc = score(i, j)
+                if sc is not None:
+                    heap.append((sc[0], sc[1], i, j))
+        heapq.heapify(heap)
+        return heap
+
+    heap = scan()
+    while heap:
+        _, _, i, j = heapq.heappop(heap)
+        if j <= pos[i] or nbytes[i][j] >= nbytes[i][pos[i]]:
+            continue
+        sc = score(i, j)
+        if sc is not None and (not heap or sc <= heap[0][:2]):
+            pos[i] = j
+            cur[i] = options[i][j]
+            pred = simulate(chain, cur, lookahead, cache=False)
+            plans.append((tuple(cur), simulate(chain, cur, lookahead)))
+            for jj in moves(i):
+                s2 = score(i, jj)
+                if s2 is not None:
+                    heapq.heappush(heap, (s2[0], s2[1], i, jj))
+        elif sc is not None:
+            heapq.heappush(heap, (sc[0], sc[1], i, j))
+        if not heap:
+            heap = scan()
     return plans
 
 

@@ -14,6 +14,11 @@
 #    are those of plain autograd whatever the plan, except with a lossy codec, which ``explain``
 #    and ``Plan.lossy`` state with its bound. If a block saves other tensors than profiled, the
 #    positions only change which tensors go to host: the result is still exact.
+# 4. A plan is checked on the device before it is returned (``verify=True``): two steps run
+#    under it and the second one's peak is measured (the first builds the store's prefetch
+#    plan). Over the budget, the plan is made again for its prediction less the excess, up to
+#    ``_REPLANS`` times; then ``PlanError`` says what was measured. So a returned plan's measured
+#    peak is at most its budget, whatever the model of NOTE [ Step model ] left out.
 """
 from __future__ import annotations
 
@@ -29,14 +34,15 @@ from torchckpt._args import parse_bytes
 from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes
-from torchckpt.planner.optimize import search
-from torchckpt.planner.trace import Profile, SavedTensor, find_blocks, measure_codec, measure_link, profile
+from torchckpt.planner.optimize import PlanError, search, size
+from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, find_blocks, measure_codec, measure_link, profile
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
 __all__ = ["Applied", "BlockPlan", "Plan", "plan", "plans"]
 
 _FORMAT = 1
+_REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +106,8 @@ class Plan:
         lossy / bound: whether that codec is lossy, and its bound in words.
         link: the measured host link, bytes/s each way.
         device: where the profiling step ran.
+        measured_peak_bytes: the peak of a step run under the plan when it was made (CUDA; ``None``
+            on the CPU, which has no allocator statistics, or with ``verify=False``).
     """
 
     budget: int
@@ -114,6 +122,7 @@ class Plan:
     bound: str
     link: tuple[float, float]
     device: str
+    measured_peak_bytes: int | None = None
 
     # -- reading ----------------------------------------------------------------------------
     def explain(self, file: Any = None) -> str:
@@ -124,7 +133,8 @@ class Plan:
             f"{self.peak_bytes / g:.2f} GiB, step {self.step_time * 1e3:.1f} ms "
             f"(no checkpointing: {self.none_peak_bytes / g:.2f} GiB, {self.none_step_time * 1e3:.1f} ms, "
             f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
-            f"floor {self.floor_bytes / g:.2f} GiB",
+            f"floor {self.floor_bytes / g:.2f} GiB"
+            + (f"; measured peak {self.measured_peak_bytes / g:.2f} GiB" if self.measured_peak_bytes is not None else ""),
             f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
         ]
         if self.codec is not None:
@@ -236,13 +246,16 @@ class Applied:
 
 def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec | None = None,
          blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-         link: Link | None = None, **example_kwargs: Any) -> Plan:
+         link: Link | None = None, verify: bool = True, **example_kwargs: Any) -> Plan:
     """Profile one step of ``model`` on an example batch and plan its saved tensors under ``budget``.
 
     The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]);
     their gradients are left in the parameters' ``.grad``. Then the search of NOTE [ Plan search ]
     picks, per block, keep / recompute / offload of chosen tensors (compressed when ``codec`` is
-    given), with the fastest predicted step whose predicted peak is at most ``budget``.
+    given), with the fastest predicted step whose predicted peak is at most ``budget``. On CUDA,
+    with ``verify``, two steps then run under the plan and the second one's peak is measured; if
+    it is over the budget, the plan is made again for the budget less the excess (NOTE [ Applying
+    a plan ] Rule 4).
 
     Args:
         model: the model; its chain of blocks is found (``find_blocks``) unless ``blocks`` is given.
@@ -254,12 +267,14 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         blocks: the blocks to plan, in forward order.
         loss_fn: output -> scalar loss (default: the output's ``.loss``, else the mean square of its tensors).
         link: host link bandwidths (default: measured on the model's device).
+        verify: measure a step under the plan and plan again if it is over (CUDA).
 
     Returns:
         A ``Plan``; ``plan.apply(model)`` puts it in force.
 
     Raises:
-        PlanError: ``budget`` is below the lowest peak reachable (the message names it).
+        PlanError: ``budget`` is below the lowest peak reachable (the message names it), or
+            verification found every plan that fits the prediction over the budget.
 
     Example::
 
@@ -270,16 +285,16 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         ['keep', 'keep', 'keep', 'keep']
     """
     nbytes = parse_bytes(budget, "plan(budget=...)")
-    return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link).plan(nbytes)
+    return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify).plan(nbytes)
 
 
 def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], codec: Codec | None = None,
           blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-          link: Link | None = None, **example_kwargs: Any) -> dict[int, Plan]:
+          link: Link | None = None, verify: bool = True, **example_kwargs: Any) -> dict[int, Plan]:
     """``plan`` for several budgets from one profiling step: ``{budget in bytes: Plan}``.
 
-    Budgets under the lowest reachable peak are left out (``plan`` raises for them); the
-    arguments are those of ``plan``.
+    Budgets under the lowest reachable peak, or for which verification found no plan within
+    them, are left out (``plan`` raises for them); the arguments are those of ``plan``.
 
     Example::
 
@@ -290,21 +305,29 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
         [1073741824]
     """
     sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
-    p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link)
-    return {b: p.plan(b) for b in sizes if b >= p.found.floor}
+    p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify)
+    out = {}
+    for b in sizes:
+        try:
+            out[b] = p.plan(b)
+        except PlanError:
+            continue
+    return out
 
 
 class _Planned:
     """One profiling step and its search, planned for any budget."""
 
-    def __init__(self, prof: Profile, link: Link, codec: CodecCost | None) -> None:
+    def __init__(self, prof: Profile, link: Link, codec: CodecCost | None,
+                 step: Callable[[Plan], int | None]) -> None:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(prof.chain(link, codec))
+        self.step = step  # runs two steps under a plan, returns the second one's peak (None: not measured)
 
     @staticmethod
     def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
                 blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
-                link: Link | None) -> _Planned:
+                link: Link | None, verify: bool = True) -> _Planned:
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got "
                             f"{type(codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
@@ -322,11 +345,48 @@ class _Planned:
                        keep_sample=sample if codec is not None else None)
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
-        return _Planned(prof, ln, ccost)
+        loss_of = loss_fn if loss_fn is not None else _loss_of
+
+        def step(p: Plan) -> int | None:
+            if not verify or torch.device(prof.device).type != "cuda":
+                return None
+            a = p.apply(model, codec=codec)
+            try:
+                loss_of(model(*args, **kwargs)).backward()
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+                start = torch.cuda.memory_allocated()
+                loss_of(model(*args, **kwargs)).backward()
+                torch.cuda.synchronize()
+                return int(torch.cuda.max_memory_allocated() - start)
+            finally:
+                a.remove()
+
+        return _Planned(prof, ln, ccost, step)
 
     def plan(self, budget: int) -> Plan:
-        decisions, pred = self.found.best(budget)
-        return _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link, self.codec)
+        """The plan for ``budget``, verified (NOTE [ Applying a plan ] Rule 4)."""
+        target = budget
+        measured: int | None = None
+        for _ in range(_REPLANS + 1):
+            decisions, pred = self.found.best(target)
+            p = _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link,
+                      self.codec)
+            measured = self.step(p)
+            if measured is None:
+                return p
+            p = dataclasses.replace(p, measured_peak_bytes=measured)
+            if measured <= budget:
+                return p
+            target = min(target, pred.peak_bytes) - (measured - budget) - (measured - budget) // 16 - 1
+            if target < self.found.floor:
+                break
+        assert measured is not None
+        raise PlanError(
+            f"torchckpt: no plan fits a budget of {size(budget)} when measured: the last one predicted "
+            f"{size(pred.peak_bytes)} and peaked at {size(measured)}; the lowest predicted peak is "
+            f"{size(self.found.floor)}. Pass a larger budget (e.g. budget={measured})."
+        )
 
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,

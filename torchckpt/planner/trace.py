@@ -13,8 +13,11 @@
 #    the first block that saved it.
 # 3. Times come from CUDA events on the device (``time.perf_counter`` on the CPU): a block's
 #    forward between its forward's start and end; its backward from the gradient's arrival at its
-#    output to its arrival at its input (the previous block's output). The step is run
-#    ``warmup`` times first, unmeasured, so allocator and kernel caches are warm.
+#    output to its arrival at its input (the previous block's output). On the device, a block's
+#    backward working memory is the allocator's peak between those two points minus what was
+#    allocated at the first (the peak statistic is reset there; the step's own peak is carried
+#    over). The step is run ``warmup`` times first, unmeasured, so allocator and kernel caches
+#    are warm.
 # 4. The no-checkpointing peak is the device's peak allocated bytes over the profiled step minus
 #    what was allocated when it started (parameters, optimiser state, gradients left by earlier
 #    steps): a budget counts what a step adds. The host link is measured each way with pinned
@@ -102,6 +105,7 @@ class Profile:
     input_bytes: tuple[int, ...]
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
+    bwd_bytes: tuple[int, ...]
     other_saved_bytes: int
     other_fwd_s: float
     other_bwd_s: float
@@ -114,7 +118,7 @@ class Profile:
         blocks = []
         for i, name in enumerate(self.names):
             blocks.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
-                                tuple(s.nbytes for s in self.saved[i]), self.kinds[i]))
+                                tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i]))
         return Chain.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
                                 link, codec)
 
@@ -172,6 +176,9 @@ class _Recorder:
         self.fwd: list[tuple[Any, Any]] = [(None, None)] * len(blocks)
         self.grad_at_out: list[Any] = [None] * len(blocks)
         self.grad_at_in: list[Any] = [None] * len(blocks)
+        self.bwd_start = [0] * len(blocks)  # bytes allocated when the block's backward began (CUDA)
+        self.bwd_bytes = [0] * len(blocks)
+        self.peak = 0  # the step's peak, carried over the resets below
         self.keep_sample = False
         self.sample: torch.Tensor | None = None
 
@@ -222,8 +229,17 @@ class _Recorder:
             y.register_hook(lambda g: self._at(self.grad_at_out, i))
 
     def _at(self, where: list[Any], i: int) -> None:
-        if where[i] is None:
-            where[i] = self.clock.mark()
+        if where[i] is not None:
+            return
+        where[i] = self.clock.mark()
+        if self.clock.cuda:  # Rule 3: each block's backward working memory, from the allocator's peak
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+            now = torch.cuda.memory_allocated()
+            if where is self.grad_at_out:
+                self.bwd_start[i] = now
+            elif self.grad_at_out[i] is not None:
+                self.bwd_bytes[i] = max(0, torch.cuda.max_memory_allocated() - self.bwd_start[i])
+            torch.cuda.reset_peak_memory_stats()
 
 
 def _loss_of(out: Any) -> torch.Tensor:
@@ -293,7 +309,10 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     step(rec)
     t1 = clock.mark()
     clock.sync()
-    peak = torch.cuda.max_memory_allocated(device) - start_bytes if clock.cuda else _cpu_peak(model, rec)
+    if clock.cuda:
+        peak = max(rec.peak, torch.cuda.max_memory_allocated(device)) - start_bytes
+    else:
+        peak = _cpu_peak(model, rec)
     n = len(chain)
     if keep_sample is not None and rec.sample is not None:
         keep_sample.append(rec.sample)
@@ -308,7 +327,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     return Profile(
         names=tuple(nm for nm, _ in chain), kinds=tuple(_kind(m) for _, m in chain),
         saved=tuple(tuple(s) for s in rec.saved), input_bytes=tuple(rec.inputs),
-        fwd_s=tuple(fwd), bwd_s=tuple(bwd), other_saved_bytes=rec.other,
+        fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(rec.bwd_bytes), other_saved_bytes=rec.other,
         other_fwd_s=max(0.0, fwd_total - sum(fwd)), other_bwd_s=max(0.0, step_s - fwd_total - sum(bwd)),
         step_s=step_s, peak_none=int(peak), device=str(device),
     )
