@@ -1,8 +1,13 @@
 """The memory/time frontier: torchckpt's planner against what users have today, in one run.
 
-Model: the GPT-style stack of the planner issue (``--shape D,H,S,B,L``, default 2048,16,2048,8,16:
-16 blocks, d2048, 16 heads, seq 2048, batch 8, bf16; loss ``h.float().square().mean()``), as
-../shared/bench/peers_train.py builds it.
+Models (``--model``):
+  gpt    the GPT-style stack of the planner issue (``--shape D,H,S,B,L``, default 2048,16,2048,8,16:
+         16 blocks, d2048, 16 heads, seq 2048, batch 8, bf16; loss ``h.float().square().mean()``), as
+         ../shared/bench/peers_train.py builds it;
+  llama  transformers' LlamaForCausalLM from a config of similar size (hidden D, L layers, H heads,
+         intermediate 2.75 D, vocabulary 32000, random weights), batch B of S random tokens, its own
+         loss; ``none`` then ``hf_checkpoint`` (``gradient_checkpointing_enable()``, non-reentrant)
+         and the planner (the GPT-only methods are skipped).
 
 Methods, each measured the same way in this process:
   none           plain autograd
@@ -91,8 +96,20 @@ class Bench:
         d, h, s, b, layers = args.shape
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         torch.manual_seed(0)
-        self.model = Stack(d, h, layers).to(self.dev, self.dtype)
-        self.x = torch.randn(b, s, d, device=self.dev, dtype=self.dtype, requires_grad=True)
+        self.llama = args.model == "llama"
+        self.kwargs: dict[str, Any] = {}
+        if self.llama:
+            from transformers import LlamaConfig, LlamaForCausalLM
+
+            cfg = LlamaConfig(hidden_size=d, intermediate_size=int(2.75 * d), num_hidden_layers=layers,
+                              num_attention_heads=h, num_key_value_heads=h, vocab_size=32000,
+                              max_position_embeddings=max(s, 128))
+            self.model: nn.Module = LlamaForCausalLM(cfg).to(self.dev, self.dtype)
+            self.x = torch.randint(0, 32000, (b, s), device=self.dev)
+            self.kwargs = {"labels": self.x, "use_cache": False}
+        else:
+            self.model = Stack(d, h, layers).to(self.dev, self.dtype)
+            self.x = torch.randn(b, s, d, device=self.dev, dtype=self.dtype, requires_grad=True)
         self.reps = args.reps
 
     def sync(self) -> None:
@@ -119,10 +136,12 @@ class Bench:
         return {"step_s": ts[len(ts) // 2], "peak_GiB": peak}
 
     def step(self) -> None:
-        self.model(self.x).backward()
+        out = self.model(self.x, **self.kwargs)
+        (out.loss if self.llama else out).backward()
 
     def clean(self) -> None:
-        self.model.wrap = None
+        if not self.llama:
+            self.model.wrap = None
         gc.collect()
         if self.cuda:
             torch.cuda.empty_cache()
@@ -130,6 +149,7 @@ class Bench:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="gpt", choices=["gpt", "llama"])
     p.add_argument("--shape", default=None, help="D,H,S,B,L (default 2048,16,2048,8,16 on CUDA, 64,4,32,2,6 on CPU)")
     p.add_argument("--budgets", default=None, help="GiB, lossless plans (default 1.2,2.3,3.5,5,7,9,12,14)")
     p.add_argument("--q4-budgets", default=None, help="GiB, plans with TritonQuant(bits=4) (default 1.2,2.3,5; CUDA)")
@@ -147,12 +167,15 @@ def main() -> None:
     only = [o for o in args.only.split(",") if o]
     bench = Bench(args)
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
-    print(f"frontier: {gpu}, torch {torch.__version__}, shape D,H,S,B,L = {args.shape}, {bench.dtype}", flush=True)
+    print(f"frontier: {args.model} on {gpu}, torch {torch.__version__}, shape D,H,S,B,L = {args.shape}, {bench.dtype}",
+          flush=True)
     rows: list[dict[str, Any]] = []
-    result: dict[str, Any] = {"device": gpu, "torch": torch.__version__, "shape": args.shape, "rows": rows}
+    result: dict[str, Any] = {"model": args.model, "device": gpu, "torch": torch.__version__, "shape": args.shape,
+                              "rows": rows}
+    tag = "" if args.model == "gpt" else f"_{args.model}"
 
     def save() -> None:
-        with open(os.path.join(out, "frontier.json"), "w") as f:
+        with open(os.path.join(out, f"frontier{tag}.json"), "w") as f:
             json.dump(result, f, indent=1)
 
     def run(name: str, method: str, setup: Callable[[], Any], extra: dict[str, Any] | None = None) -> None:
@@ -190,6 +213,13 @@ def main() -> None:
         return lambda: setattr(m, "wrap", None)
 
     run("none", "none", lambda: None)
+    if bench.llama:
+        def hf() -> Callable[[], None]:
+            m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            return m.gradient_checkpointing_disable
+
+        run("hf_checkpoint", "hf_checkpoint", hf)
+        only = only or ["none", "hf", "plan"]
     run("checkpoint", "checkpoint", lambda: wrap(lambda i, b, x: checkpoint(b, x, use_reentrant=False)))
     run("every_other", "every_other",
         lambda: wrap(lambda i, b, x: checkpoint(b, x, use_reentrant=False) if i % 2 == 0 else b(x)))
@@ -205,7 +235,7 @@ def main() -> None:
         codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name else None
         t0 = time.perf_counter()
         try:
-            found = plans(m, bench.x, budgets=[int(b * GiB) for b in bl], codec=codec)
+            found = plans(m, bench.x, budgets=[int(b * GiB) for b in bl], codec=codec, **bench.kwargs)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"name": f"plan{codec_name}", "error": f"{type(e).__name__}: {e}"})
@@ -257,10 +287,10 @@ def main() -> None:
             run(f"compile_b{frac:g}", "compile", setup, {"budget_fraction": frac})
 
     save()
-    plot(rows, os.path.join(out, "frontier.png"), gpu)
+    plot(rows, os.path.join(out, f"frontier{tag}.png"), gpu, args.model)
 
 
-def plot(rows: list[dict[str, Any]], path: str, gpu: str) -> None:
+def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:
     try:
         import matplotlib
 
@@ -282,7 +312,7 @@ def plot(rows: list[dict[str, Any]], path: str, gpu: str) -> None:
                 label=method + (" (lossy)" if rs[0].get("lossy") else ""))
     ax.set_xlabel("peak memory above the step's start, GiB")
     ax.set_ylabel("step time, ms")
-    ax.set_title(f"Memory/time frontier, GPT stack, {gpu}")
+    ax.set_title(f"Memory/time frontier, {'GPT stack' if model == 'gpt' else 'Llama (transformers)'}, {gpu}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

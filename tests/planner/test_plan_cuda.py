@@ -77,10 +77,14 @@ def test_plans_are_bit_exact_on_the_gpu_and_peak_within_budget(dtype: torch.dtyp
             for _ in range(2):  # the second step runs on the store's prefetch plan
                 got = _grads(m, x)
                 assert all(torch.equal(u, v) for u, v in zip(ref, got)), f"budget {budget}"
-            m.zero_grad(set_to_none=True)
-            m(x).backward()  # .grad allocated, as in the profiling step
-            peak = _peak_of_step(m, x)
-            assert peak <= budget, f"measured {peak} B, predicted {p.peak_bytes} B, budget {budget} B"
+        finally:
+            a.remove()
+        a = p.apply(m)  # as a training loop meets it: .grad kept between steps
+        try:
+            m(x).backward()
+            peaks = [_peak_of_step(m, x) for _ in range(3)]
+            assert max(peaks) <= budget, (f"measured {peaks} B, verified {p.measured_peak_bytes} B, predicted "
+                                          f"{p.peak_bytes} B, budget {budget} B, plan {[b.mode for b in p.blocks]}")
         finally:
             a.remove()
             m.zero_grad(set_to_none=True)
