@@ -12,7 +12,8 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 # 1. Forward: block i computes for ``fwd_s`` (plus the compression of what it offloads); at its end
 #    its offloaded bytes queue on the device-to-host engine (FIFO, ``Link.d2h`` bytes/s of wire
 #    bytes, i.e. after compression). An offloaded tensor occupies the device until its copy ends.
-# 2. Backward: the work outside the blocks (the head, the loss) runs first, then block i's
+# 2. Backward: the work outside the blocks (the head, the loss) runs first, and frees what it
+#    saved (``other_saved_bytes`` count in the forward only), then block i's
 #    backward, ``bwd_s``, plus ``fwd_s`` again if recomputed, plus decompression. The copy back of
 #    block i is issued when the backward of block i + ``lookahead`` starts (at the end of the
 #    forward for the last blocks), on the host-to-device engine (FIFO), never before its
@@ -256,7 +257,8 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
         mem = base + resident + max(flying, min(room, offloaded))
         if mem > peak:
             peak, at = mem, f"forward {i}"
-    # Backward (Rule 2).
+    # Backward (Rule 2): the work outside the blocks (head, loss) runs first and frees what it saved.
+    base = chain.fixed_bytes
     t += chain.other_bwd_s
     h2d_free = 0.0
     ready = [0.0] * n

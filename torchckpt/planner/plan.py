@@ -355,13 +355,17 @@ class _Planned:
                 return None
             a = p.apply(model, codec=codec)
             try:
-                loss_of(model(*args, **kwargs)).backward()
+                out = model(*args, **kwargs)
+                loss_of(out).backward()
+                del out
                 peaks = []
                 for _ in range(_VERIFY_STEPS):
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     start = torch.cuda.memory_allocated()
-                    loss_of(model(*args, **kwargs)).backward()
+                    out = model(*args, **kwargs)  # held through backward, as in the profiling step
+                    loss_of(out).backward()
+                    del out
                     torch.cuda.synchronize()
                     peaks.append(int(torch.cuda.max_memory_allocated() - start))
                 return max(peaks)
