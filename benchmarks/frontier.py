@@ -25,7 +25,7 @@ steps minus memory_allocated before them (gradients of earlier steps included in
 peers_train.py). For planned settings the plan's predicted peak and step time are recorded beside
 the measured ones. One profiling step serves every budget of a codec (``torchckpt.planner.plans``).
 Prints the table with ratios to ``none`` of this run; writes ``frontier.json`` and ``frontier.png``
-(step time against peak, one line per method) to ``--out``. Without CUDA it runs a tiny shape.
+(step time over ``none``'s against peak, one line per method) to ``--out``. Without CUDA it runs a tiny shape.
 
     python benchmarks/frontier.py [--shape 2048,16,2048,8,16] [--budgets 1.2,2.3,3.5,5,7,9,12,14]
                                   [--q4-budgets 1.2,2.3,5] [--reps 5] [--compile] [--only a,b] [--out DIR]
@@ -291,6 +291,7 @@ def main() -> None:
 
 
 def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:
+    """Step time over no checkpointing's against peak memory, one line per method (points off the scale at the top)."""
     try:
         import matplotlib
 
@@ -299,19 +300,26 @@ def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:
     except ImportError:
         print("matplotlib not installed: no plot")
         return
-    ok = [r for r in rows if r.get("peak_GiB") is not None and "step_s" in r]
+    ok = [r for r in rows if r.get("peak_GiB") is not None and "x_none" in r]
     if not ok:
         return
+    top = 1.45
     fig, ax = plt.subplots(figsize=(8, 5))
     by: dict[str, list[dict[str, Any]]] = {}
     for r in ok:
         by.setdefault(r["method"], []).append(r)
     for method, rs in by.items():
         rs = sorted(rs, key=lambda r: r["peak_GiB"])
-        ax.plot([r["peak_GiB"] for r in rs], [r["step_s"] * 1e3 for r in rs], "o-" if len(rs) > 1 else "o",
-                label=method + (" (lossy)" if rs[0].get("lossy") else ""))
+        ys = [min(r["x_none"], top) for r in rs]
+        line = ax.plot([r["peak_GiB"] for r in rs], ys, "o-" if len(rs) > 1 else "o",
+                       label=method + (" (lossy)" if rs[0].get("lossy") else ""))[0]
+        for r in rs:
+            if r["x_none"] > top:
+                ax.annotate(f"{r['x_none']:.1f}x", (r["peak_GiB"], top), textcoords="offset points", xytext=(4, -12),
+                            color=line.get_color(), fontsize=8)
+    ax.set_ylim(0.95, top + 0.02)
     ax.set_xlabel("peak memory above the step's start, GiB")
-    ax.set_ylabel("step time, ms")
+    ax.set_ylabel("step time / no checkpointing (same run)")
     ax.set_title(f"Memory/time frontier, {'GPT stack' if model == 'gpt' else 'Llama (transformers)'}, {gpu}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)

@@ -463,6 +463,8 @@ class Setting:
             return (hooks, at_mid(rec))
         if st == "off":
             return (plain, (off,))
+        if st == "off_some":  # Offload of every other saved tensor (the planner's per-tensor decisions)
+            return (plain, (hooks if twin else Pol(Offload(s, tensors=frozenset(range(0, 256, 2)))),))
         if st == "off_codec":
             return (plain, (hooks if twin else Pol(Offload(s, codec=Identity())),))
         if st == "rec":
@@ -484,7 +486,8 @@ def default_settings() -> list[Setting]:
     """Every store configuration under offload(), and each policy layout with one or more."""
     out = [Setting("ctx", name) for name in STORES]
     out += [Setting("ctx_rec", "budget"), Setting("off", "resident"), Setting("off", "evicted"),
-            Setting("off", "budget"), Setting("off_codec", "evicted"), Setting("off_codec", "budget"),
+            Setting("off", "budget"), Setting("off_some", "evicted"), Setting("off_some", "budget"),
+            Setting("off_codec", "evicted"), Setting("off_codec", "budget"),
             Setting("rec"), Setting("rec_store", "evicted"), Setting("rec_store", "budget"), Setting("keep"),
             Setting("rec_in_off", "evicted"), Setting("rec_in_off", "budget"),
             Setting("off_in_rec", "evicted"), Setting("off_in_rec", "resident"), Setting("mixed", "budget"),

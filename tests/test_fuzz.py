@@ -22,7 +22,8 @@ semantics ]):
   tensor autograd saved is modified in place afterwards (``clobber``).
 - **Settings** (``fuzz_programs.default_settings()``): ``torchckpt.offload(store)`` around the
   whole program with every store configuration; ``checkpoint(fn, *args, policy=...)`` per segment
-  with ``Offload(store)``, ``Offload(store, codec=Identity())``, ``Recompute()``,
+  with ``Offload(store)``, ``Offload(store, tensors=...)`` (every other saved tensor, the planner's per-tensor
+  decisions), ``Offload(store, codec=Identity())``, ``Recompute()``,
   ``Recompute(store=store)``, ``Keep()``; nested: a Recompute block inside an ``offload()``
   region and inside an ``Offload`` block, an Offload block inside a Recompute block; one
   policy per segment. Store configurations (``fuzz_programs.STORES``): resident (64 MiB

@@ -106,7 +106,8 @@ class Plan:
         none_peak_bytes / none_step_time: no checkpointing, as measured on the profiling step.
         floor_bytes: the lowest peak the search reached for this model.
         codec: the codec offloads may use (``repr``), or ``None``.
-        lossy / bound: whether that codec is lossy, and its bound in words.
+        lossy / bound: whether the plan compresses with a lossy codec (gradients then within its
+            bound, not bit-exact), and that codec's bound in words.
         link: the measured host link, bytes/s each way.
         device: where the profiling step ran.
         measured_peak_bytes: the peak of a step run under the plan when it was made (CUDA; ``None``
@@ -130,14 +131,13 @@ class Plan:
     # -- reading ----------------------------------------------------------------------------
     def explain(self, file: Any = None) -> str:
         """One row per block and per offloaded tensor: decision, bytes, cost, prefetch point; printed and returned."""
-        g = 2**30
         lines = [
-            f"torchckpt plan on {self.device}: budget {self.budget / g:.2f} GiB, predicted peak "
-            f"{self.peak_bytes / g:.2f} GiB, step {self.step_time * 1e3:.1f} ms "
-            f"(no checkpointing: {self.none_peak_bytes / g:.2f} GiB, {self.none_step_time * 1e3:.1f} ms, "
+            f"torchckpt plan on {self.device}: budget {size(self.budget)}, predicted peak "
+            f"{size(self.peak_bytes)}, step {self.step_time * 1e3:.1f} ms "
+            f"(no checkpointing: {size(self.none_peak_bytes)}, {self.none_step_time * 1e3:.1f} ms, "
             f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
-            f"floor {self.floor_bytes / g:.2f} GiB"
-            + (f"; measured peak {self.measured_peak_bytes / g:.2f} GiB" if self.measured_peak_bytes is not None else ""),
+            f"floor {size(self.floor_bytes)}"
+            + (f"; measured peak {size(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
             f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
         ]
         if self.codec is not None:
@@ -406,5 +406,6 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
                              prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i]) for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=prof.peak_none, none_step_time=none.step_s, floor_bytes=floor,
-                codec=codec.name if codec is not None else None, lossy=bool(codec is not None and codec.lossy),
+                codec=codec.name if codec is not None else None,
+                lossy=bool(codec is not None and codec.lossy and any(d.compress for d in decisions)),
                 bound=codec.bound if codec is not None else "", link=(link.d2h, link.h2d), device=prof.device)
