@@ -11,7 +11,7 @@ from torchckpt import codecs, planner, schedules
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
 from torchckpt.api import checkpoint, default_store, offload
-from torchckpt.planner import plan
+from torchckpt.planner import auto, plan
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.store import SnapshotStore, Store
 
@@ -26,6 +26,7 @@ __all__ = [
     "Recompute",
     "SnapshotStore",
     "Store",
+    "auto",
     "checkpoint",
     "checkpointed_loop",
     "codecs",

@@ -7,7 +7,7 @@ from torch import nn
 
 import torchckpt
 from torchckpt import Offload
-from torchckpt.planner import Decision, Link, Plan, PlanError, find_blocks, plan, profile
+from torchckpt.planner import Decision, Link, Plan, PlanError, find_blocks, plan, plans, profile
 from torchckpt.planner.plan import _make
 from torchckpt.planner.costs import Prediction
 
@@ -191,3 +191,46 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     with pytest.raises(PlanError, match="when measured"):
         _Planned(prof, Link(2e8, 2e8), None, over_by(hi)).plan(budget)
     assert 1 <= len(seen) <= _REPLANS + 1
+
+
+class BNBlk(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.bn, self.drop = nn.Linear(D, D), nn.BatchNorm1d(D), nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.drop(torch.tanh(self.bn(self.fc(x))))
+
+
+def test_auto_plans_on_the_first_step_and_leaves_no_trace() -> None:
+    """The first step under auto computes what plain autograd computes: .grad, batch-norm statistics, RNG put back."""
+    import copy
+
+    torch.manual_seed(3)
+    base = nn.Sequential(nn.Linear(D, D), *[BNBlk() for _ in range(6)], nn.Linear(D, 2))
+    x = torch.randn(64, D)
+    probe = copy.deepcopy(base)
+    top = plans(probe, x, budgets=[1 << 40], loss_fn=lambda y: y.square().mean())[1 << 40]
+    budget = (top.floor_bytes + top.none_peak_bytes) // 2
+    plain, planned = copy.deepcopy(base), copy.deepcopy(base)
+    a = torchckpt.auto(planned, budget=budget, loss_fn=lambda y: y.square().mean())
+    assert a.plan is None
+    for step in range(3):
+        torch.manual_seed(100 + step)
+        plain(x).square().mean().backward()
+        torch.manual_seed(100 + step)
+        planned(x).square().mean().backward()
+        assert a.plan is not None and any(b.mode != "keep" for b in a.plan.blocks)
+        for (n, p), q in zip(plain.named_parameters(), planned.parameters()):
+            assert torch.equal(p.grad, q.grad), (step, n)
+        for (n, b), c in zip(plain.named_buffers(), planned.buffers()):
+            assert torch.equal(b, c), (step, n)
+    a.remove()
+    assert all("forward" not in m.__dict__ for m in planned.modules())
+
+
+def test_auto_checks_its_arguments() -> None:
+    with pytest.raises(TypeError, match="torchckpt: auto"):
+        torchckpt.auto(lambda x: x, budget=1 << 30)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="torchckpt:"):
+        torchckpt.auto(Net(), budget="some")

@@ -2,10 +2,10 @@
 
 from torchckpt.planner.costs import Block, Chain, CodecCost, Decision, Link, Prediction, simulate
 from torchckpt.planner.optimize import PlanError, Search, search
-from torchckpt.planner.plan import Applied, BlockPlan, Plan, plan, plans
+from torchckpt.planner.plan import Applied, AutoPlan, BlockPlan, Plan, auto, plan, plans
 from torchckpt.planner.trace import Profile, SavedTensor, find_blocks, profile
 
 __all__ = [
-    "Applied", "Block", "BlockPlan", "Chain", "CodecCost", "Decision", "Link", "Plan", "PlanError", "Prediction",
-    "Profile", "SavedTensor", "Search", "find_blocks", "plan", "plans", "profile", "search", "simulate",
+    "Applied", "AutoPlan", "Block", "BlockPlan", "Chain", "CodecCost", "Decision", "Link", "Plan", "PlanError", "Prediction",
+    "Profile", "SavedTensor", "Search", "auto", "find_blocks", "plan", "plans", "profile", "search", "simulate",
 ]

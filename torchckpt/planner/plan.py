@@ -40,7 +40,7 @@ from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, find_blocks,
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
-__all__ = ["Applied", "BlockPlan", "Plan", "plan", "plans"]
+__all__ = ["Applied", "AutoPlan", "BlockPlan", "Plan", "auto", "plan", "plans"]
 
 _FORMAT = 1
 _REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
@@ -409,3 +409,93 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
                 codec=codec.name if codec is not None else None,
                 lossy=bool(codec is not None and codec.lossy and any(d.compress for d in decisions)),
                 bound=codec.bound if codec is not None else "", link=(link.d2h, link.h2d), device=prof.device)
+
+
+class AutoPlan:
+    """What ``auto`` returns: the plan once the first step has made it (``plan``), and ``remove()``."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.plan: Plan | None = None
+        self.applied: Applied | None = None
+        self._hook: Any = None
+
+    def remove(self) -> None:
+        """Stop planning (if the first step has not come) or take the plan off the model."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+        if self.applied is not None:
+            self.applied.remove()
+            self.applied = None
+
+
+def auto(model: nn.Module, *, budget: int | str, codec: Codec | None = None, blocks: Sequence[nn.Module] | None = None,
+         loss_fn: Callable[[Any], torch.Tensor] | None = None, verify: bool = True) -> AutoPlan:
+    """Plan ``model`` on its first training step, then run every step under the plan.
+
+    The first call of ``model`` with gradients enabled is profiled and planned as ``plan`` does
+    (its own steps, on that call's arguments), then the call goes on under the plan. Those extra
+    steps leave no trace: the parameters' and the arguments' ``.grad``, the model's buffers (batch
+    norm statistics) and the RNG states are put back as they were, so the first step computes
+    what it would have without ``auto``. Arguments as for ``plan``.
+
+    Returns:
+        An ``AutoPlan``: ``.plan`` once made, ``.remove()``.
+
+    Example::
+
+        >>> import torch, torchckpt
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+        >>> a = torchckpt.auto(model, budget=10**9)
+        >>> model(torch.randn(32, 64)).square().mean().backward()
+        >>> [b.mode for b in a.plan.blocks]
+        ['keep', 'keep', 'keep', 'keep']
+    """
+    nbytes = parse_bytes(budget, "auto(budget=...)")
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"torchckpt: auto(model, ...) expects an nn.Module, got {type(model).__name__}.")
+    handle = AutoPlan(model)
+
+    def first_call(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        handle._hook.remove()
+        handle._hook = None
+        tensors = [t for t in _inputs(args, kwargs) if t.requires_grad]
+        grads = [(p, p.grad) for p in list(model.parameters()) + tensors]
+        bufs = [(b, b.detach().clone()) for b in model.buffers()]
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        try:
+            for p, _ in grads:
+                p.grad = None
+            planned = _Planned.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify)
+            handle.plan = planned.plan(nbytes)
+        finally:
+            with torch.no_grad():
+                for p, g in grads:
+                    p.grad = g
+                for b, saved in bufs:
+                    b.copy_(saved)
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+        handle.applied = handle.plan.apply(model, codec=codec)
+
+    handle._hook = model.register_forward_pre_hook(first_call, with_kwargs=True)
+    return handle
+
+
+def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+    stack: list[Any] = [args, kwargs]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, torch.Tensor):
+            out.append(x)
+        elif isinstance(x, (list, tuple)):
+            stack.extend(x)
+        elif isinstance(x, dict):
+            stack.extend(x.values())
+    return out

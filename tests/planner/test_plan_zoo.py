@@ -1,0 +1,98 @@
+"""torchckpt.plan on models torchckpt's authors did not write (tests/zoo_models.py): the chain is found without
+per-model code and every plan gives plain autograd's gradients, bit for bit (CPU; CUDA with the ``cuda`` marker)."""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from torchckpt.planner import find_blocks, plans
+from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, to
+
+# The entries whose blocks are one container's children, as find_blocks looks for them.
+SAME_BLOCKS = {"gpt2", "llama", "bert", "vit", "mobilenet_v3"}
+CASES = [z.name for z in ZOO if not z.name.startswith("ode")]
+
+
+class LossOf(nn.Module):
+    """The zoo entry's loss on its batch, as a module whose forward is the step's loss."""
+
+    def __init__(self, z: Zoo, model: nn.Module, batch: Batch) -> None:
+        super().__init__()
+        self.z, self.model, self.batch = z, model, batch
+
+    def forward(self) -> torch.Tensor:
+        return self.z.loss(self.model, self.batch, False)
+
+
+def _grads(m: LossOf, seed: int) -> list[torch.Tensor]:
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    params = [p for p in m.parameters() if p.requires_grad]
+    return list(torch.autograd.grad(m(), params, allow_unused=True, materialize_grads=True))
+
+
+@contextlib.contextmanager
+def _deterministic(device: str) -> Iterator[None]:
+    if device != "cuda":
+        yield
+        return
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+def check(name: str, device: str) -> None:
+    z = BY_NAME[name]
+    if not available(z):
+        pytest.skip(f"{z.package} is not installed")
+    model, batch = z.build()
+    model = model.to(device).train(z.train)
+    m = LossOf(z, model, to(batch, device))
+    found = [mod for _, mod in find_blocks(m)]
+    assert found, name
+    if name in SAME_BLOCKS:
+        assert [id(b) for b in found] == [id(b) for b in z.blocks(model)], name
+    with _deterministic(device):
+        ref = _grads(m, 0)
+        again = _grads(m, 0)
+        if not all(torch.equal(u, v) for u, v in zip(ref, again)):
+            pytest.skip(f"plain autograd is not reproducible for {name} on {device}")
+        top = plans(m, budgets=[1 << 50])[1 << 50]
+        lo, hi = top.floor_bytes, top.none_peak_bytes
+        budgets = sorted({int(lo + (hi - lo) * f) for f in (0.0, 0.5)} | {hi})
+        found_plans = plans(m, budgets=budgets)
+        assert found_plans, (name, lo, hi)
+        modes = set()
+        for budget, p in found_plans.items():
+            modes |= {b.mode for b in p.blocks}
+            applied = p.apply(m)
+            try:
+                for step in range(2):
+                    got = _grads(m, 0)
+                    bad = [i for i, (u, v) in enumerate(zip(ref, got)) if not torch.equal(u, v)]
+                    assert not bad, f"{name}: budget {budget}, step {step}: gradients {bad} differ"
+            finally:
+                applied.remove()
+        assert modes != {"keep"} or lo == hi, (name, modes)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_plan_zoo_cpu(name: str) -> None:
+    check(name, "cpu")
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("name", CASES)
+def test_plan_zoo_cuda(name: str) -> None:
+    check(name, "cuda")
