@@ -180,7 +180,8 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
 
     ok = _Planned(prof, Link(2e8, 2e8), None, over_by(0))
     hi = ok.found.plans[0][1].peak_bytes
-    budget = (ok.found.floor + hi) // 2 + max(2 << 20, hi // 100)  # the slack of Rule 4
+    budget = (ok.found.floor + hi) // 2
+    budget += max(budget // 100, min(2 << 20, budget // 10)) + 1  # the slack of Rule 4
     assert ok.plan(budget).measured_peak_bytes <= budget
     seen.clear()
     extra = (hi - ok.found.floor) // 6  # a step peaks a little above each prediction: planned again, lower

@@ -16,8 +16,8 @@
 #    positions only change which tensors go to host: the result is still exact.
 # 4. A plan is checked on the device before it is returned (``verify=True``): steps run under
 #    it, one that builds the store's prefetch plan, then ``_VERIFY_STEPS`` whose largest peak is
-#    kept. A peak must leave a slack of 1% of the budget (2 MiB at least): the allocator's peak
-#    varies a little with what ran before. Over that, the plan is made again for its prediction
+#    kept. A peak must leave a slack of 1% of the budget, and at least 2 MiB (10% of budgets under
+#    20 MiB): the allocator's peak varies a little with what ran before. Over that, the plan is made again for its prediction
 #    less the excess, up to ``_REPLANS`` times; then ``PlanError`` says what was measured. So a
 #    returned plan's measured peak is within its budget, whatever NOTE [ Step model ] left out.
 """
@@ -45,7 +45,7 @@ __all__ = ["Applied", "AutoPlan", "BlockPlan", "Plan", "auto", "plan", "plans"]
 _FORMAT = 1
 _REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
 _VERIFY_STEPS = 3  # Rule 4: measured steps, after one that builds the store's prefetch plan
-_SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # Rule 4: a measured peak must leave 1% of the budget (2 MiB at least)
+_SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -386,7 +386,7 @@ class _Planned:
             if measured is None:
                 return p
             p = dataclasses.replace(p, measured_peak_bytes=measured)
-            limit = budget - max(_SLACK_MIN, budget // _SLACK_DIV)
+            limit = budget - max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
             if measured <= limit:
                 return p
             target = min(target, pred.peak_bytes) - (measured - limit) - (measured - limit) // 16 - 1
