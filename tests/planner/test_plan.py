@@ -47,10 +47,12 @@ def _grads(m: nn.Module, x: torch.Tensor, seed: int = 0) -> list[torch.Tensor]:
 def test_find_blocks_takes_the_largest_repeated_container() -> None:
     m = Net()
     assert [n for n, _ in find_blocks(m)] == [f"h.{i}" for i in range(5)]
-    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4))
-    assert [n for n, _ in find_blocks(seq)] == ["0", "1", "2"]
+    stages = nn.Sequential(nn.Linear(D, D), nn.Sequential(Blk(), Blk()), nn.Sequential(Blk(), Blk(), Blk()))
+    assert [n for n, _ in find_blocks(stages)] == ["1.0", "1.1", "2.0", "2.1", "2.2"]  # across stages, in order
+    nested = nn.ModuleList([nn.Sequential(Blk(), nn.ReLU()) for _ in range(3)])  # Blk inside a plain container
+    assert [n for n, _ in find_blocks(nested)] == ["0.0", "1.0", "2.0"]
     with pytest.raises(ValueError, match="torchckpt: found no chain of blocks.*blocks="):
-        find_blocks(nn.Linear(3, 3))
+        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))  # leaf layers are not blocks
 
 
 def test_profile_records_saved_tensors_in_order_and_leaves_parameters_out() -> None:

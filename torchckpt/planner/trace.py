@@ -1,10 +1,13 @@
 """Finding a model's chain of blocks and measuring one training step of it.
 
 # NOTE [ Profiling step ]
-# 1. The chain is the ``nn.ModuleList`` / ``nn.Sequential`` whose children hold the most parameters,
-#    among those with at least two children of one class (transformer layers, timm blocks,
-#    torchvision stages); ``blocks=`` overrides it. Blocks of one class whose parameters have the
-#    same shapes share a ``kind``.
+# 1. The chain is the instances of one module class, in the order the model registers them:
+#    classes with two or more outermost instances that have submodules (plain containers, such
+#    as ``nn.ModuleList``, and leaf layers, such as ``nn.Linear``, are not blocks). Among the
+#    classes whose instances hold within 10% of the most parameters any class holds (and at least
+#    half the model's), the one with the most instances: transformer layers rather than their MLPs,
+#    ResNet's blocks across all stages rather than the stages. ``blocks=`` overrides it. Blocks of
+#    one class whose parameters have the same shapes share a ``kind``.
 # 2. One step runs as plain autograd would (every saved tensor stays where it is), with a
 #    saved-tensor hook that only records: for each block, every tensor its forward saves, in order
 #    (the position ``Offload(tensors=...)`` counts), its storage and size; tensors saved outside the
@@ -39,36 +42,37 @@ from torchckpt.planner.costs import Block, Chain, CodecCost, Link
 __all__ = ["Profile", "SavedTensor", "find_blocks", "measure_codec", "measure_link", "profile"]
 
 
+_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
+_BAND = 0.9  # Rule 1: classes within 90% of the best coverage count as covering as much
+
+
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
     """The model's chain of repeated blocks (NOTE [ Profiling step ] Rule 1), as ``(qualified name, module)``.
 
     Raises:
-        ValueError: no ``nn.ModuleList`` or ``nn.Sequential`` with two children of one class.
+        ValueError: no module class with two or more instances that hold parameters through submodules.
     """
-    best: tuple[int, int, str, nn.Module] | None = None
+    total = sum(p.numel() for p in model.parameters())
+    found: dict[type, list[tuple[str, nn.Module]]] = {}
     for name, mod in model.named_modules():
-        if not isinstance(mod, (nn.ModuleList, nn.Sequential)):
+        if mod is model or type(mod) in _CONTAINERS or next(mod.children(), None) is None:
             continue
-        kids = list(mod.children())
-        if len(kids) < 2:
-            continue
-        counts: dict[type, int] = {}
-        for k in kids:
-            counts[type(k)] = counts.get(type(k), 0) + 1
-        if max(counts.values()) < 2:
-            continue
-        params = sum(p.numel() for k in kids for p in k.parameters())
-        key = (params, len(kids))
-        if best is None or key > best[:2]:
-            best = (params, len(kids), name, mod)
-    if best is None:
+        found.setdefault(type(mod), []).append((name, mod))
+    options: list[tuple[int, int, list[tuple[str, nn.Module]]]] = []
+    for cls, mods in found.items():
+        outer = [(n, m) for n, m in mods if not any(n.startswith(o + ".") for o, _ in mods if o != n)]
+        params = sum(p.numel() for _, m in outer for p in m.parameters())
+        if len(outer) >= 2 and params > 0:
+            options.append((params, len(outer), outer))
+    if not options:
         raise ValueError(
-            f"torchckpt: found no chain of blocks in {type(model).__name__}: no nn.ModuleList or nn.Sequential holds two "
-            "modules of one class; pass blocks=[...] (the modules to plan, in forward order)."
+            f"torchckpt: found no chain of blocks in {type(model).__name__}: no module class has two or more instances "
+            "holding parameters through submodules; pass blocks=[...] (the modules to plan, in forward order)."
         )
-    _, _, name, mod = best
-    prefix = f"{name}." if name else ""
-    return [(f"{prefix}{n}", k) for n, k in mod.named_children()]
+    best = max(p for p, _, _ in options)
+    near = [o for o in options if o[0] >= _BAND * best and o[0] * 2 >= total]
+    chosen = max(near or options, key=lambda o: (o[1], o[0]))
+    return chosen[2]
 
 
 def _kind(module: nn.Module) -> str:
