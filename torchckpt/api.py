@@ -44,6 +44,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.store import Store, default_store
+from torchckpt.store.selective import selective_contexts
 
 T = TypeVar("T")
 _POLICY_TYPES = (Recompute, Offload, Keep)
@@ -198,6 +199,9 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     if policy.store is not None:
         ctx = policy.store.hooks(_module_tensors(module))
     with ctx:  # the inputs saved at the boundary go to the store
+        extra: dict[str, Any] = {}
+        if policy.save is not None:  # NOTE [ Selective recompute ]
+            extra["context_fn"] = functools.partial(selective_contexts, policy.save, policy.store)
         return _torch_checkpoint(  # type: ignore[no-any-return]
             fn,
             *args,
@@ -205,6 +209,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
             preserve_rng_state=policy.preserve_rng_state,
             determinism_check=policy.determinism_check,
             debug=policy.debug,
+            **extra,
             **kwargs,
         )
 

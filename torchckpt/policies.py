@@ -5,9 +5,11 @@ Policies are values, not strings (``checkpoint(block, policy=Offload(store))``).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
+from torchckpt.store.selective import check_save
 
 _DETERMINISM = ("default", "none")
 
@@ -34,15 +36,22 @@ class Recompute:
         determinism_check: ``"default"`` compares shapes, dtypes and devices of recomputed
             tensors with the originals; ``"none"`` skips it.
         debug: on a mismatch, print the operators of both runs.
+        save: keep these ops' outputs from the forward instead of recomputing them (selective
+            recomputation, NOTE [ Selective recompute ]): aten op overloads (e.g.
+            ``torch.ops.aten.mm.default``) and/or op positions in the block's forward (ints, as the
+            planner names them). The kept outputs go through ``store`` when one is given.
+            ``None``: recompute everything.
     """
 
     store: Store | None = None
     preserve_rng_state: bool = True
     determinism_check: str = "default"
     debug: bool = False
+    save: frozenset[Any] | None = None
 
     def __post_init__(self) -> None:
         _check_store("Recompute", self.store)
+        object.__setattr__(self, "save", check_save("Recompute", self.save))
         for name in ("preserve_rng_state", "debug"):
             value = getattr(self, name)
             if not isinstance(value, bool):

@@ -1,0 +1,181 @@
+"""Selective recomputation: some ops' outputs are kept from a recomputed block's forward, through a store.
+
+# NOTE [ Selective recompute ]
+# ``Recompute(save=...)`` recomputes a block in backward as ``torch.utils.checkpoint`` does, except
+# for the ops it names, whose outputs are kept from the forward and handed back to the
+# recomputation instead of running the op again (torch's selective activation checkpointing, SAC).
+# Torch SAC keeps those outputs in a cache of its own, which no saved-tensor hook sees; here the
+# cache goes through a ``Store`` when one is given, so kept outputs can be offloaded like any
+# saved tensor.
+# 1. Two dispatch modes, one for the forward (``_Keeping``), one for the recomputation
+#    (``_Reusing``), count the aten ops they see, leaving out those the checkpoint itself adds
+#    in one run and not the other (``SAC_IGNORED_OPS``), so an op has the same position in both
+#    runs of a deterministic block. Each recomputation counts from 0 again: the checkpoint stops
+#    one as soon as backward has what it needs, and may start another (a second backward).
+# 2. An op is kept when its overload is in ``save`` or its position is, unless it writes an
+#    argument (an in-place op returns what it wrote: the recomputation must write it again). Its
+#    outputs are detached
+#    as torch SAC detaches them (views keep their version counter), then packed by the store
+#    (``Store.pack``: the same identity and version rules as any saved tensor) or, without a
+#    store, held with their version.
+# 3. The recomputation returns the kept outputs, unpacked, in place of running the op. A kept
+#    output modified in place after the forward (an ``empty_like`` that ``bernoulli_`` fills, say)
+#    raises, naming the op, with autograd's own check (NOTE [ Saved tensor identity ] Rule 1):
+#    it could not stand in for the op. Each kept output is handed back once: a second backward
+#    through the block raises, as torch SAC does.
+# 4. A write that bumps no version counter escapes Rule 3: ATen's RNN cells split a matmul's output
+#    with ``unsafe_chunk`` and write the pieces in place. So the forward's mode watches every op
+#    that writes an argument (its schema says so): a write into the storage of a kept output
+#    drops that output, and the recomputation runs the op again, with the writes that follow.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils.checkpoint import SAC_IGNORED_OPS
+
+from torchckpt._errors import CheckpointError
+from torchckpt.store.identity import Kept
+from torchckpt.store.saved import Store
+
+__all__ = ["check_save", "selective_contexts"]
+
+Save = frozenset[Any]  # aten OpOverloads and op positions (ints)
+
+
+def check_save(owner: str, save: object) -> Save | None:
+    """``save`` as a frozenset of OpOverloads and positions, or ``None``; a ``torchckpt:`` error otherwise."""
+    if save is None:
+        return None
+    items = list(save) if isinstance(save, Iterable) and not isinstance(save, (str, bytes)) else None
+    bad = items is None or any(
+        not isinstance(x, torch._ops.OpOverload) and (isinstance(x, bool) or not isinstance(x, int) or x < 0)
+        for x in items)
+    if bad:
+        packet = items is not None and any(isinstance(x, torch._ops.OpOverloadPacket) for x in items)
+        hint = " (an op packet: name its overload, e.g. torch.ops.aten.mm.default)" if packet else ""
+        raise TypeError(
+            f"torchckpt: {owner}(save=...) expects aten op overloads (e.g. torch.ops.aten.mm.default) or op positions "
+            f"(ints >= 0), got {save!r}{hint}; pass e.g. save={{torch.ops.aten.mm.default, torch.ops.aten.addmm.default}}."
+        )
+    return frozenset(items or ())
+
+
+def _detach(x: Any, aliases: bool) -> Any:
+    """Torch SAC's detach (Rule 2): views detached beneath autograd keep their version counter."""
+    if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex() or aliases):
+        with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
+            x = x.detach()
+    return x
+
+
+class _Keeping(TorchDispatchMode):
+    """The forward's mode: run every op, keep the chosen ones' outputs (Rules 1-2)."""
+
+    def __init__(self, save: Save, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
+        super().__init__()
+        self.save, self.cache, self.kept, self.store = save, cache, kept, store
+        self.k = 0
+        self.where: dict[int, set[int]] = {}  # storage -> positions whose kept outputs live in it
+
+    def put(self, x: torch.Tensor) -> Any:
+        return self.store.pack(x) if self.store is not None else Kept(x)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        k = self.k
+        self.k += 1
+        out = func(*args, **kwargs)
+        mutable = func._schema.is_mutable
+        if self.where and mutable:
+            self.forget_written(func, args, kwargs)
+        if (k in self.save or func in self.save) and not mutable:
+            aliases = any(r.alias_info is not None for r in func._schema.returns)
+            self.cache[k] = (func, tree_map(
+                lambda x: _Slot(self.put(_detach(x, aliases))) if isinstance(x, torch.Tensor) else x, out))
+            self.kept.add(k)
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor):
+                    self.where.setdefault(t.untyped_storage().data_ptr(), set()).add(k)
+        return out
+
+    def forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
+        """Rule 4: an op of the forward wrote into a kept output: recompute that op instead of keeping it."""
+        named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
+        for a in func._schema.arguments:
+            x = named.get(a.name)
+            if a.alias_info is None or not a.alias_info.is_write or not isinstance(x, torch.Tensor):
+                continue
+            for k in self.where.pop(x.untyped_storage().data_ptr(), ()):
+                self.cache.pop(k, None)
+                self.kept.discard(k)
+
+
+class _Slot:
+    """One kept output as the cache holds it (a store handle, or ``Kept``)."""
+
+    __slots__ = ("h",)
+
+    def __init__(self, h: Any) -> None:
+        self.h = h
+
+
+class _Reusing(TorchDispatchMode):
+    """The recomputation's mode: hand back the kept outputs, run the other ops (Rules 1, 3)."""
+
+    def __init__(self, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
+        super().__init__()
+        self.cache, self.kept, self.store = cache, kept, store
+        self.k = 0
+
+    def __enter__(self) -> _Reusing:
+        self.k = 0  # each recomputation counts from the block's first op (an earlier one may have stopped early)
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def get(self, x: Any) -> Any:
+        if not isinstance(x, _Slot):
+            return x
+        h = x.h
+        if isinstance(h, Kept):
+            return h.get()
+        assert self.store is not None
+        return self.store.unpack(h)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        k = self.k
+        self.k += 1
+        if k in self.cache:
+            op, kept = self.cache.pop(k)
+            try:
+                return tree_map(self.get, kept)
+            except RuntimeError as e:
+                if "modified by an inplace operation" not in str(e):
+                    raise
+                raise CheckpointError(
+                    f"torchckpt: Recompute(save=...) kept the output of op {k} ({op}) of the block's forward, which was "
+                    "then modified in place (by the block itself or later code), so it cannot stand in for the op; leave "
+                    f"that op out of save (keep ops whose outputs are not written in place, e.g. mm, addmm, attention)."
+                    f" Autograd said: {str(e).splitlines()[0]}"
+                ) from e
+        if k in self.kept:
+            raise CheckpointError(
+                "torchckpt: a second backward through a block under Recompute(save=...): the outputs it kept are "
+                "handed back once. Run backward once per forward, or recompute the block fully (save=None)."
+            )
+        return func(*args, **kwargs)
+
+
+def selective_contexts(save: Save, store: Store | None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+    """The forward's and the recomputation's modes for one call of a block (``context_fn`` of ``checkpoint``)."""
+    cache: dict[int, Any] = {}
+    kept: set[int] = set()
+    return _Keeping(save, cache, kept, store), _Reusing(cache, kept, store)
