@@ -44,13 +44,13 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    it has no Recompute block (errors included); with one, only when plain autograd
 #    succeeds, and gradients within ``RECOMPUTE_TOL``: torch.utils.checkpoint may add a
 #    tensor's gradient contributions in another order than plain autograd does.
+# 5. A setting with a store runs the program ``steps`` times with that one store: the first
+#    step records the trace, later ones follow the prefetch plan made from it. Each step builds
+#    fresh leaves and parameters (same seed) and seeds the RNG the same way (dropout).
 # 6. ``rec_save`` recomputes with Recompute(save=SAVE_OPS): matmul outputs are kept, not run
 #    again. A program that writes such an output in place later makes that twin raise
 #    (NOTE [ Selective recompute ] Rule 3) where plain autograd runs; that twin is then not
 #    compared with plain autograd, but its setting is compared with it, errors included.
-# 5. A setting with a store runs the program ``steps`` times with that one store: the first
-#    step records the trace, later ones follow the prefetch plan made from it. Each step builds
-#    fresh leaves and parameters (same seed) and seeds the RNG the same way (dropout).
 """
 
 from __future__ import annotations

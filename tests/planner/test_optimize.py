@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
-from torchckpt.planner.optimize import PlanError, ladder, search
+from torchckpt.planner.optimize import PlanError, _device_bytes, ladder, search
 
 MiB = 1 << 20
 
@@ -100,7 +100,9 @@ def test_recompute_costs_a_forward_and_offload_hides_behind_compute() -> None:
 def test_ladder_orders_options_by_device_bytes() -> None:
     b = _chain(1).blocks[0]
     opts = ladder(b, compress=True)
-    assert opts[0] == KEEP and opts[-2:] == [RECOMPUTE, Decision("recompute", host_inputs=True)]
+    assert opts[0] == KEEP and RECOMPUTE in opts and Decision("recompute", host_inputs=True) in opts
+    held = [_device_bytes(b, o) for o in opts]
+    assert held == sorted(held, reverse=True) and held[0] > held[1]
     offs = [o for o in opts if o.mode == "offload"]
     assert {o.compress for o in offs} == {False, True}
     kept = [b.saved_bytes - sum(b.saved[k] for k in o.offload) for o in offs if not o.compress]
@@ -129,3 +131,18 @@ def test_decision_rejects_bad_modes() -> None:
         Decision("swap")
     with pytest.raises(ValueError, match="only Decision"):
         Decision("keep", (1,))
+
+
+def test_selective_recompute_keeps_time_for_bytes() -> None:
+    """NOTE [ Step model ] Rule 2b: keeping the matmul-like ops costs their bytes and saves their time."""
+    ops = ((3, 64 * MiB, 2e-3), (7, 64 * MiB, 0.5e-3), (9, 256 * MiB, 0.2e-3))  # (position, bytes, seconds)
+    b = Block("b", 3.1e-3, 6.9e-3, 32 * MiB, (256 * MiB,) * 4, bwd_bytes=0, ops=ops)
+    ch = Chain.calibrated([b] * 3, 4 << 30, 0, 0.0, 0.0, Link(25e9, 25e9))
+    sel = [d for d in ladder(b, compress=False) if d.keep]
+    assert Decision("recompute", keep=(3,)) in sel  # the most time per byte first
+    full = simulate(ch, [RECOMPUTE] * 3)
+    part = simulate(ch, [Decision("recompute", keep=(3,))] * 3)
+    assert part.recompute_s == pytest.approx(full.recompute_s - 3 * 2e-3)
+    assert part.peak_bytes > full.peak_bytes
+    with pytest.raises(ValueError, match="not both"):
+        Decision("recompute", host_inputs=True, keep=(3,))

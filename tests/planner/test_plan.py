@@ -84,8 +84,11 @@ def test_every_decision_gives_plain_autograd_gradients_bit_for_bit(p: float) -> 
     prof = profile(m, (x,), {})
     some = tuple(k for k, s in enumerate(prof.saved[3]) if s.nbytes)[::2]
     allk = tuple(k for k, s in enumerate(prof.saved[2]) if s.nbytes)
-    pl = _forced(m, x, [Decision("keep"), Decision("recompute"), Decision("offload", allk), Decision("offload", some),
-                        Decision("recompute", host_inputs=True)])
+    mm = tuple(o.position for o in prof.ops[0] if o.op in ("aten.addmm.default", "aten.mm.default"))
+    assert len(mm) == 2  # fc1, fc2
+    pl = _forced(m, x, [Decision("recompute", keep=mm), Decision("recompute"), Decision("offload", allk),
+                        Decision("offload", some), Decision("recompute", host_inputs=True)])
+    assert pl.blocks[0].keep_ops == mm and pl.blocks[0].keep_bytes > 0
     applied = pl.apply(m)
     try:
         got = _grads(m, x)
@@ -237,3 +240,28 @@ def test_auto_checks_its_arguments() -> None:
         torchckpt.auto(lambda x: x, budget=1 << 30)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="torchckpt:"):
         torchckpt.auto(Net(), budget="some")
+
+
+def test_profiled_op_positions_are_those_recompute_save_counts() -> None:
+    """NOTE [ Profiling step ] Rule 5: the positions of the profile name the same ops under Recompute(save=...)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    torch.manual_seed(0)
+    m = Net(3)
+    x = torch.randn(16, D)
+    prof = profile(m, (x,), {})
+    blk = m.h[1]
+    mm = frozenset(o.position for o in prof.ops[1] if o.op == "aten.addmm.default")
+    assert len(mm) == 2
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            Count.n += str(func) == "aten.addmm.default"
+            return func(*args, **(kwargs or {}))
+
+    h = torch.randn(16, D, requires_grad=True)
+    with Count():
+        torchckpt.api.run(torchckpt.Recompute(save=mm), blk, h, module=blk).sum().backward()
+    assert Count.n == 2  # the forward's two; the recomputation ran none

@@ -18,6 +18,8 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    block i is issued when the backward of block i + ``lookahead`` starts (at the end of the
 #    forward for the last blocks), on the host-to-device engine (FIFO), never before its
 #    device-to-host copy ended; block i waits for it (a stall).
+# 2b. A recomputed block may keep some ops' outputs (``Decision.keep``): they stay on the device
+#    from its forward to its backward, and its recomputation takes its forward time less theirs.
 # 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks
 #    (unless they go to host too), offloaded tensors until their copy to host ends, then again
 #    from the start of their copy back to the end of their block's backward; a recomputed block
@@ -88,6 +90,8 @@ class Block:
         kind: blocks with the same kind have the same structure (their decisions can be shared).
         bwd_bytes: the most bytes its backward allocates beyond what was allocated when it
             started (gradients of its activations, temporaries).
+        ops: ``(position, bytes, seconds)`` of the forward's ops a recomputation may keep
+            instead of running again (NOTE [ Selective recompute ]).
     """
 
     name: str
@@ -97,6 +101,7 @@ class Block:
     saved: tuple[int, ...]
     kind: str = ""
     bwd_bytes: int = 0
+    ops: tuple[tuple[int, int, float], ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -144,20 +149,25 @@ class Decision:
         compress: offloaded tensors go through the chain's codec.
         host_inputs: for ``"recompute"``, the block's inputs go to host too (nothing of the block
             stays on the device between its forward and its backward).
+        keep: for ``"recompute"``, positions of ops (``Block.ops``) whose outputs are kept from
+            the forward, on the device, instead of being computed again.
     """
 
     mode: str
     offload: tuple[int, ...] = ()
     compress: bool = False
     host_inputs: bool = False
+    keep: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("keep", "recompute", "offload"):
             raise ValueError(f"torchckpt: Decision(mode=...) is 'keep', 'recompute' or 'offload', got {self.mode!r}.")
         if self.mode != "offload" and (self.offload or self.compress):
             raise ValueError("torchckpt: only Decision(mode='offload') takes offload=... and compress=True.")
-        if self.host_inputs and self.mode != "recompute":
-            raise ValueError("torchckpt: only Decision(mode='recompute') takes host_inputs=True.")
+        if (self.host_inputs or self.keep) and self.mode != "recompute":
+            raise ValueError("torchckpt: only Decision(mode='recompute') takes host_inputs=True and keep=....")
+        if self.host_inputs and self.keep:
+            raise ValueError("torchckpt: Decision(mode='recompute') takes host_inputs=True or keep=..., not both.")
 
 
 KEEP = Decision("keep")
@@ -218,6 +228,10 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
                 off[i] = wire[i] = b.input_bytes
             else:
                 kept[i] = b.input_bytes
+            if d.keep:
+                chosen = set(d.keep)
+                kept[i] += sum(nb for k, nb, _ in b.ops if k in chosen)
+                extra_b[i] = max(0.0, b.fwd_s - sum(sec for k, _, sec in b.ops if k in chosen))
         else:
             o = sum(b.saved[k] for k in d.offload)
             kept[i] = b.saved_bytes - o
@@ -286,8 +300,8 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
             stall += ready[i] - t
             t = ready[i]
         if plan[i].mode == "recompute":
-            recompute += blocks[i].fwd_s
-            materialised = blocks[i].saved_bytes
+            recompute += extra_b[i]
+            materialised = max(blocks[i].saved_bytes, kept[i])
         else:
             materialised = kept[i]
         mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes

@@ -3,6 +3,7 @@
 # NOTE [ Plan search ]
 # 1. Each block has a ladder of options, ordered by the bytes they leave on the device: keep;
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
+#    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]);
 #    recompute; recompute with its inputs on the host. Every option is simulated with the whole chain (``simulate``), so the link's
 #    contention and the position of the block (offloading the last blocks cannot be hidden) are
 #    priced, not assumed.
@@ -59,9 +60,29 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
             out.append(Decision("offload", p))
             if compress:
                 out.append(Decision("offload", p, compress=True))
+    out += _selective(block, rungs)
     out.append(RECOMPUTE)
     if block.input_bytes:
         out.append(RECOMPUTE_HOST)
+    top = _device_bytes(block, KEEP)
+    rest = [d for d in out[1:] if _device_bytes(block, d) < top]  # others could never lower the peak
+    return [KEEP] + sorted(rest, key=lambda d: -_device_bytes(block, d))  # stable: recompute-host last
+
+
+def _selective(block: Block, rungs: int) -> list[Decision]:
+    """Recompute options keeping the ops that save the most time per byte: up to 1/rungs, 2/rungs, ... of the time."""
+    ops = sorted((o for o in block.ops if o[1] > 0 and o[2] > 0), key=lambda o: -o[2] / o[1])
+    total = sum(o[2] for o in ops)
+    out: list[Decision] = []
+    acc, level, chosen = 0.0, 1, []
+    for k, _, sec in ops:
+        chosen.append(k)
+        acc += sec
+        while level < rungs and acc >= total * level / rungs:
+            d = Decision("recompute", keep=tuple(sorted(chosen)))
+            if not out or out[-1] != d:
+                out.append(d)
+            level += 1
     return out
 
 
@@ -69,7 +90,8 @@ def _device_bytes(block: Block, d: Decision) -> int:
     if d.mode == "keep":
         return block.saved_bytes
     if d.mode == "recompute":
-        return 0 if d.host_inputs else block.input_bytes
+        kept = sum(nb for k, nb, _ in block.ops if k in set(d.keep)) if d.keep else 0
+        return kept + (0 if d.host_inputs else block.input_bytes)
     return block.saved_bytes - sum(block.saved[k] for k in d.offload)
 
 

@@ -42,7 +42,7 @@ from torchckpt.store import Store
 
 __all__ = ["Applied", "AutoPlan", "BlockPlan", "Plan", "auto", "plan", "plans"]
 
-_FORMAT = 1
+_FORMAT = 2
 _REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
 _VERIFY_STEPS = 3  # Rule 4: measured steps, after one that builds the store's prefetch plan
 _SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
@@ -58,9 +58,12 @@ class BlockPlan:
         offload: positions of the saved tensors sent to host (``"offload"`` only).
         compress: the offloaded tensors go through the plan's codec.
         host_inputs: (``"recompute"``) the block's inputs go to host too.
+        keep_ops: (``"recompute"``) positions of the forward's ops whose outputs are kept instead of
+            computed again (``Recompute(save=...)``).
         tensors: the block's saved tensors as profiled.
         input_bytes: bytes of its inputs.
         fwd_s / bwd_s: measured forward and backward time.
+        keep_bytes: bytes of the kept ops' outputs.
     """
 
     name: str
@@ -68,10 +71,12 @@ class BlockPlan:
     offload: tuple[int, ...]
     compress: bool
     host_inputs: bool
+    keep_ops: tuple[int, ...]
     tensors: tuple[SavedTensor, ...]
     input_bytes: int
     fwd_s: float
     bwd_s: float
+    keep_bytes: int = 0
 
     @property
     def saved_bytes(self) -> int:
@@ -83,8 +88,9 @@ class BlockPlan:
         if self.mode == "keep":
             return self.saved_bytes
         if self.mode == "recompute":
-            return 0 if self.host_inputs else self.input_bytes
+            return (0 if self.host_inputs else self.input_bytes) + self.keep_bytes
         return self.saved_bytes - sum(self.tensors[k].nbytes for k in self.offload)
+
 
     @property
     def host_bytes(self) -> int:
@@ -153,6 +159,8 @@ class Plan:
                 pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             elif b.mode == "recompute":
                 what, cost, pre = "recompute", f"{b.fwd_s * 1e3:8.2f}", "-"
+                if b.keep_ops:
+                    what = f"recompute, keep {len(b.keep_ops)} ops"
                 if b.host_inputs:
                     what = "recompute, inputs host"
                     pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
@@ -180,7 +188,7 @@ class Plan:
         d = json.loads(text)
         if d.pop("format", None) != _FORMAT:
             raise ValueError(f"torchckpt: this plan was written in another format; plan the model again (format {_FORMAT}).")
-        blocks = tuple(BlockPlan(**{**b, "offload": tuple(b["offload"]),
+        blocks = tuple(BlockPlan(**{**b, "offload": tuple(b["offload"]), "keep_ops": tuple(b["keep_ops"]),
                                     "tensors": tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
                        for b in d.pop("blocks"))
         return Plan(blocks=blocks, **{**d, "link": tuple(d["link"])})
@@ -223,8 +231,9 @@ class Plan:
             if b.mode == "keep":
                 continue
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
-            policy: Any = Recompute(store=store if b.host_inputs else None) if b.mode == "recompute" else Offload(
-                store, codec if b.compress else None, tensors=frozenset(b.offload))
+            policy: Any = Recompute(store=store if b.host_inputs else None,
+                                    save=frozenset(b.keep_ops) if b.keep_ops else None) if b.mode == "recompute" else (
+                Offload(store, codec if b.compress else None, tensors=frozenset(b.offload)))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))
         return Applied(self, store, undo)
@@ -402,8 +411,10 @@ class _Planned:
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
           link: Link, codec: Any) -> Plan:
-    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host_inputs, prof.saved[i],
-                             prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i]) for i, d in enumerate(decisions))
+    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host_inputs, d.keep, prof.saved[i],
+                             prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
+                             keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)))
+                   for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=prof.peak_none, none_step_time=none.step_s, floor_bytes=floor,
                 codec=codec.name if codec is not None else None,

@@ -25,21 +25,28 @@
 #    what was allocated when it started (parameters, optimiser state, gradients left by earlier
 #    steps): a budget counts what a step adds. The host link is measured each way with pinned
 #    64 MiB copies, once per process and device.
+# 5. A last forward (no backward) times each aten op inside each block and sizes the new storages
+#    it returns, counting ops as ``Recompute(save=...)`` does (NOTE [ Selective recompute ]
+#    Rule 1): the candidates a recomputed block may keep.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from torchckpt.planner.costs import Block, Chain, CodecCost, Link
 
-__all__ = ["Profile", "SavedTensor", "find_blocks", "measure_codec", "measure_link", "profile"]
+__all__ = ["OpCost", "Profile", "SavedTensor", "find_blocks", "measure_codec", "measure_link", "profile"]
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -100,6 +107,24 @@ class SavedTensor:
 
 
 @dataclasses.dataclass(frozen=True)
+class OpCost:
+    """One aten op of a block's forward (NOTE [ Profiling step ] Rule 5).
+
+    Attributes:
+        position: its position among the block's ops, as ``Recompute(save=...)`` counts them.
+        op: the op overload's name.
+        nbytes: bytes of the new storages it returns (0 for views, in-place ops and non-tensors:
+            those are not worth keeping).
+        seconds: its time.
+    """
+
+    position: int
+    op: str
+    nbytes: int
+    seconds: float
+
+
+@dataclasses.dataclass(frozen=True)
 class Profile:
     """What one measured step says about a model (NOTE [ Profiling step ])."""
 
@@ -110,6 +135,7 @@ class Profile:
     fwd_s: tuple[float, ...]
     bwd_s: tuple[float, ...]
     bwd_bytes: tuple[int, ...]
+    ops: tuple[tuple[OpCost, ...], ...]
     other_saved_bytes: int
     other_fwd_s: float
     other_bwd_s: float
@@ -121,8 +147,9 @@ class Profile:
         """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order)."""
         blocks = []
         for i, name in enumerate(self.names):
+            ops = tuple((o.position, o.nbytes, o.seconds) for o in self.ops[i] if o.nbytes > 0)
             blocks.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
-                                tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i]))
+                                tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops))
         return Chain.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
                                 link, codec)
 
@@ -328,13 +355,95 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         bwd.append(clock.between(start, end) if start is not None and end is not None else 0.0)
     fwd_total = clock.between(t0, rec.fwd_end)  # type: ignore[attr-defined]
     step_s = clock.between(t0, t1)
+    ops = _op_costs(model, chain, args, kwargs, clock)
     return Profile(
         names=tuple(nm for nm, _ in chain), kinds=tuple(_kind(m) for _, m in chain),
         saved=tuple(tuple(s) for s in rec.saved), input_bytes=tuple(rec.inputs),
-        fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(rec.bwd_bytes), other_saved_bytes=rec.other,
+        fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(rec.bwd_bytes), ops=ops, other_saved_bytes=rec.other,
         other_fwd_s=max(0.0, fwd_total - sum(fwd)), other_bwd_s=max(0.0, step_s - fwd_total - sum(bwd)),
         step_s=step_s, peak_none=int(peak), device=str(device),
     )
+
+
+class _OpTimer(TorchDispatchMode):
+    """Times each aten op of each block's forward and sizes its new outputs (Rule 5)."""
+
+    def __init__(self, n: int, clock: _Clock) -> None:
+        super().__init__()
+        self.clock = clock
+        self.current: int | None = None
+        self.k = 0
+        self.raw: list[list[tuple[int, str, int, Any, Any]]] = [[] for _ in range(n)]
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        i = self.current
+        if i is None or func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        k = self.k
+        self.k += 1
+        a = self.clock.mark()
+        out = func(*args, **kwargs)
+        b = self.clock.mark()
+        nbytes = 0
+        if not func._schema.is_mutable and not any(r.alias_info is not None for r in func._schema.returns):
+            seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+            for t in tree_flatten(out)[0]:
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
+                    seen.add(t.untyped_storage().data_ptr())
+                    nbytes += t.untyped_storage().nbytes()
+        self.raw[i].append((k, str(func), nbytes, a, b))
+        return out
+
+
+def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tuple[Any, ...],
+              kwargs: dict[str, Any], clock: _Clock) -> tuple[tuple[OpCost, ...], ...]:
+    """One more forward, each block's aten ops timed (Rule 5); the graph is dropped, nothing is differentiated."""
+    timer = _OpTimer(len(chain), clock)
+    undo = []
+
+    def enter(i: int) -> Callable[[], None]:
+        timer.current, timer.k = i, 0
+
+        def leave() -> None:
+            timer.current = None
+        return leave
+
+    for i, (_, mod) in enumerate(chain):
+        undo.append(_wrap_call(mod, functools.partial(enter, i)))
+    try:
+        with timer:
+            out = model(*args, **kwargs)
+        del out
+    finally:
+        for u in undo:
+            u()
+    clock.sync()
+    return tuple(tuple(OpCost(k, name, nb, clock.between(a, b)) for k, name, nb, a, b in ops) for ops in timer.raw)
+
+
+def _wrap_call(mod: nn.Module, enter: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+    """Run ``mod``'s forward between ``enter()`` and what it returns; returns the undo."""
+    had = "forward" in mod.__dict__
+    inner = mod.__dict__.get("forward", None)
+    call = inner if inner is not None else type(mod).forward.__get__(mod)
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        leave = enter()
+        try:
+            return call(*a, **kw)
+        finally:
+            leave()
+
+    object.__setattr__(mod, "forward", forward)
+
+    def undo() -> None:
+        if had:
+            object.__setattr__(mod, "forward", inner)
+        else:
+            del mod.__dict__["forward"]
+
+    return undo
 
 
 def _cpu_peak(model: nn.Module, rec: _Recorder) -> int:
