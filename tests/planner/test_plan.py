@@ -51,8 +51,10 @@ def test_find_blocks_takes_the_largest_repeated_container() -> None:
     assert [n for n, _ in find_blocks(stages)] == ["1.0", "1.1", "2.0", "2.1", "2.2"]  # across stages, in order
     nested = nn.ModuleList([nn.Sequential(Blk(), nn.ReLU()) for _ in range(3)])  # Blk inside a plain container
     assert [n for n, _ in find_blocks(nested)] == ["0.0", "1.0", "2.0"]
+    seqs = nn.Sequential(*[nn.Sequential(nn.Linear(4, 4), nn.GELU()) for _ in range(3)])  # blocks that are containers
+    assert [n for n, _ in find_blocks(seqs)] == ["0", "1", "2"]
     with pytest.raises(ValueError, match="torchckpt: found no chain of blocks.*blocks="):
-        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 4)))  # leaf layers are not blocks
+        find_blocks(nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Conv1d(4, 4, 1)))  # leaf layers are not blocks
 
 
 def test_profile_records_saved_tensors_in_order_and_leaves_parameters_out() -> None:

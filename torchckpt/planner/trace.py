@@ -6,8 +6,10 @@
 #    as ``nn.ModuleList``, and leaf layers, such as ``nn.Linear``, are not blocks). Among the
 #    classes whose instances hold within 10% of the most parameters any class holds (and at least
 #    half the model's), the one with the most instances: transformer layers rather than their MLPs,
-#    ResNet's blocks across all stages rather than the stages. ``blocks=`` overrides it. Blocks of
-#    one class whose parameters have the same shapes share a ``kind``.
+#    ResNet's blocks across all stages rather than the stages. Without such a class (blocks that
+#    are themselves ``nn.Sequential``), the children of the container whose children hold the
+#    most parameters. ``blocks=`` overrides it. Blocks of one class whose parameters have the same
+#    shapes share a ``kind``.
 # 2. One step runs as plain autograd would (every saved tensor stays where it is), with a
 #    saved-tensor hook that only records: for each block, every tensor its forward saves, in order
 #    (the position ``Offload(tensors=...)`` counts), its storage and size; tensors saved outside the
@@ -72,14 +74,38 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if len(outer) >= 2 and params > 0:
             options.append((params, len(outer), outer))
     if not options:
-        raise ValueError(
-            f"torchckpt: found no chain of blocks in {type(model).__name__}: no module class has two or more instances "
-            "holding parameters through submodules; pass blocks=[...] (the modules to plan, in forward order)."
-        )
+        return _container_chain(model)
     best = max(p for p, _, _ in options)
     near = [o for o in options if o[0] >= _BAND * best and o[0] * 2 >= total]
     chosen = max(near or options, key=lambda o: (o[1], o[0]))
     return chosen[2]
+
+
+def _container_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Rule 1's fallback, for blocks that are plain containers themselves (an ``nn.Sequential`` of
+    ``nn.Sequential``): the children of the container whose children hold the most parameters,
+    among those with two children of one class."""
+    best: tuple[int, int, str, nn.Module] | None = None
+    for name, mod in model.named_modules():
+        if type(mod) not in _CONTAINERS:
+            continue
+        kids = list(mod.children())
+        counts: dict[type, int] = {}
+        for k in kids:
+            counts[type(k)] = counts.get(type(k), 0) + 1
+        if len(kids) < 2 or max(counts.values()) < 2:
+            continue
+        params = sum(p.numel() for k in kids for p in k.parameters())
+        if params > 0 and (best is None or (params, len(kids)) > best[:2]):
+            best = (params, len(kids), name, mod)
+    if best is None:
+        raise ValueError(
+            f"torchckpt: found no chain of blocks in {type(model).__name__}: no module class has two or more instances "
+            "holding parameters through submodules, and no container holds two modules of one class; pass "
+            "blocks=[...] (the modules to plan, in forward order)."
+        )
+    prefix = f"{best[2]}." if best[2] else ""
+    return [(f"{prefix}{n}", k) for n, k in best[3].named_children()]
 
 
 def _kind(module: nn.Module) -> str:
