@@ -35,6 +35,7 @@ import functools
 import inspect
 import types
 import warnings
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar, overload
 
@@ -105,6 +106,9 @@ def offload(store: Store | None = None, *, keep: Iterable[torch.Tensor] = ()) ->
             "pass store=torchckpt.Store(gpu_bytes=...)."
         )
     return store.hooks(_check_keep("offload(keep=...)", keep))
+
+
+_OTHER_SAVES: weakref.WeakSet[Offload] = weakref.WeakSet()  # Offload(tensors=, expect=) policies that met another count
 
 
 def _module_tensors(module: nn.Module | None) -> list[torch.Tensor]:
@@ -193,8 +197,18 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
         return fn(*args, **kwargs)
     if isinstance(policy, Offload):
         store = policy.store if policy.store is not None else default_store(_device_of(args))
-        with store.hooks(_module_tensors(module), policy.codec, policy.tensors):
-            return fn(*args, **kwargs)
+        only = None if policy in _OTHER_SAVES else policy.tensors
+        hooks = store.hooks(_module_tensors(module), policy.codec, only)
+        with hooks:
+            out = fn(*args, **kwargs)
+        if only is not None and policy.expect is not None and hooks.saved != policy.expect:  # type: ignore[attr-defined]
+            _OTHER_SAVES.add(policy)
+            warnings.warn(
+                f"torchckpt: a block under Offload(tensors=...) saved {hooks.saved} tensors where {policy.expect} "  # type: ignore[attr-defined]
+                "were profiled (another input shape, or another branch taken); from now on it offloads every tensor it "
+                "saves. Gradients are exact either way; plan again (torchckpt.plan) for this input to get the plan's "
+                "memory back.", RuntimeWarning, stacklevel=3)
+        return out
     ctx: Any = contextlib.nullcontext()
     if policy.store is not None:
         ctx = policy.store.hooks(_module_tensors(module))

@@ -79,11 +79,16 @@ class Offload:
             block's forward saves them (0 first, parameters counted); the others stay on the
             device (version-checked, as autograd keeps them). ``None``: all of them. The planner
             (``torchckpt.plan``) sets this from a profiled step.
+        expect: with ``tensors``, how many tensors the block's forward saves (as profiled). A
+            forward that saves another number gets a warning, once, and from then on this policy
+            offloads every tensor the block saves: the positions may name other tensors now
+            (gradients stay exact either way; the memory figures of the plan would not hold).
     """
 
     store: Store | None = None
     codec: Codec | None = None
     tensors: frozenset[int] | None = None
+    expect: int | None = None
 
     def __post_init__(self) -> None:
         _check_store("Offload", self.store)
@@ -96,6 +101,10 @@ class Offload:
                     f"None, got {self.tensors!r}; pass e.g. tensors={{0, 3}}, or None to offload every saved tensor."
                 )
             object.__setattr__(self, "tensors", frozenset(self.tensors))
+        if self.expect is not None and (isinstance(self.expect, bool) or not isinstance(self.expect, int)
+                                        or self.expect < 0):
+            raise TypeError(f"torchckpt: Offload(expect=...) expects how many tensors the block saves (an int >= 0) "
+                            f"or None, got {self.expect!r}.")
         if self.codec is not None and not isinstance(self.codec, Codec):
             raise TypeError(
                 f"torchckpt: Offload(codec=...) expects a torchckpt.codecs.Codec or None, got "

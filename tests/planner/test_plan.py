@@ -1,6 +1,8 @@
 """torchckpt.plan on CPU models: finding the chain, the profile, plans that keep gradients bit-exact, JSON."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -107,13 +109,16 @@ def test_plans_at_budgets_between_floor_and_peak_are_exact_and_within_budget() -
     m = Net(6)
     x = torch.randn(64, D)
     ref = _grads(m, x)
+    from torchckpt.planner.plan import _Planned
+
     slow = Link(2e8, 2e8)  # a slow link makes recomputation win some blocks
-    top = plan(m, x, budget=1 << 40, link=slow)
+    planner = _Planned.prepare(m, (x,), {}, None, None, None, slow)  # one profile: CPU times vary between two
+    top = planner.plan(1 << 40)
     assert [b.mode for b in top.blocks] == ["keep"] * 6
     modes = set()
     for frac in (0.0, 0.3, 0.6, 0.9):
         budget = int(top.floor_bytes + (top.none_peak_bytes - top.floor_bytes) * frac)
-        p = plan(m, x, budget=budget, link=slow)
+        p = planner.plan(budget)
         assert p.peak_bytes <= budget
         modes |= {b.mode for b in p.blocks}
         a = p.apply(m)
@@ -267,3 +272,42 @@ def test_profiled_op_positions_are_those_recompute_save_counts() -> None:
     with Count():
         torchckpt.api.run(torchckpt.Recompute(save=mm), blk, h, module=blk).sum().backward()
     assert Count.n == 2  # the forward's two; the recomputation ran none
+
+
+class Branchy(nn.Module):
+    """Saves one more tensor for batches above 8 rows: another input shape, other saved tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(D, D)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.tanh(self.fc(x))
+        return y * torch.sigmoid(y) if x.shape[0] > 8 else y
+
+
+def test_another_count_of_saved_tensors_warns_once_and_offloads_all() -> None:
+    import warnings
+
+    store = torchckpt.Store(device="cpu", min_bytes=0, gpu_bytes=0)
+    blk = Branchy()
+    small, big = torch.randn(8, D, requires_grad=True), torch.randn(16, D, requires_grad=True)
+    prof = profile(nn.Sequential(blk, Branchy()), (small,), {})
+    first = next(k for k, s in enumerate(prof.saved[0]) if s.nbytes)
+    pol = torchckpt.Offload(store, tensors={first}, expect=len(prof.saved[0]))
+    wrapped = torchckpt.checkpoint(copy.deepcopy(blk), policy=pol)
+    plain = copy.deepcopy(blk)
+    offloaded = []
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for x in (small, big, big):
+            ref = torch.autograd.grad(plain(x).sum(), [x])
+            before = store.stats().offloaded
+            got = torch.autograd.grad(wrapped(x).sum(), [x])
+            offloaded.append(store.stats().offloaded - before)
+            assert torch.equal(ref[0], got[0])  # exact whatever the count
+    msgs = [str(c.message) for c in caught if "profiled" in str(c.message)]
+    assert len(msgs) == 1 and msgs[0].startswith("torchckpt:"), msgs
+    assert offloaded[0] == 1 and offloaded[2] > offloaded[0], offloaded  # then every tensor it saves
+    with pytest.raises(TypeError, match=r"Offload\(expect=...\)"):
+        torchckpt.Offload(expect=-1)

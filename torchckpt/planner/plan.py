@@ -12,8 +12,8 @@
 #    one, prefetched (``cache_bytes``; NOTE [ Step model ] Rules 2-3 with ``lookahead=1``).
 # 3. Every decision moves a saved tensor through the store or recomputes it exactly, so gradients
 #    are those of plain autograd whatever the plan, except with a lossy codec, which ``explain``
-#    and ``Plan.lossy`` state with its bound. If a block saves other tensors than profiled, the
-#    positions only change which tensors go to host: the result is still exact.
+#    and ``Plan.lossy`` state with its bound. If a block saves another number of tensors than
+#    profiled (``Offload(expect=...)``), it warns once and offloads all of them from then on.
 # 4. A plan is checked on the device before it is returned (``verify=True``): steps run under
 #    it, one that builds the store's prefetch plan, then ``_VERIFY_STEPS`` whose largest peak is
 #    kept. A peak must leave a slack of 1% of the budget, and at least 2 MiB (10% of budgets under
@@ -233,7 +233,7 @@ class Plan:
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
             policy: Any = Recompute(store=store if b.host_inputs else None,
                                     save=frozenset(b.keep_ops) if b.keep_ops else None) if b.mode == "recompute" else (
-                Offload(store, codec if b.compress else None, tensors=frozenset(b.offload)))
+                Offload(store, codec if b.compress else None, tensors=frozenset(b.offload), expect=len(b.tensors)))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))
         return Applied(self, store, undo)

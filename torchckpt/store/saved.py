@@ -57,7 +57,6 @@
 """
 from __future__ import annotations
 
-import itertools
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -139,7 +138,12 @@ class _Handle:
 
 
 class _Hooks(torch.autograd.graph.saved_tensors_hooks):
-    """The store's saved-tensor hooks, with a ``torchckpt:`` error where PyTorch refuses them."""
+    """The store's saved-tensor hooks, with a ``torchckpt:`` error where PyTorch refuses them.
+
+    ``saved`` counts the tensors packed under them (kept ones included).
+    """
+
+    saved = 0
 
     def __enter__(self) -> None:
         try:
@@ -283,19 +287,18 @@ class Store:
         """
         keep_ptrs = storage_ptrs(keep)
         c = codec if codec is not None else self.codec
-        if only is None:
-            return _Hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
-        counter = itertools.count()
-
         def pack(t: torch.Tensor) -> Any:
-            if next(counter) in only:
+            k = hooks.saved
+            hooks.saved = k + 1
+            if only is None or k in only:
                 return self.pack(t, keep_ptrs, c)
             self._c["packed"] += 1
             self._c["kept"] += 1
             self._c["kept_bytes"] += t.numel() * t.element_size()
             return Kept(t)
 
-        return _Hooks(pack, self.unpack)
+        hooks = _Hooks(pack, self.unpack)
+        return hooks
 
     def stats(self) -> Stats:
         """Counters so far; waits for the timing events of finished work (not on the hot path)."""
