@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag|planner] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims);
 # memory: host_init.py and device_cache_init.py (the native memory engine); memdiag: after_pin.py and
-# register_stall.py (why the lazy pool blocks what it blocks; not part of `all`). `all` runs the rest.
+# register_stall.py (why the lazy pool blocks what it blocks; not part of `all`); planner: the planner's CUDA tests
+# and benchmarks/frontier.py on the GPT stack (with --compile) and a Llama (not part of `all`). `all` runs the rest.
 # nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it;
 # carry .deps/ (zfp sources fetched by tools/fetch_zfp.py) and it builds the ZFP codec too.
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
@@ -12,7 +13,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag|planner) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag|planner] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -91,6 +92,17 @@ if [[ $PART == all || $PART == memory ]]; then
     --approaches direct_pin,whole,chunked --tag orderB
   run_part device_cache_init benchmarks/device_cache_init.py
   run_part first_touch benchmarks/first_touch.py --size 4G --idle 15 --tag gpu
+fi
+if [[ $PART == planner ]]; then
+  # The planner (issue 13): its CUDA tests, then the frontier on the GPT stack (with torch.compile's budgets)
+  # and on a transformers Llama, each into its own folder (the explain files share names).
+  echo "== planner tests (cuda marker)"
+  python3 -m pytest tests/planner -m cuda -q -rs 2>&1 | tee "$OUT/planner_tests.log" || true
+  mkdir -p "$OUT/gpt" "$OUT/llama"
+  run_part frontier_gpt benchmarks/frontier.py --compile
+  mv "$OUT"/frontier.json "$OUT"/frontier.png "$OUT"/plan_*.txt "$OUT/gpt/" 2>/dev/null || true
+  run_part frontier_llama benchmarks/frontier.py --model llama
+  mv "$OUT"/frontier_llama.* "$OUT"/plan_*.txt "$OUT/llama/" 2>/dev/null || true
 fi
 if [[ $PART == memdiag ]]; then
   run_part register_stall benchmarks/register_stall.py --region 32G --reps 60 --lead 20
