@@ -261,8 +261,11 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
          link: Link | None = None, verify: bool = True, **example_kwargs: Any) -> Plan:
     """Profile one step of ``model`` on an example batch and plan its saved tensors under ``budget``.
 
-    The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]);
-    their gradients are left in the parameters' ``.grad``. Then the search of NOTE [ Plan search ]
+    The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]),
+    then once more forward only, to time each op; their gradients are left in the parameters'
+    ``.grad``, and batch-norm statistics and the RNG move as those steps move them (``auto`` puts
+    all of it back). Plan a model with no torchckpt policy on its blocks: the profile measures what
+    runs. Then the search of NOTE [ Plan search ]
     picks, per block, keep / recompute / offload of chosen tensors (compressed when ``codec`` is
     given), with the fastest predicted step whose predicted peak is at most ``budget``. On CUDA,
     with ``verify``, two steps then run under the plan and the second one's peak is measured; if
