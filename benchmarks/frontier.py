@@ -257,7 +257,8 @@ def main() -> None:
                      "verified_peak_GiB": pl.measured_peak_bytes / GiB if pl.measured_peak_bytes is not None else None,
                      "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
                      "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
-                                   for bp in pl.blocks]}
+                                   + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
+                                   + ("+host_inputs" if bp.host_inputs else "") for bp in pl.blocks]}
             holder: dict[str, Any] = {}
 
             def setup(pl: Any = pl, codec: Any = codec) -> Callable[[], None]:

@@ -64,6 +64,7 @@ class BlockPlan:
         input_bytes: bytes of its inputs.
         fwd_s / bwd_s: measured forward and backward time.
         keep_bytes: bytes of the kept ops' outputs.
+        keep_names: the kept ops, by name.
     """
 
     name: str
@@ -77,6 +78,7 @@ class BlockPlan:
     fwd_s: float
     bwd_s: float
     keep_bytes: int = 0
+    keep_names: tuple[str, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -167,6 +169,10 @@ class Plan:
             else:
                 what, cost, pre = "keep", f"{0:8.2f}", "-"
             lines.append(f"{b.name:<28} {what:<22} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
+            if b.keep_ops:
+                names = ", ".join(f"{n.replace('aten.', '').replace('.default', '')}#{k}"
+                                  for n, k in zip(b.keep_names, b.keep_ops))
+                lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs instead of recomputing them: {names}")
             if b.mode == "offload":
                 for k in b.offload:
                     t = b.tensors[k]
@@ -189,6 +195,7 @@ class Plan:
         if d.pop("format", None) != _FORMAT:
             raise ValueError(f"torchckpt: this plan was written in another format; plan the model again (format {_FORMAT}).")
         blocks = tuple(BlockPlan(**{**b, "offload": tuple(b["offload"]), "keep_ops": tuple(b["keep_ops"]),
+                                    "keep_names": tuple(b.get("keep_names", ())),
                                     "tensors": tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
                        for b in d.pop("blocks"))
         return Plan(blocks=blocks, **{**d, "link": tuple(d["link"])})
@@ -416,7 +423,8 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
           link: Link, codec: Any) -> Plan:
     blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host_inputs, d.keep, prof.saved[i],
                              prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
-                             keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)))
+                             keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)),
+                             keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)))
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=prof.peak_none, none_step_time=none.step_s, floor_bytes=floor,
