@@ -311,3 +311,53 @@ def test_another_count_of_saved_tensors_warns_once_and_offloads_all() -> None:
     assert offloaded[0] == 1 and offloaded[2] > offloaded[0], offloaded  # then every tensor it saves
     with pytest.raises(TypeError, match=r"Offload\(expect=...\)"):
         torchckpt.Offload(expect=-1)
+
+
+def test_profiling_block_by_block_records_what_the_plain_step_records() -> None:
+    """NOTE [ Profiling step ] Rule 6: the same saved tensors and inputs, the step's own gradients, exact plans."""
+    from torchckpt.planner.plan import _Planned
+    from torchckpt.planner.trace import profile_blocks
+
+    torch.manual_seed(4)
+    m = Net(4)
+    x = torch.randn(32, D)
+    plain = profile(m, (x,), {})
+    m.zero_grad(set_to_none=True)
+    ref = [g.clone() for g in torch.autograd.grad(m(x).square().mean(), list(m.parameters()))]
+    blocks = profile_blocks(m, (x,), {}, warmup=0)
+    assert blocks.by_blocks and not plain.by_blocks
+    assert blocks.saved == plain.saved and blocks.input_bytes == plain.input_bytes
+    assert [o.op for o in blocks.ops[1]] == [o.op for o in plain.ops[1]]
+    for p, g in zip(m.parameters(), ref):  # one step's gradients: the blocks' own runs left none
+        assert torch.equal(p.grad, g)
+    m.zero_grad(set_to_none=True)
+    planner = _Planned(blocks, Link(2e8, 2e8), None, lambda p: None)
+    top = planner.plan(1 << 40)
+    assert not top.none_measured and "predicted" in top.explain(file=open("/dev/null", "w"))
+    p = planner.plan((top.floor_bytes + top.none_peak_bytes) // 2)
+    a = p.apply(m)
+    try:
+        assert all(torch.equal(u, v) for u, v in zip(_grads(m, x), _grads(m, x)))
+        torch.manual_seed(0)
+        assert all(torch.equal(u, v) for u, v in zip(ref, torch.autograd.grad(m(x).square().mean(),
+                                                                               list(m.parameters()))))
+    finally:
+        a.remove()
+
+
+def test_a_step_that_does_not_fit_is_profiled_block_by_block() -> None:
+    """Rule 6's trigger: the plain step raises the allocator's out-of-memory error (raised here by the model)."""
+
+    class Tight(Net):
+        fail = True
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            if self.fail:
+                self.fail = False
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory (raised by the test)")
+            return super().forward(x)
+
+    m = Tight(3)
+    with pytest.warns(RuntimeWarning, match="torchckpt: the model's step does not fit"):
+        prof = profile(m, (torch.randn(16, D),), {})
+    assert prof.by_blocks and len(prof.saved) == 3

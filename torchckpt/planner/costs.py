@@ -33,7 +33,9 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    no-checkpointing peak). Memory allocated before the step (parameters, optimiser state) is
 #    not counted: a budget is what one step may add.
 # 4. ``fixed_bytes`` is chosen so that keeping every block predicts the measured
-#    no-checkpointing peak (``Chain.calibrated``).
+#    no-checkpointing peak (``Chain.calibrated``), or, for a step that only fits with its blocks
+#    recomputed, so that recomputing every block predicts that step's measured peak
+#    (``Chain.calibrated_on``).
 """
 from __future__ import annotations
 
@@ -133,9 +135,15 @@ class Chain:
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
                    other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> Chain:
         """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4)."""
+        return Chain.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
+                                   other_bwd_s, link, codec)
+
+    @staticmethod
+    def calibrated_on(blocks: Sequence[Block], plan: Sequence[Decision], peak: int, other_saved_bytes: int,
+                      other_fwd_s: float, other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> Chain:
+        """A chain whose prediction for ``plan`` is ``peak``, that plan's measured peak (Rule 4)."""
         bare = Chain(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
-        keep = simulate(bare, [KEEP] * len(blocks)).peak_bytes
-        return dataclasses.replace(bare, fixed_bytes=max(0, peak_none - keep))
+        return dataclasses.replace(bare, fixed_bytes=max(0, peak - simulate(bare, plan).peak_bytes))
 
 
 @dataclasses.dataclass(frozen=True)

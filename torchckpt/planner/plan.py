@@ -120,6 +120,8 @@ class Plan:
         device: where the profiling step ran.
         measured_peak_bytes: the peak of a step run under the plan when it was made (CUDA; ``None``
             on the CPU, which has no allocator statistics, or with ``verify=False``).
+        none_measured: the no-checkpointing figures were measured (``False``: predicted, for a step
+            that only fits with its blocks recomputed; NOTE [ Profiling step ] Rule 6).
     """
 
     budget: int
@@ -135,6 +137,7 @@ class Plan:
     link: tuple[float, float]
     device: str
     measured_peak_bytes: int | None = None
+    none_measured: bool = True
 
     # -- reading ----------------------------------------------------------------------------
     def explain(self, file: Any = None) -> str:
@@ -142,7 +145,8 @@ class Plan:
         lines = [
             f"torchckpt plan on {self.device}: budget {size(self.budget)}, predicted peak "
             f"{size(self.peak_bytes)}, step {self.step_time * 1e3:.1f} ms "
-            f"(no checkpointing: {size(self.none_peak_bytes)}, {self.none_step_time * 1e3:.1f} ms, "
+            f"(no checkpointing{'' if self.none_measured else ', predicted'}: {size(self.none_peak_bytes)}, "
+            f"{self.none_step_time * 1e3:.1f} ms, "
             f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
             f"floor {size(self.floor_bytes)}"
             + (f"; measured peak {size(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
@@ -427,7 +431,8 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
                              keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)))
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
-                none_peak_bytes=prof.peak_none, none_step_time=none.step_s, floor_bytes=floor,
+                none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,
+                none_measured=not prof.by_blocks,
                 codec=codec.name if codec is not None else None,
                 lossy=bool(codec is not None and codec.lossy and any(d.compress for d in decisions)),
                 bound=codec.bound if codec is not None else "", link=(link.d2h, link.h2d), device=prof.device)

@@ -30,13 +30,21 @@
 # 5. A last forward (no backward) times each aten op inside each block and sizes the new storages
 #    it returns, counting ops as ``Recompute(save=...)`` does (NOTE [ Selective recompute ]
 #    Rule 1): the candidates a recomputed block may keep.
+# 6. When the plain step does not fit on the device (``torch.cuda.OutOfMemoryError``), the step
+#    runs with every block under ``torch.utils.checkpoint`` instead, recording what is saved outside
+#    the blocks and each block's inputs; then each block runs alone on its inputs, forward and
+#    backward, and is recorded as in Rules 2-3 and 5 (``profile_blocks``). The chain is then
+#    calibrated on that step's peak, with every block recomputed (``Chain.calibrated_on``), and
+#    the no-checkpointing figures are predictions.
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
 import functools
+import gc
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -46,9 +54,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
-from torchckpt.planner.costs import Block, Chain, CodecCost, Link
+from torchckpt.planner.costs import RECOMPUTE, Block, Chain, CodecCost, Link
 
-__all__ = ["OpCost", "Profile", "SavedTensor", "find_blocks", "measure_codec", "measure_link", "profile"]
+__all__ = ["OpCost", "Profile", "SavedTensor", "profile_blocks", "find_blocks", "measure_codec", "measure_link", "profile"]
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
@@ -168,14 +176,26 @@ class Profile:
     step_s: float
     peak_none: int
     device: str
+    by_blocks: bool = False
 
-    def chain(self, link: Link, codec: CodecCost | None = None) -> Chain:
-        """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order)."""
-        blocks = []
+    def blocks(self) -> list[Block]:
+        out = []
         for i, name in enumerate(self.names):
             ops = tuple((o.position, o.nbytes, o.seconds) for o in self.ops[i] if o.nbytes > 0)
-            blocks.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
-                                tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops))
+            out.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
+                             tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops))
+        return out
+
+    def chain(self, link: Link, codec: CodecCost | None = None) -> Chain:
+        """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order).
+
+        ``peak_none`` is the measured no-checkpointing peak, or with ``by_blocks`` (Rule 6) the
+        measured peak of the step with every block recomputed; the chain is calibrated on it.
+        """
+        blocks = self.blocks()
+        if self.by_blocks:
+            return Chain.calibrated_on(blocks, [RECOMPUTE] * len(blocks), self.peak_none, self.other_saved_bytes,
+                                       self.other_fwd_s, self.other_bwd_s, link, codec)
         return Chain.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
                                 link, codec)
 
@@ -353,8 +373,18 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             for h in handles:
                 h()
 
-    for _ in range(warmup):
-        step(None)
+    try:
+        for _ in range(warmup):
+            step(None)
+    except torch.cuda.OutOfMemoryError:  # Rule 6: the plain step does not fit
+        model.zero_grad(set_to_none=True)
+        gc.collect()
+        torch.cuda.empty_cache()
+        warnings.warn("torchckpt: the model's step does not fit on the device without checkpointing; profiling it block "
+                      "by block, under recomputation (the no-checkpointing figures in the plan are predictions).",
+                      RuntimeWarning, stacklevel=3)
+        return profile_blocks(model, args, kwargs, blocks=chain, loss_fn=loss_fn, warmup=warmup,
+                              keep_sample=keep_sample)
     clock.sync()
     start_bytes = 0
     if clock.cuda:
@@ -389,6 +419,150 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         other_fwd_s=max(0.0, fwd_total - sum(fwd)), other_bwd_s=max(0.0, step_s - fwd_total - sum(bwd)),
         step_s=step_s, peak_none=int(peak), device=str(device),
     )
+
+
+def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                   blocks: Sequence[tuple[str, nn.Module]] | None = None,
+                   loss_fn: Callable[[Any], torch.Tensor] | None = None, warmup: int = 1,
+                   keep_sample: list[torch.Tensor] | None = None) -> Profile:
+    """``profile`` for a step that fits only with its blocks recomputed (NOTE [ Profiling step ] Rule 6).
+
+    The step runs with every block under ``torch.utils.checkpoint`` (what is saved outside the
+    blocks, the step's time and peak, each block's inputs); then each block runs alone on its
+    recorded inputs, forward and backward, recorded as ``profile`` records a block. The
+    parameters' ``.grad`` are those of the whole step; the blocks' own runs leave none.
+    """
+    chain = list(blocks) if blocks is not None else find_blocks(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    clock = _Clock(device)
+    loss_of = loss_fn if loss_fn is not None else _loss_of
+    n = len(chain)
+    inputs: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * n
+
+    def step(rec: _Recorder | None) -> None:
+        undo = []
+        for i, (_, mod) in enumerate(chain):
+            undo.append(_wrap_recomputed(mod, i, inputs if rec is not None else None))
+        try:
+            ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
+                   else contextlib.nullcontext())
+            with ctx:
+                loss = loss_of(model(*args, **kwargs))
+            if rec is not None:
+                rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
+            loss.backward()
+        finally:
+            for u in undo:
+                u()
+
+    for _ in range(warmup):
+        step(None)
+    clock.sync()
+    start_bytes = 0
+    if clock.cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+        start_bytes = torch.cuda.memory_allocated(device)
+    rec = _Recorder(chain, params, clock)  # nothing sets rec.current: it records what the step saves outside the blocks
+    t0 = clock.mark()
+    step(rec)
+    t1 = clock.mark()
+    clock.sync()
+    peak = (torch.cuda.max_memory_allocated(device) - start_bytes) if clock.cuda else None
+    fwd_total = clock.between(t0, rec.fwd_end)  # type: ignore[attr-defined]
+    step_s = clock.between(t0, t1)
+
+    grads = [(p, p.grad) for p in model.parameters()]
+    for p, _ in grads:
+        p.grad = None
+    per: list[_Recorder] = []
+    ops: list[tuple[OpCost, ...]] = []
+    try:
+        for i, (name, mod) in enumerate(chain):
+            got = inputs[i]
+            if got is None:
+                raise ValueError(f"torchckpt: block {name} did not run in the model's forward; pass blocks=[...] that it "
+                                 "runs, in order.")
+            a, kw = _leaves(got)
+            r = _Recorder([chain[i]], params, clock)
+            r.keep_sample = keep_sample is not None
+            with torch.autograd.graph.saved_tensors_hooks(r.pack, r.unpack):
+                with r.block(0, a, kw):
+                    out = mod(*a, **kw)
+                r.output(0, out)
+            outs = [t for t in _tensors(out) if t.requires_grad and t.is_floating_point()]
+            torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            clock.sync()
+            del out, outs
+            timer = _OpTimer(1, clock)
+            timer.current = 0
+            with timer:
+                mod(*a, **kw)
+            clock.sync()
+            ops.append(tuple(OpCost(k, nm, nb, clock.between(x, y)) for k, nm, nb, x, y in timer.raw[0]))
+            per.append(r)
+            inputs[i] = None
+    finally:
+        for p, g in grads:
+            p.grad = g
+    if keep_sample is not None:
+        best = max((r.sample for r in per if r.sample is not None), key=lambda t: t.numel(), default=None)
+        if best is not None:
+            keep_sample.append(best)
+    fwd = [clock.between(*r.fwd[0]) for r in per]
+    bwd = [clock.between(r.grad_at_out[0], r.grad_at_in[0]) if r.grad_at_out[0] is not None
+           and r.grad_at_in[0] is not None else 0.0 for r in per]
+    saved = [r.saved[0] for r in per]
+    if peak is None:  # the CPU: the gradients, the inputs kept, the largest block's saved tensors
+        grads_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+        peak = grads_bytes + rec.other + sum(r.inputs[0] for r in per) + max(
+            (sum(t.nbytes for t in sv) for sv in saved), default=0)
+    return Profile(
+        names=tuple(nm for nm, _ in chain), kinds=tuple(_kind(m) for _, m in chain),
+        saved=tuple(tuple(sv) for sv in saved), input_bytes=tuple(r.inputs[0] for r in per),
+        fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(r.bwd_bytes[0] for r in per), ops=tuple(ops),
+        other_saved_bytes=rec.other, other_fwd_s=max(0.0, fwd_total - sum(fwd)),
+        other_bwd_s=max(0.0, step_s - fwd_total - sum(fwd) - sum(bwd)), step_s=step_s, peak_none=int(peak),
+        device=str(device), by_blocks=True,
+    )
+
+
+def _leaves(got: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """A block's recorded inputs as fresh leaves (same values; ``requires_grad`` as recorded)."""
+
+    def leaf(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if x.requires_grad and not x.is_leaf:  # an activation: a view of a fresh leaf, so not a "parameter"
+                return x.detach().requires_grad_(True).view_as(x)
+            return x.detach().requires_grad_(x.requires_grad)
+        return x
+
+    a, kw = got
+    return tuple(leaf(x) for x in a), {k: leaf(v) for k, v in kw.items()}
+
+
+def _wrap_recomputed(mod: nn.Module, i: int, inputs: list[Any] | None) -> Callable[[], None]:
+    """Run ``mod`` under ``torch.utils.checkpoint`` (recording its inputs into ``inputs[i]``); returns the undo."""
+    had = "forward" in mod.__dict__
+    inner = mod.__dict__.get("forward", None)
+    call = inner if inner is not None else type(mod).forward.__get__(mod)
+
+    def forward(*a: Any, **kw: Any) -> Any:
+        if inputs is not None:
+            inputs[i] = (a, kw)
+        return torch.utils.checkpoint.checkpoint(call, *a, use_reentrant=False, **kw)
+
+    object.__setattr__(mod, "forward", forward)
+
+    def undo() -> None:
+        if had:
+            object.__setattr__(mod, "forward", inner)
+        else:
+            del mod.__dict__["forward"]
+
+    return undo
 
 
 class _OpTimer(TorchDispatchMode):
