@@ -543,28 +543,6 @@ def _leaves(got: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...
     return tuple(leaf(x) for x in a), {k: leaf(v) for k, v in kw.items()}
 
 
-def _wrap_recomputed(mod: nn.Module, i: int, inputs: list[Any] | None) -> Callable[[], None]:
-    """Run ``mod`` under ``torch.utils.checkpoint`` (recording its inputs into ``inputs[i]``); returns the undo."""
-    had = "forward" in mod.__dict__
-    inner = mod.__dict__.get("forward", None)
-    call = inner if inner is not None else type(mod).forward.__get__(mod)
-
-    def forward(*a: Any, **kw: Any) -> Any:
-        if inputs is not None:
-            inputs[i] = (a, kw)
-        return torch.utils.checkpoint.checkpoint(call, *a, use_reentrant=False, **kw)
-
-    object.__setattr__(mod, "forward", forward)
-
-    def undo() -> None:
-        if had:
-            object.__setattr__(mod, "forward", inner)
-        else:
-            del mod.__dict__["forward"]
-
-    return undo
-
-
 class _OpTimer(TorchDispatchMode):
     """Times each aten op of each block's forward and sizes its new outputs (Rule 5)."""
 
@@ -622,49 +600,18 @@ def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tu
     return tuple(tuple(OpCost(k, name, nb, clock.between(a, b)) for k, name, nb, a, b in ops) for ops in timer.raw)
 
 
-def _wrap_call(mod: nn.Module, enter: Callable[[], Callable[[], None]]) -> Callable[[], None]:
-    """Run ``mod``'s forward between ``enter()`` and what it returns; returns the undo."""
-    had = "forward" in mod.__dict__
-    inner = mod.__dict__.get("forward", None)
-    call = inner if inner is not None else type(mod).forward.__get__(mod)
-
-    def forward(*a: Any, **kw: Any) -> Any:
-        leave = enter()
-        try:
-            return call(*a, **kw)
-        finally:
-            leave()
-
-    object.__setattr__(mod, "forward", forward)
-
-    def undo() -> None:
-        if had:
-            object.__setattr__(mod, "forward", inner)
-        else:
-            del mod.__dict__["forward"]
-
-    return undo
-
-
 def _cpu_peak(model: nn.Module, rec: _Recorder) -> int:
     """On the CPU there is no allocator peak: the gradients plus every saved byte."""
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return grads + sum(s.nbytes for b in rec.saved for s in b) + rec.other
 
 
-def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
-    """Run ``mod``'s forward inside ``rec.block(i)``; returns the undo."""
+def _swap_forward(mod: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
+    """Give ``mod`` the instance forward ``make(its current forward)`` for the profiling steps; returns the undo."""
     had = "forward" in mod.__dict__
     inner = mod.__dict__.get("forward", None)
     call = inner if inner is not None else type(mod).forward.__get__(mod)
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        with rec.block(i, args, kwargs):
-            out = call(*args, **kwargs)
-        rec.output(i, out)
-        return out
-
-    object.__setattr__(mod, "forward", forward)
+    object.__setattr__(mod, "forward", make(call))
 
     def undo() -> None:
         if had:
@@ -673,6 +620,48 @@ def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
             del mod.__dict__["forward"]
 
     return undo
+
+
+def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
+    """Run ``mod``'s forward inside ``rec.block(i)`` (Rules 2-3); returns the undo."""
+
+    def make(call: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            with rec.block(i, args, kwargs):
+                out = call(*args, **kwargs)
+            rec.output(i, out)
+            return out
+        return forward
+
+    return _swap_forward(mod, make)
+
+
+def _wrap_call(mod: nn.Module, enter: Callable[[], Callable[[], None]]) -> Callable[[], None]:
+    """Run ``mod``'s forward between ``enter()`` and what it returns (Rule 5); returns the undo."""
+
+    def make(call: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*a: Any, **kw: Any) -> Any:
+            leave = enter()
+            try:
+                return call(*a, **kw)
+            finally:
+                leave()
+        return forward
+
+    return _swap_forward(mod, make)
+
+
+def _wrap_recomputed(mod: nn.Module, i: int, inputs: list[Any] | None) -> Callable[[], None]:
+    """Run ``mod`` under ``torch.utils.checkpoint``, recording its inputs into ``inputs[i]`` (Rule 6); returns the undo."""
+
+    def make(call: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*a: Any, **kw: Any) -> Any:
+            if inputs is not None:
+                inputs[i] = (a, kw)
+            return torch.utils.checkpoint.checkpoint(call, *a, use_reentrant=False, **kw)
+        return forward
+
+    return _swap_forward(mod, make)
 
 
 _LINKS: dict[str, Link] = {}
