@@ -104,3 +104,29 @@ def _check(dtype: torch.dtype) -> None:
             a.remove()
             m.zero_grad(set_to_none=True)
     assert modes - {"keep"}, modes
+
+
+def test_block_by_block_profiles_give_verified_exact_plans_on_the_gpu() -> None:
+    """NOTE [ Profiling step ] Rule 6 on the device: calibrated on the all-recomputed step, verified, exact."""
+    torch.manual_seed(0)
+    m = Stack(512, 8, 8).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = _grads(m, x)
+    planner = _Planned.prepare(m, (x,), {}, None, None, None, None, by_blocks=True)
+    top = planner.plan(1 << 40)
+    assert not top.none_measured
+    m.zero_grad(set_to_none=True)
+    lo, hi = top.floor_bytes, top.none_peak_bytes
+    found = {}
+    for f in (0.25, 0.5, 0.75):
+        b = int(lo + (hi - lo) * f)
+        with contextlib.suppress(PlanError):
+            found[b] = planner.plan(b)
+    assert found
+    for budget, p in found.items():
+        assert p.measured_peak_bytes is not None and p.measured_peak_bytes <= budget
+        a = p.apply(m)
+        try:
+            assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x))), f"budget {budget}"
+        finally:
+            a.remove()

@@ -36,7 +36,9 @@ from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes
 from torchckpt.planner.optimize import PlanError, search, size
-from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, find_blocks, measure_codec, measure_link, profile
+from torchckpt.planner.trace import (
+    Profile, SavedTensor, _loss_of, find_blocks, measure_codec, measure_link, profile, profile_blocks,
+)
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
@@ -353,7 +355,7 @@ class _Planned:
     @staticmethod
     def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
                 blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
-                link: Link | None, verify: bool = True) -> _Planned:
+                link: Link | None, verify: bool = True, by_blocks: bool = False) -> _Planned:
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got "
                             f"{type(codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
@@ -367,8 +369,9 @@ class _Planned:
             named = [(names[id(b)], b) for b in blocks]
         chain_mods = named if named is not None else find_blocks(model)
         sample: list[torch.Tensor] = []
-        prof = profile(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
-                       keep_sample=sample if codec is not None else None)
+        how = profile_blocks if by_blocks else profile  # by_blocks: as if the plain step did not fit (tests)
+        prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
+                   keep_sample=sample if codec is not None else None)
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
         loss_of = loss_fn if loss_fn is not None else _loss_of
