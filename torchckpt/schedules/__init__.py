@@ -30,6 +30,7 @@ from torchckpt.schedules.prefetch import (
 from torchckpt.schedules.revolve import Revolve, optimal_forward_steps, repetition_number
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.schedules.simulate import SimResult, simulate
+from torchckpt.schedules.spill import Spill, greedy_spill, plan_spill, spill_time
 from torchckpt.schedules.uniform import Uniform
 from torchckpt.schedules.zcut import ZCut, zcut_cost
 
@@ -51,15 +52,19 @@ __all__ = [
     "Save",
     "Schedule",
     "SimResult",
+    "Spill",
     "Tier",
     "Uniform",
     "ZCut",
     "flush_positions",
+    "greedy_spill",
     "optimal_forward_steps",
     "plan_flushes",
     "plan_prefetch",
+    "plan_spill",
     "repetition_number",
     "simulate",
     "simulate_cache",
+    "spill_time",
     "zcut_cost",
 ]
