@@ -361,3 +361,12 @@ def test_a_step_that_does_not_fit_is_profiled_block_by_block() -> None:
     with pytest.warns(RuntimeWarning, match="torchckpt: the model's step does not fit"):
         prof = profile(m, (torch.randn(16, D),), {})
     assert prof.by_blocks and len(prof.saved) == 3
+
+
+def test_progress_says_each_phase(capsys: pytest.CaptureFixture[str]) -> None:
+    plan(Net(3), torch.randn(8, D), budget=1 << 40, progress=True)
+    err = capsys.readouterr().err
+    assert "torchckpt: profiling one step of Net: 3 blocks (h.0 ... h.2)" in err
+    assert "torchckpt: searched" in err
+    plan(Net(3), torch.randn(8, D), budget=1 << 40)
+    assert capsys.readouterr().err == ""

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -271,7 +273,7 @@ class Applied:
 
 def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec | None = None,
          blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-         link: Link | None = None, verify: bool = True, **example_kwargs: Any) -> Plan:
+         link: Link | None = None, verify: bool = True, progress: bool = False, **example_kwargs: Any) -> Plan:
     """Profile one step of ``model`` on an example batch and plan its saved tensors under ``budget``.
 
     The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]),
@@ -296,6 +298,7 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         loss_fn: output -> scalar loss (default: the output's ``.loss``, else the mean square of its tensors).
         link: host link bandwidths (default: measured on the model's device).
         verify: measure a step under the plan and plan again if it is over (CUDA).
+        progress: print each phase (profiling, search, each verification) to stderr.
 
     Returns:
         A ``Plan``; ``plan.apply(model)`` puts it in force.
@@ -313,12 +316,14 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         ['keep', 'keep', 'keep', 'keep']
     """
     nbytes = parse_bytes(budget, "plan(budget=...)")
-    return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify).plan(nbytes)
+    return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                            progress=progress).plan(nbytes)
 
 
 def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], codec: Codec | None = None,
           blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
-          link: Link | None = None, verify: bool = True, **example_kwargs: Any) -> dict[int, Plan]:
+          link: Link | None = None, verify: bool = True, progress: bool = False,
+          **example_kwargs: Any) -> dict[int, Plan]:
     """``plan`` for several budgets from one profiling step: ``{budget in bytes: Plan}``.
 
     Budgets under the lowest reachable peak, or for which verification found no plan within
@@ -333,7 +338,7 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
         [1073741824]
     """
     sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
-    p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify)
+    p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify, progress=progress)
     out = {}
     for b in sizes:
         try:
@@ -350,12 +355,13 @@ class _Planned:
                  step: Callable[[Plan], int | None]) -> None:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(prof.chain(link, codec))
-        self.step = step  # runs two steps under a plan, returns the second one's peak (None: not measured)
+        self.step = step  # runs steps under a plan, returns their largest peak (None: not measured)
+        self.say: Callable[[str], None] = _quiet
 
     @staticmethod
     def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
                 blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
-                link: Link | None, verify: bool = True, by_blocks: bool = False) -> _Planned:
+                link: Link | None, verify: bool = True, by_blocks: bool = False, progress: bool = False) -> _Planned:
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got "
                             f"{type(codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
@@ -369,9 +375,15 @@ class _Planned:
             named = [(names[id(b)], b) for b in blocks]
         chain_mods = named if named is not None else find_blocks(model)
         sample: list[torch.Tensor] = []
+        say = _say if progress else _quiet
+        say(f"profiling one step of {type(model).__name__}: {len(chain_mods)} blocks "
+            f"({chain_mods[0][0]} ... {chain_mods[-1][0]})")
+        t0 = time.perf_counter()
         how = profile_blocks if by_blocks else profile  # by_blocks: as if the plain step did not fit (tests)
         prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
                    keep_sample=sample if codec is not None else None)
+        say(f"profiled in {time.perf_counter() - t0:.1f} s: step {prof.step_s * 1e3:.1f} ms, peak {size(prof.peak_none)}"
+            + (" (every block recomputed: the plain step did not fit)" if prof.by_blocks else ""))
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
         loss_of = loss_fn if loss_fn is not None else _loss_of
@@ -398,7 +410,10 @@ class _Planned:
             finally:
                 a.remove()
 
-        return _Planned(prof, ln, ccost, step)
+        planned = _Planned(prof, ln, ccost, step)
+        planned.say = say
+        say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
+        return planned
 
     def plan(self, budget: int) -> Plan:
         """The plan for ``budget``, verified (NOTE [ Applying a plan ] Rule 4)."""
@@ -411,6 +426,7 @@ class _Planned:
             measured = self.step(p)
             if measured is None:
                 return p
+            self.say(f"budget {size(budget)}: predicted {size(pred.peak_bytes)}, measured {size(measured)}")
             p = dataclasses.replace(p, measured_peak_bytes=measured)
             limit = budget - max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
             if measured <= limit:
@@ -529,3 +545,11 @@ def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]
         elif isinstance(x, dict):
             stack.extend(x.values())
     return out
+
+
+def _say(msg: str) -> None:
+    print(f"torchckpt: {msg}", file=sys.stderr, flush=True)
+
+
+def _quiet(msg: str) -> None:
+    pass
