@@ -433,6 +433,7 @@ STORES: dict[str, dict[str, Any]] = {
 # Rule 6: the ops Recompute(save=...) keeps in rec_save, and the error it raises when the program writes one of
 # their outputs in place later (plain autograd has nothing to object to there; keeping it would be wrong).
 SAVE_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+ALL_POSITIONS = frozenset(range(512))
 KEPT_WRITTEN = "leave that op out of save"
 
 
@@ -483,6 +484,8 @@ class Setting:
             return (plain, (rec_store,))
         if st == "rec_save":  # selective recomputation: matmul outputs kept (through the store, if any)
             return (plain, (Pol(Recompute(save=SAVE_OPS, store=s)) if not twin else Pol(Recompute(save=SAVE_OPS)),))
+        if st == "rec_save_all":  # every op position named: what can be kept is (the planner names positions)
+            return (plain, (Pol(Recompute(save=ALL_POSITIONS, store=s)) if not twin else Pol(Recompute(save=ALL_POSITIONS)),))
         if st == "keep":
             return (plain, (Pol(Keep()),))
         if st == "rec_in_off":  # a Recompute block inside an Offload block
@@ -502,6 +505,7 @@ def default_settings() -> list[Setting]:
             Setting("off_codec", "evicted"), Setting("off_codec", "budget"),
             Setting("rec"), Setting("rec_store", "evicted"), Setting("rec_store", "budget"), Setting("keep"),
             Setting("rec_save"), Setting("rec_save", "evicted"), Setting("rec_save", "budget"),
+            Setting("rec_save_all"), Setting("rec_save_all", "evicted"),
             Setting("rec_in_off", "evicted"), Setting("rec_in_off", "budget"),
             Setting("off_in_rec", "evicted"), Setting("off_in_rec", "resident"), Setting("mixed", "budget"),
             Setting("mixed", "evicted")]

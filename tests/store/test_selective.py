@@ -176,3 +176,32 @@ def test_save_is_checked(bad: object) -> None:
 def test_save_accepts_ops_and_positions() -> None:
     assert Recompute(save=[aten.mm.default, 3]).save == frozenset({aten.mm.default, 3})
     assert Recompute().save is None
+
+
+def test_random_ops_are_never_kept() -> None:
+    """Rule 2: keeping the first of two random ops would shift what the second draws in the recomputation."""
+    torch.manual_seed(0)
+    lin1, lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        a = torch.native_dropout(lin1(x), 0.5, True)[0]
+        return torch.tanh(torch.native_dropout(lin2(a), 0.5, True)[0])
+
+    seen: list[str] = []
+
+    class Names(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            if func is not aten.detach.default:
+                seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    x = torch.randn(4, 16, requires_grad=True)
+    with torch.no_grad(), Names():
+        f(x)
+    first = seen.index("aten.native_dropout.default")
+    torch.manual_seed(1)
+    ref = torch.autograd.grad(f(x).sum(), [x, lin1.weight, lin2.weight])
+    for save in ({first}, {aten.native_dropout.default}, set(range(len(seen)))):
+        torch.manual_seed(1)
+        got = torch.autograd.grad(torchckpt.api.run(Recompute(save=save), f, x).sum(), [x, lin1.weight, lin2.weight])
+        assert _same(list(ref), list(got)), save

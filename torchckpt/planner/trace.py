@@ -55,6 +55,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from torchckpt.planner.costs import RECOMPUTE, Block, Chain, CodecCost, Link
+from torchckpt.store.selective import random_op
 
 __all__ = ["OpCost", "Profile", "SavedTensor", "profile_blocks", "find_blocks", "measure_codec", "measure_link", "profile"]
 
@@ -147,8 +148,8 @@ class OpCost:
     Attributes:
         position: its position among the block's ops, as ``Recompute(save=...)`` counts them.
         op: the op overload's name.
-        nbytes: bytes of the new storages it returns (0 for views, in-place ops and non-tensors:
-            those are not worth keeping).
+        nbytes: bytes of the new storages it returns (0 for views, in-place ops, random ops and
+            non-tensors: those are not kept).
         seconds: its time.
     """
 
@@ -564,7 +565,8 @@ class _OpTimer(TorchDispatchMode):
         out = func(*args, **kwargs)
         b = self.clock.mark()
         nbytes = 0
-        if not func._schema.is_mutable and not any(r.alias_info is not None for r in func._schema.returns):
+        if (not func._schema.is_mutable and not random_op(func)
+                and not any(r.alias_info is not None for r in func._schema.returns)):
             seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:

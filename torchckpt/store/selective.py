@@ -13,8 +13,10 @@
 #    runs of a deterministic block. Each recomputation counts from 0 again: the checkpoint stops
 #    one as soon as backward has what it needs, and may start another (a second backward).
 # 2. An op is kept when its overload is in ``save`` or its position is, unless it writes an
-#    argument (an in-place op returns what it wrote: the recomputation must write it again). Its
-#    outputs are detached
+#    argument (an in-place op returns what it wrote: the recomputation must write it again) or
+#    draws from the RNG: the recomputation restores the RNG state at the block's start and draws
+#    again, so skipping one random op would shift what every later one draws (dropout masks
+#    that differ from the forward's). Its outputs are detached
 #    as torch SAC detaches them (views keep their version counter), then packed by the store
 #    (``Store.pack``: the same identity and version rules as any saved tensor) or, without a
 #    store, held with their version.
@@ -42,7 +44,7 @@ from torchckpt._errors import CheckpointError
 from torchckpt.store.identity import Kept
 from torchckpt.store.saved import Store
 
-__all__ = ["check_save", "selective_contexts"]
+__all__ = ["check_save", "random_op", "selective_contexts"]
 
 Save = frozenset[Any]  # aten OpOverloads and op positions (ints)
 
@@ -63,6 +65,11 @@ def check_save(owner: str, save: object) -> Save | None:
             f"(ints >= 0), got {save!r}{hint}; pass e.g. save={{torch.ops.aten.mm.default, torch.ops.aten.addmm.default}}."
         )
     return frozenset(items or ())
+
+
+def random_op(func: Any) -> bool:
+    """Whether ``func`` draws from the RNG (Rule 2: never kept)."""
+    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
 
 
 def _detach(x: Any, aliases: bool) -> Any:
@@ -95,7 +102,7 @@ class _Keeping(TorchDispatchMode):
         mutable = func._schema.is_mutable
         if self.where and mutable:
             self.forget_written(func, args, kwargs)
-        if (k in self.save or func in self.save) and not mutable:
+        if (k in self.save or func in self.save) and not mutable and not random_op(func):
             aliases = any(r.alias_info is not None for r in func._schema.returns)
             self.cache[k] = (func, tree_map(
                 lambda x: _Slot(self.put(_detach(x, aliases))) if isinstance(x, torch.Tensor) else x, out))
