@@ -98,6 +98,11 @@ KNOWN = [
     # shared the first one's whole-storage entry and came back stale once evicted (torchdiffeq).
     Program(ops=(Op("binary", 0, 0, 0), Op("slice", 0, 0, 4), Op("unary", 0, 0, 0), Op("inplace", 2, 0, 49),
                  Op("slice", 4, 0, 28), Op("unary", 0, 0, 0))),
+    # Recompute(save=...) (issue 13): each failed before its fix. A kept view (chunk) or a kept output sharing an
+    # input's memory (unsafe_chunk of an as_strided view) stood in for one made from the recomputed input.
+    Program(ops=(Op("clobber", 0, 0, 0), Op("chunk", 0, 0, 0), Op("slice", 0, 0, 0), Op("inplace", 0, 0, 1, clobber=True))),
+    Program(ops=(Op("clobber", 0, 0, 0), Op("as_strided", 0, 0, 0), Op("unsafe_chunk", 2, 0, 0),
+                 Op("inplace", 0, 0, 1, clobber=True))),
 ]
 
 

@@ -13,10 +13,13 @@
 #    runs of a deterministic block. Each recomputation counts from 0 again: the checkpoint stops
 #    one as soon as backward has what it needs, and may start another (a second backward).
 # 2. An op is kept when its overload is in ``save`` or its position is, unless it writes an
-#    argument (an in-place op returns what it wrote: the recomputation must write it again) or
+#    argument (an in-place op returns what it wrote: the recomputation must write it again),
+#    returns views or memory shared with an input (``chunk``, ``as_strided``, ``unsafe_chunk``:
+#    the recomputation must make them from the recomputed input, which later ops may write), or
 #    draws from the RNG: the recomputation restores the RNG state at the block's start and draws
 #    again, so skipping one random op would shift what every later one draws (dropout masks
-#    that differ from the forward's). Its outputs are detached
+#    that differ from the forward's). So only ops that return new memory are kept (matmuls,
+#    attention, normalisations, pointwise ops). Their outputs are detached
 #    as torch SAC detaches them (views keep their version counter), then packed by the store
 #    (``Store.pack``: the same identity and version rules as any saved tensor) or, without a
 #    store, held with their version.
@@ -44,7 +47,7 @@ from torchckpt._errors import CheckpointError
 from torchckpt.store.identity import Kept
 from torchckpt.store.saved import Store
 
-__all__ = ["check_save", "random_op", "selective_contexts"]
+__all__ = ["check_save", "fresh", "random_op", "selective_contexts"]
 
 Save = frozenset[Any]  # aten OpOverloads and op positions (ints)
 
@@ -65,6 +68,14 @@ def check_save(owner: str, save: object) -> Save | None:
             f"(ints >= 0), got {save!r}{hint}; pass e.g. save={{torch.ops.aten.mm.default, torch.ops.aten.addmm.default}}."
         )
     return frozenset(items or ())
+
+
+def fresh(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+    """Whether ``func`` returned only new memory (Rule 2): no view, no output sharing an input's storage."""
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return False
+    ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    return all(t.untyped_storage().data_ptr() not in ins for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
 
 
 def random_op(func: Any) -> bool:
@@ -102,10 +113,9 @@ class _Keeping(TorchDispatchMode):
         mutable = func._schema.is_mutable
         if self.where and mutable:
             self.forget_written(func, args, kwargs)
-        if (k in self.save or func in self.save) and not mutable and not random_op(func):
-            aliases = any(r.alias_info is not None for r in func._schema.returns)
+        if (k in self.save or func in self.save) and not mutable and not random_op(func) and fresh(func, args, kwargs, out):
             self.cache[k] = (func, tree_map(
-                lambda x: _Slot(self.put(_detach(x, aliases))) if isinstance(x, torch.Tensor) else x, out))
+                lambda x: _Slot(self.put(_detach(x, False))) if isinstance(x, torch.Tensor) else x, out))
             self.kept.add(k)
             for t in tree_flatten(out)[0]:
                 if isinstance(t, torch.Tensor):
