@@ -268,7 +268,7 @@ def main() -> None:
 
             run(name, f"plan{codec_name}", setup, extra)
 
-    if args.compile and cuda:
+    if args.compile:
         import torch._functorch.config as fconf
 
         for frac in (0.7, 0.5, 0.3, 0.1):
