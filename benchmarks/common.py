@@ -119,6 +119,26 @@ def write_json(path: str, obj: Any) -> None:
     print(f"wrote {path}", flush=True)
 
 
+class GPTBlock(torch.nn.Module):
+    """The block of shared/bench/peers_train.py (pre-LN attention + 4x MLP), shared by the training benchmarks."""
+
+    def __init__(self, d: int, h: int) -> None:
+        super().__init__()
+        nn = torch.nn
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        F = torch.nn.functional
+        b, s, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.h, d // self.h).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
 def pyplot(path: str) -> Any:
     """``matplotlib.pyplot`` on the Agg backend; ``None``, with a message, when matplotlib is missing."""
     try:

@@ -43,40 +43,22 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import torchckpt
+from common import GiB, GPTBlock, out_dir, pyplot, save_figure
 from torchckpt.planner import plans
-
-GiB = 2**30
 aten = torch.ops.aten
 SAVE = {getattr(aten, op).default for op in (
     "mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
     "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu") if hasattr(aten, op)}
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.h, d // self.h).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class Stack(nn.Module):
     def __init__(self, d: int, h: int, layers: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.blocks = nn.ModuleList(GPTBlock(d, h) for _ in range(layers))
         self.wrap: Callable[[int, nn.Module, torch.Tensor], torch.Tensor] | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,8 +144,7 @@ def main() -> None:
     args.shape = tuple(int(v) for v in (args.shape or ("2048,16,2048,8,16" if cuda else "64,4,32,2,6")).split(","))
     budgets = [float(v) for v in (args.budgets or ("1.2,2.3,3.5,5,7,9,12,14" if cuda else "0.002,0.004,0.006")).split(",")]
     q4 = [float(v) for v in (args.q4_budgets or ("1.2,2.3,5" if cuda else "")).split(",") if v]
-    out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(args.out)
     only = [o for o in args.only.split(",") if o]
     bench = Bench(args)
     gpu = torch.cuda.get_device_name() if cuda else "cpu"
@@ -259,12 +240,9 @@ def main() -> None:
                      "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
                                    + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
                                    + ("+host_inputs" if bp.host_inputs else "") for bp in pl.blocks]}
-            holder: dict[str, Any] = {}
 
             def setup(pl: Any = pl, codec: Any = codec) -> Callable[[], None]:
-                a = pl.apply(m, codec=codec)
-                holder["a"] = a
-                return a.remove
+                return pl.apply(m, codec=codec).remove
 
             run(name, f"plan{codec_name}", setup, extra)
 
@@ -293,13 +271,8 @@ def main() -> None:
 
 def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:
     """Step time over no checkpointing's against peak memory, one line per method (points off the scale at the top)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot(path)
+    if plt is None:
         return
     ok = [r for r in rows if r.get("peak_GiB") is not None and "x_none" in r]
     if not ok:
@@ -324,9 +297,7 @@ def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:
     ax.set_title(f"Memory/time frontier, {'GPT stack' if model == 'gpt' else 'Llama (transformers)'}, {gpu}")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
+    save_figure(fig, path)
 
 
 if __name__ == "__main__":

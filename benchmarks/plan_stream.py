@@ -24,6 +24,7 @@ import tracemalloc
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from common import out_dir, pyplot, save_figure
 from torchckpt.adjoint.execute import Planned
 from torchckpt.schedules import Action, PackedSchedule, Revolve, Save, Tier, plan_flushes, plan_prefetch
 
@@ -85,8 +86,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--out", help="output folder (default $OUT, else benchmarks/results)")
     args = p.parse_args()
-    out = args.out or os.environ.get("OUT") or os.path.join(os.path.dirname(__file__), "results")
-    os.makedirs(out, exist_ok=True)
+    out = out_dir(args.out)
     rows = []
     print(f"{'steps':>7} {'actions':>8} {'list peak MB':>12} {'stream peak MB':>14} {'ratio':>7} "
           f"{'list B/act':>10} {'stream B/act':>12} {'list s':>7} {'stream s':>8} {'stream/list':>11}")
@@ -105,13 +105,8 @@ def main() -> None:
     with open(os.path.join(out, "plan_stream.json"), "w") as f:
         json.dump(dict(slots=SLOTS, schedule="Revolve(n, 8, tier=HOST)", rows=rows), f, indent=1)
     print(f"wrote {os.path.join(out, 'plan_stream.json')}")
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot")
+    plt = pyplot(os.path.join(out, "plan_stream.png"))
+    if plt is None:
         return
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     xs = [r["actions"] for r in rows]
@@ -127,9 +122,7 @@ def main() -> None:
     ax2.set_ylabel("us per action")
     ax2.legend()
     fig.suptitle("Planning the executor's action stream, Revolve(n, 8) on host, 3 slots (CPU)")
-    fig.tight_layout()
-    fig.savefig(os.path.join(out, "plan_stream.png"), dpi=120)
-    print(f"wrote {os.path.join(out, 'plan_stream.png')}")
+    save_figure(fig, os.path.join(out, "plan_stream.png"))
 
 
 if __name__ == "__main__":

@@ -25,35 +25,16 @@ sys.path.insert(1, os.path.dirname(HERE))  # the repo, when torchckpt is not ins
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 from torch.utils.checkpoint import checkpoint as torch_checkpoint  # noqa: E402
 
 import torchckpt  # noqa: E402
 from common import GiB, Clock, fmt, fmt_bytes, median, out_dir, parse_bytes, pinned_bandwidth  # noqa: E402
-from common import plot_bars, print_table, write_json  # noqa: E402
+from common import GPTBlock, plot_bars, print_table, write_json  # noqa: E402
 
 MODES = ("none", "checkpoint", "save_on_cpu", "offload", "mixed")
 PER_STEP = ("offloaded_bytes", "loaded_bytes", "prefetch_hits", "late_prefetches", "late_wait_s", "misses",
             "miss_wait_s", "eviction_wait_s", "cache_hits", "plan_divergences")
 CPU_NOTE = "CPU: times are not meaningful (smoke test at a tiny shape; memory n/a)"
-
-
-class Block(nn.Module):
-    """The block of shared/bench/peers_train.py (pre-LN attention + 4x MLP)."""
-
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.h, d // self.h).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
 class Bench:
@@ -62,7 +43,7 @@ class Bench:
         dev, dt = ("cuda" if cuda else "cpu"), torch.bfloat16
         d, h, s, b, n = args.shape
         torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n)).to(dev, dt)
+        self.blocks = nn.ModuleList(GPTBlock(d, h) for _ in range(n)).to(dev, dt)
         self.x = torch.randn(b, s, d, device=dev, dtype=dt, requires_grad=True)
         # One host pool for every store: pinning ~L GiB happens once, not once per config.
         self.pool = torchckpt.memory.HostPool() if cuda else torchckpt.memory.HostPool(chunk_bytes=1 << 20, pin=False)

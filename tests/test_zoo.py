@@ -29,13 +29,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torchckpt
 from ckpt_models import assert_same_grads, grads, small_pool
 from torchckpt import Keep, Offload, Recompute
 from torchckpt.codecs import Identity
-from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, to
+from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, deterministic_cuda, to
 
 RESIDENT = 64 << 20  # holds every tiny model's saved tensors
 PARTIAL = 16 << 10  # holds some: evictions and planned prefetches
@@ -248,14 +247,8 @@ def test_zoo_cpu(zoo: str, setting: str) -> None:
 
 @pytest.fixture
 def _deterministic_cuda() -> Iterator[None]:
-    """Plain autograd on the GPU reproducible run to run, so that ``torch.equal`` is meaningful."""
-    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+    with deterministic_cuda():
+        yield
 
 
 @pytest.mark.cuda

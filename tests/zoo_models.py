@@ -8,13 +8,15 @@ skip the entry when it is missing.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 Batch = dict[str, torch.Tensor]
 
@@ -235,3 +237,15 @@ def available(z: Zoo) -> bool:
 
 def to(batch: Batch, device: Any) -> Batch:
     return {k: v.to(device) for k, v in batch.items()}
+
+
+@contextlib.contextmanager
+def deterministic_cuda() -> Iterator[None]:
+    """Plain autograd on the GPU reproducible run to run, so that ``torch.equal`` is meaningful."""
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    try:
+        with sdpa_kernel(SDPBackend.MATH):
+            yield
+    finally:
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old

@@ -9,7 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
-from torchckpt.planner.optimize import PlanError, _device_bytes, ladder, search
+from torchckpt.planner.costs import device_bytes as _device_bytes
+from torchckpt.planner.optimize import PlanError, ladder, search
 
 MiB = 1 << 20
 

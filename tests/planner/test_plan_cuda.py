@@ -5,36 +5,20 @@ import contextlib
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ckpt_models import Block
 from torchckpt.planner import PlanError
 from torchckpt.planner.plan import _Planned
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-class Block(nn.Module):
-    def __init__(self, d: int, h: int) -> None:
-        super().__init__()
-        self.h = h
-        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
-        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.fc1, self.fc2 = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, s, 3, self.h, d // self.h).unbind(2)
-        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, s, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
-
-
 class Stack(nn.Module):
     def __init__(self, d: int, h: int, n: int) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList(Block(d, h) for _ in range(n))
+        self.blocks = nn.ModuleList(Block(d, h, p=0.0) for _ in range(n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for b in self.blocks:

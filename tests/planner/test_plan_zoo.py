@@ -3,15 +3,13 @@ per-model code and every plan gives plain autograd's gradients, bit for bit (CPU
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import pytest
 import torch
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from torchckpt.planner import find_blocks, plans
-from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, to
+from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, deterministic_cuda, to
 
 # The entries whose hand-written block lists find_blocks finds by itself (resnet18's list is its four stages, where
 # find_blocks takes the eight blocks inside them; mobilenet_v3's ends with a last conv layer, which is not a block).
@@ -38,20 +36,6 @@ def _grads(m: LossOf, seed: int) -> list[torch.Tensor]:
     return list(torch.autograd.grad(m(), params, allow_unused=True, materialize_grads=True))
 
 
-@contextlib.contextmanager
-def _deterministic(device: str) -> Iterator[None]:
-    if device != "cuda":
-        yield
-        return
-    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    try:
-        with sdpa_kernel(SDPBackend.MATH):
-            yield
-    finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
-
-
 def check(name: str, device: str) -> None:
     z = BY_NAME[name]
     if not available(z):
@@ -63,7 +47,7 @@ def check(name: str, device: str) -> None:
     assert found, name
     if name in SAME_BLOCKS:
         assert [id(b) for b in found] == [id(b) for b in z.blocks(model)], name
-    with _deterministic(device):
+    with deterministic_cuda() if device == "cuda" else contextlib.nullcontext():
         ref = _grads(m, 0)
         again = _grads(m, 0)
         if not all(torch.equal(u, v) for u, v in zip(ref, again)):

@@ -22,7 +22,6 @@ from torchckpt.schedules import (
     Tier,
     Uniform,
     ZCut,
-    flush_positions,
     plan_flushes,
     plan_prefetch,
 )

@@ -3,7 +3,8 @@
 from torchckpt.planner.costs import Block, Chain, CodecCost, Decision, Link, Prediction, simulate
 from torchckpt.planner.optimize import PlanError, Search, search
 from torchckpt.planner.plan import Applied, AutoPlan, BlockPlan, Plan, auto, plan, plans
-from torchckpt.planner.trace import Profile, SavedTensor, find_blocks, profile
+from torchckpt.planner.chain import find_blocks
+from torchckpt.planner.trace import Profile, SavedTensor, profile
 
 __all__ = [
     "Applied", "AutoPlan", "Block", "BlockPlan", "Chain", "CodecCost", "Decision", "Link", "Plan", "PlanError", "Prediction",

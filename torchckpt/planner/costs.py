@@ -42,7 +42,8 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "cache_bytes", "simulate"]
+__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "cache_bytes", "device_bytes", "host_bytes",
+           "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,6 +184,23 @@ RECOMPUTE = Decision("recompute")
 RECOMPUTE_HOST = Decision("recompute", host_inputs=True)
 
 
+def device_bytes(block: Block, d: Decision) -> int:
+    """Bytes ``d`` leaves of ``block`` on the device between its forward and its backward (Rules 2b, 3)."""
+    if d.mode == "keep":
+        return block.saved_bytes
+    if d.mode == "recompute":
+        kept = sum(nb for k, nb, _ in block.ops if k in set(d.keep)) if d.keep else 0
+        return kept + (0 if d.host_inputs else block.input_bytes)
+    return block.saved_bytes - sum(block.saved[k] for k in d.offload)
+
+
+def host_bytes(block: Block, d: Decision) -> int:
+    """Bytes ``d`` sends of ``block`` to host memory (before compression)."""
+    if d.mode == "recompute":
+        return block.input_bytes if d.host_inputs else 0
+    return block.saved_bytes - device_bytes(block, d)
+
+
 def cache_bytes(offloaded: Sequence[int], lookahead: int = 1) -> int:
     """The GPU cache a plan's store gets: ``lookahead + 1`` times the most bytes one block offloads (Rule 3)."""
     return (lookahead + 1) * max(offloaded, default=0)
@@ -228,28 +246,15 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
     extra_f = [0.0] * n  # compression time in the forward
     extra_b = [0.0] * n  # decompression / recomputation time in the backward
     for i, (b, d) in enumerate(zip(blocks, plan)):
-        if d.mode == "keep":
-            kept[i] = b.saved_bytes
-        elif d.mode == "recompute":
-            extra_b[i] = b.fwd_s
-            if d.host_inputs:
-                off[i] = wire[i] = b.input_bytes
-            else:
-                kept[i] = b.input_bytes
-            if d.keep:
-                chosen = set(d.keep)
-                kept[i] += sum(nb for k, nb, _ in b.ops if k in chosen)
-                extra_b[i] = max(0.0, b.fwd_s - sum(sec for k, _, sec in b.ops if k in chosen))
-        else:
-            o = sum(b.saved[k] for k in d.offload)
-            kept[i] = b.saved_bytes - o
-            off[i] = o
-            if d.compress and codec is not None:
-                wire[i] = int(o / codec.ratio)
-                extra_f[i] = o / codec.compress
-                extra_b[i] = o / codec.decompress
-            else:
-                wire[i] = o
+        kept[i], off[i] = device_bytes(b, d), host_bytes(b, d)
+        wire[i] = off[i]
+        if d.mode == "recompute":
+            chosen = set(d.keep)
+            extra_b[i] = max(0.0, b.fwd_s - sum(sec for k, _, sec in b.ops if k in chosen))
+        elif d.mode == "offload" and d.compress and codec is not None:
+            wire[i] = int(off[i] / codec.ratio)
+            extra_f[i] = off[i] / codec.compress
+            extra_b[i] = off[i] / codec.decompress
     base = chain.fixed_bytes + chain.other_saved_bytes
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)

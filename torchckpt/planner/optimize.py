@@ -25,10 +25,11 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
 
 from torchckpt._errors import CheckpointError
-from torchckpt.planner.costs import KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, simulate
+from torchckpt.planner.costs import (
+    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, device_bytes, host_bytes, simulate,
+)
 
 __all__ = ["PlanError", "Search", "ladder", "search"]
 
@@ -64,9 +65,9 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
     out.append(RECOMPUTE)
     if block.input_bytes:
         out.append(RECOMPUTE_HOST)
-    top = _device_bytes(block, KEEP)
-    rest = [d for d in out[1:] if _device_bytes(block, d) < top]  # others could never lower the peak
-    return [KEEP] + sorted(rest, key=lambda d: -_device_bytes(block, d))  # stable: recompute-host last
+    top = device_bytes(block, KEEP)
+    rest = [d for d in out[1:] if device_bytes(block, d) < top]  # others could never lower the peak
+    return [KEEP] + sorted(rest, key=lambda d: -device_bytes(block, d))  # stable: recompute-host last
 
 
 def _selective(block: Block, rungs: int) -> list[Decision]:
@@ -84,15 +85,6 @@ def _selective(block: Block, rungs: int) -> list[Decision]:
                 out.append(d)
             level += 1
     return out
-
-
-def _device_bytes(block: Block, d: Decision) -> int:
-    if d.mode == "keep":
-        return block.saved_bytes
-    if d.mode == "recompute":
-        kept = sum(nb for k, nb, _ in block.ops if k in set(d.keep)) if d.keep else 0
-        return kept + (0 if d.host_inputs else block.input_bytes)
-    return block.saved_bytes - sum(block.saved[k] for k in d.offload)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,7 +105,7 @@ class Search:
         if not fit:
             raise PlanError(
                 f"torchckpt: no plan fits a budget of {size(budget)}: the lowest peak this model reaches is "
-                f"{size(self.floor)} ({self.floor} bytes, parameters, gradients and the blocks' inputs included); "
+                f"{size(self.floor)} ({self.floor} bytes a step adds, gradients and the blocks' inputs included); "
                 f"pass budget >= {self.floor}, or make the step smaller (batch, sequence length)."
             )
         return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
@@ -122,12 +114,6 @@ class Search:
 def size(n: float) -> str:
     """``n`` bytes in GiB, or MiB below 1 GiB (error messages, ``explain``)."""
     return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
-
-
-def _host_bytes(block: Block, d: Decision) -> int:
-    if d.mode == "recompute":
-        return block.input_bytes if d.host_inputs else 0
-    return block.saved_bytes - _device_bytes(block, d)
 
 
 def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
@@ -140,7 +126,7 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
     plans: list[tuple[tuple[Decision, ...], Prediction]] = []
     seen: set[tuple[Decision, ...]] = set()
     for cap in caps:
-        allowed = [[d for d in opts if _host_bytes(b, d) <= cap] for b, opts in zip(blocks, options)]
+        allowed = [[d for d in opts if host_bytes(b, d) <= cap] for b, opts in zip(blocks, options)]
         for d, p in _walk(chain, allowed, lookahead):
             if d not in seen:
                 seen.add(d)
@@ -156,7 +142,7 @@ def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[t
     stale score. When no stale score is left, every move is simulated again before the walk ends.
     """
     blocks = chain.blocks
-    nbytes = [[_device_bytes(b, d) for d in opts] for b, opts in zip(blocks, options)]
+    nbytes = [[device_bytes(b, d) for d in opts] for b, opts in zip(blocks, options)]
     pos = [0] * len(blocks)
     cur = [opts[0] for opts in options]
     pred = simulate(chain, cur, lookahead, cache=False)
@@ -202,12 +188,3 @@ def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[t
         if not heap:
             heap = scan()
     return plans
-
-
-def plan_for(chain: Chain, budget: int, rungs: int = 4, lookahead: int = 1) -> tuple[tuple[Decision, ...], Prediction]:
-    """The fastest plan the search finds with a predicted peak of at most ``budget`` bytes."""
-    return search(chain, rungs, lookahead).best(budget)
-
-
-def keep_all(chain: Chain) -> Sequence[Decision]:
-    return [KEEP] * len(chain.blocks)

@@ -38,9 +38,9 @@ from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes
 from torchckpt.planner.optimize import PlanError, search, size
-from torchckpt.planner.trace import (
-    Profile, SavedTensor, _loss_of, find_blocks, measure_codec, measure_link, profile, profile_blocks,
-)
+from torchckpt.planner.chain import find_blocks
+from torchckpt.planner.measure import measure_codec, measure_link
+from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, profile, profile_blocks
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 

@@ -27,9 +27,10 @@
 #    what was allocated when it started (parameters, optimiser state, gradients left by earlier
 #    steps): a budget counts what a step adds. The host link is measured each way with pinned
 #    64 MiB copies, once per process and device.
-# 5. A last forward (no backward) times each aten op inside each block and sizes the new storages
-#    it returns, counting ops as ``Recompute(save=...)`` does (NOTE [ Selective recompute ]
-#    Rule 1): the candidates a recomputed block may keep.
+# 5. A last forward (no backward) times each aten op inside each block, counting ops as
+#    ``Recompute(save=...)`` does (``OpCounter``, NOTE [ Selective recompute ] Rule 1), and sizes
+#    the outputs of those it could keep (``keepable``, Rule 2): the candidates a recomputed block
+#    may keep.
 # 6. When the plain step does not fit on the device (``torch.cuda.OutOfMemoryError``), the step
 #    runs with every block under ``torch.utils.checkpoint`` instead, recording what is saved outside
 #    the blocks and each block's inputs; then each block runs alone on its inputs, forward and
@@ -43,83 +44,20 @@ import contextlib
 import dataclasses
 import functools
 import gc
-import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
-from torch.utils.checkpoint import SAC_IGNORED_OPS
 
+from torchckpt.planner.chain import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, Chain, CodecCost, Link
-from torchckpt.store.selective import random_op
+from torchckpt.planner.measure import Clock
+from torchckpt.store.selective import OpCounter, keepable
 
-__all__ = ["OpCost", "Profile", "SavedTensor", "profile_blocks", "find_blocks", "measure_codec", "measure_link", "profile"]
-
-
-_CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-_BAND = 0.9  # Rule 1: classes within 90% of the best coverage count as covering as much
-
-
-def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The model's chain of repeated blocks (NOTE [ Profiling step ] Rule 1), as ``(qualified name, module)``.
-
-    Raises:
-        ValueError: no module class with two or more instances that hold parameters through submodules.
-    """
-    total = sum(p.numel() for p in model.parameters())
-    found: dict[type, list[tuple[str, nn.Module]]] = {}
-    for name, mod in model.named_modules():
-        if mod is model or type(mod) in _CONTAINERS or next(mod.children(), None) is None:
-            continue
-        found.setdefault(type(mod), []).append((name, mod))
-    options: list[tuple[int, int, list[tuple[str, nn.Module]]]] = []
-    for cls, mods in found.items():
-        outer = [(n, m) for n, m in mods if not any(n.startswith(o + ".") for o, _ in mods if o != n)]
-        params = sum(p.numel() for _, m in outer for p in m.parameters())
-        if len(outer) >= 2 and params > 0:
-            options.append((params, len(outer), outer))
-    if not options:
-        return _container_chain(model)
-    best = max(p for p, _, _ in options)
-    near = [o for o in options if o[0] >= _BAND * best and o[0] * 2 >= total]
-    chosen = max(near or options, key=lambda o: (o[1], o[0]))
-    return chosen[2]
-
-
-def _container_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Rule 1's fallback, for blocks that are plain containers themselves (an ``nn.Sequential`` of
-    ``nn.Sequential``): the children of the container whose children hold the most parameters,
-    among those with two children of one class."""
-    best: tuple[int, int, str, nn.Module] | None = None
-    for name, mod in model.named_modules():
-        if type(mod) not in _CONTAINERS:
-            continue
-        kids = list(mod.children())
-        counts: dict[type, int] = {}
-        for k in kids:
-            counts[type(k)] = counts.get(type(k), 0) + 1
-        if len(kids) < 2 or max(counts.values()) < 2:
-            continue
-        params = sum(p.numel() for k in kids for p in k.parameters())
-        if params > 0 and (best is None or (params, len(kids)) > best[:2]):
-            best = (params, len(kids), name, mod)
-    if best is None:
-        raise ValueError(
-            f"torchckpt: found no chain of blocks in {type(model).__name__}: no module class has two or more instances "
-            "holding parameters through submodules, and no container holds two modules of one class; pass "
-            "blocks=[...] (the modules to plan, in forward order)."
-        )
-    prefix = f"{best[2]}." if best[2] else ""
-    return [(f"{prefix}{n}", k) for n, k in best[3].named_children()]
-
-
-def _kind(module: nn.Module) -> str:
-    shapes = ",".join("x".join(map(str, p.shape)) for p in module.parameters())
-    return f"{type(module).__qualname__}[{shapes}]"
+__all__ = ["OpCost", "Profile", "SavedTensor", "profile", "profile_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,8 +86,8 @@ class OpCost:
     Attributes:
         position: its position among the block's ops, as ``Recompute(save=...)`` counts them.
         op: the op overload's name.
-        nbytes: bytes of the new storages it returns (0 for views, in-place ops, random ops and
-            non-tensors: those are not kept).
+        nbytes: bytes of its outputs when ``Recompute(save=...)`` could keep them (``keepable``),
+            else 0 (views, outputs sharing an input's memory, in-place and random ops).
         seconds: its time.
     """
 
@@ -201,27 +139,6 @@ class Profile:
                                 link, codec)
 
 
-class _Clock:
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def mark(self) -> Any:
-        if self.cuda:
-            e = torch.cuda.Event(enable_timing=True)
-            e.record()
-            return e
-        return time.perf_counter()
-
-    def between(self, a: Any, b: Any) -> float:
-        if self.cuda:
-            return float(a.elapsed_time(b)) / 1e3
-        return float(b - a)
-
-    def sync(self) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-
-
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
     if isinstance(x, torch.Tensor):
         yield x
@@ -242,7 +159,7 @@ def _first_grad_tensor(x: Any) -> torch.Tensor | None:
 class _Recorder:
     """Saved-tensor hooks that record and change nothing (Rule 2), and the per-block timing hooks (Rule 3)."""
 
-    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], params: set[int], clock: _Clock) -> None:
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], params: set[int], clock: Clock) -> None:
         self.blocks = blocks
         self.params = params
         self.clock = clock
@@ -333,6 +250,37 @@ def _loss_of(out: Any) -> torch.Tensor:
     return sum((t.float().square().mean() for t in ts), torch.zeros((), device=ts[0].device))
 
 
+def _setup(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]] | None,
+           loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[list[tuple[str, nn.Module]], set[int], torch.device,
+                                                                   Clock, Callable[[Any], torch.Tensor]]:
+    """What both ways of profiling start from: the chain, the storages of parameters and buffers, the device, a
+    clock, the loss."""
+    chain = list(blocks) if blocks is not None else find_blocks(model)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    first = next(iter(model.parameters()), None)
+    device = first.device if first is not None else torch.device("cpu")
+    return chain, params, device, Clock(device), loss_fn if loss_fn is not None else _loss_of
+
+
+def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_of: Callable[[Any], torch.Tensor],
+          rec: _Recorder | None, clock: Clock, wraps: list[Callable[[], None]]) -> None:
+    """One step, recorded by ``rec`` when given (the output held through backward, as training code holds it), then
+    the blocks' forwards put back (``wraps``: their undos)."""
+    try:
+        ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
+               else contextlib.nullcontext())
+        with ctx:
+            out = model(*args, **kwargs)
+            loss = loss_of(out)
+        if rec is not None:
+            rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
+        loss.backward()
+    finally:
+        for undo in wraps:
+            undo()
+
+
 def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             blocks: Sequence[tuple[str, nn.Module]] | None = None,
             loss_fn: Callable[[Any], torch.Tensor] | None = None, warmup: int = 1,
@@ -348,31 +296,11 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         warmup: unmeasured steps first.
         keep_sample: if a list, the largest tensor a block saved is appended to it (to measure a codec on).
     """
-    chain = list(blocks) if blocks is not None else find_blocks(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    clock = _Clock(device)
-    loss_of = loss_fn if loss_fn is not None else _loss_of
+    chain, params, device, clock, loss_of = _setup(model, blocks, loss_fn)
 
     def step(rec: _Recorder | None) -> None:
-        handles = []
-        if rec is not None:
-            for i, (_, mod) in enumerate(chain):
-                handles.append(_wrap(mod, i, rec))
-        try:
-            ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
-                   else contextlib.nullcontext())
-            with ctx:
-                out = model(*args, **kwargs)
-                loss = loss_of(out)
-            if rec is not None:
-                rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
-            loss.backward()
-        finally:
-            for h in handles:
-                h()
+        wraps = [_wrap(mod, i, rec) for i, (_, mod) in enumerate(chain)] if rec is not None else []
+        _step(model, args, kwargs, loss_of, rec, clock, wraps)
 
     try:
         for _ in range(warmup):
@@ -414,7 +342,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     step_s = clock.between(t0, t1)
     ops = _op_costs(model, chain, args, kwargs, clock)
     return Profile(
-        names=tuple(nm for nm, _ in chain), kinds=tuple(_kind(m) for _, m in chain),
+        names=tuple(nm for nm, _ in chain), kinds=tuple(block_kind(m) for _, m in chain),
         saved=tuple(tuple(s) for s in rec.saved), input_bytes=tuple(rec.inputs),
         fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(rec.bwd_bytes), ops=ops, other_saved_bytes=rec.other,
         other_fwd_s=max(0.0, fwd_total - sum(fwd)), other_bwd_s=max(0.0, step_s - fwd_total - sum(bwd)),
@@ -433,31 +361,13 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     recorded inputs, forward and backward, recorded as ``profile`` records a block. The
     parameters' ``.grad`` are those of the whole step; the blocks' own runs leave none.
     """
-    chain = list(blocks) if blocks is not None else find_blocks(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
-    first = next(iter(model.parameters()), None)
-    device = first.device if first is not None else torch.device("cpu")
-    clock = _Clock(device)
-    loss_of = loss_fn if loss_fn is not None else _loss_of
+    chain, params, device, clock, loss_of = _setup(model, blocks, loss_fn)
     n = len(chain)
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * n
 
     def step(rec: _Recorder | None) -> None:
-        undo = []
-        for i, (_, mod) in enumerate(chain):
-            undo.append(_wrap_recomputed(mod, i, inputs if rec is not None else None))
-        try:
-            ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
-                   else contextlib.nullcontext())
-            with ctx:
-                loss = loss_of(model(*args, **kwargs))
-            if rec is not None:
-                rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
-            loss.backward()
-        finally:
-            for u in undo:
-                u()
+        wraps = [_wrap_recomputed(mod, i, inputs if rec is not None else None) for i, (_, mod) in enumerate(chain)]
+        _step(model, args, kwargs, loss_of, rec, clock, wraps)
 
     for _ in range(warmup):
         step(None)
@@ -521,7 +431,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         peak = grads_bytes + rec.other + sum(r.inputs[0] for r in per) + max(
             (sum(t.nbytes for t in sv) for sv in saved), default=0)
     return Profile(
-        names=tuple(nm for nm, _ in chain), kinds=tuple(_kind(m) for _, m in chain),
+        names=tuple(nm for nm, _ in chain), kinds=tuple(block_kind(m) for _, m in chain),
         saved=tuple(tuple(sv) for sv in saved), input_bytes=tuple(r.inputs[0] for r in per),
         fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(r.bwd_bytes[0] for r in per), ops=tuple(ops),
         other_saved_bytes=rec.other, other_fwd_s=max(0.0, fwd_total - sum(fwd)),
@@ -544,40 +454,33 @@ def _leaves(got: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...
     return tuple(leaf(x) for x in a), {k: leaf(v) for k, v in kw.items()}
 
 
-class _OpTimer(TorchDispatchMode):
+class _OpTimer(OpCounter):
     """Times each aten op of each block's forward and sizes its new outputs (Rule 5)."""
 
-    def __init__(self, n: int, clock: _Clock) -> None:
+    def __init__(self, n: int, clock: Clock) -> None:
         super().__init__()
         self.clock = clock
         self.current: int | None = None
-        self.k = 0
         self.raw: list[list[tuple[int, str, int, Any, Any]]] = [[] for _ in range(n)]
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+    def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         i = self.current
-        if i is None or func in SAC_IGNORED_OPS:
+        if i is None:
             return func(*args, **kwargs)
-        k = self.k
-        self.k += 1
         a = self.clock.mark()
         out = func(*args, **kwargs)
         b = self.clock.mark()
         nbytes = 0
-        if (not func._schema.is_mutable and not random_op(func)
-                and not any(r.alias_info is not None for r in func._schema.returns)):
-            seen = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in seen:
-                    seen.add(t.untyped_storage().data_ptr())
-                    nbytes += t.untyped_storage().nbytes()
+        if keepable(func, args, kwargs, out):  # what Recompute(save=...) could keep
+            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                        for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
+            nbytes = sum(storages.values())
         self.raw[i].append((k, str(func), nbytes, a, b))
         return out
 
 
 def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tuple[Any, ...],
-              kwargs: dict[str, Any], clock: _Clock) -> tuple[tuple[OpCost, ...], ...]:
+              kwargs: dict[str, Any], clock: Clock) -> tuple[tuple[OpCost, ...], ...]:
     """One more forward, each block's aten ops timed (Rule 5); the graph is dropped, nothing is differentiated."""
     timer = _OpTimer(len(chain), clock)
     undo = []
@@ -664,61 +567,3 @@ def _wrap_recomputed(mod: nn.Module, i: int, inputs: list[Any] | None) -> Callab
         return forward
 
     return _swap_forward(mod, make)
-
-
-_LINKS: dict[str, Link] = {}
-
-
-def measure_link(device: torch.device, nbytes: int = 64 << 20, reps: int = 5) -> Link:
-    """Host-link bandwidth each way on ``device`` (median of ``reps`` copies of pinned memory), once per process.
-
-    On the CPU it is the bandwidth of a copy within host memory (what an offload there does).
-    """
-    key = str(device)
-    if key in _LINKS:
-        return _LINKS[key]
-    d = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    clock = _Clock(device)
-
-    def timed(fn: Callable[[], Any]) -> float:  # on the CPU, offloading is a copy within host memory
-        ts = []
-        for _ in range(reps + 1):
-            clock.sync()
-            a = clock.mark()
-            fn()
-            b = clock.mark()
-            clock.sync()
-            ts.append(max(clock.between(a, b), 1e-9))
-        ts = sorted(ts[1:])
-        return ts[len(ts) // 2]
-
-    link = Link(d2h=nbytes / timed(lambda: h.copy_(d, non_blocking=True)),
-                h2d=nbytes / timed(lambda: d.copy_(h, non_blocking=True)))
-    _LINKS[key] = link
-    return link
-
-
-def measure_codec(codec: Any, sample: torch.Tensor, reps: int = 3) -> CodecCost:
-    """``codec``'s ratio and throughputs on ``sample`` (a saved tensor of the profiled step)."""
-    clock = _Clock(sample.device)
-
-    def timed(fn: Callable[[], Any]) -> float:
-        best = float("inf")
-        for _ in range(reps):
-            clock.sync()
-            a = clock.mark()
-            fn()
-            b = clock.mark()
-            clock.sync()
-            best = min(best, clock.between(a, b))
-        return max(best, 1e-9)
-
-    packed = codec.compress(sample)
-    nb = sample.numel() * sample.element_size()
-    tc = timed(lambda: codec.compress(sample))
-    td = timed(lambda: codec.decompress(packed))
-    g = codec.guarantee
-    lossy = g.kind != "lossless"
-    return CodecCost(name=repr(codec), ratio=float(packed.ratio), compress=nb / tc, decompress=nb / td, lossy=lossy,
-                     bound=g.describe() if lossy else "")

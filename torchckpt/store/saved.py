@@ -140,7 +140,7 @@ class _Handle:
 class _Hooks(torch.autograd.graph.saved_tensors_hooks):
     """The store's saved-tensor hooks, with a ``torchckpt:`` error where PyTorch refuses them.
 
-    ``saved`` counts the tensors packed under them (kept ones included).
+    ``saved`` counts the tensors packed under them when they route only some (``Store.hooks(only=...)``).
     """
 
     saved = 0
@@ -283,14 +283,18 @@ class Store:
             keep: tensors (e.g. a module's buffers) whose storages stay by reference.
             codec: compress with this codec instead of the store's (NOTE [ Store ] Rule 9).
             only: route only the tensors saved at these positions (0 for the first tensor saved
-                under this context); the others are kept by reference (Rule 1). ``None``: all.
+                under this context); the others are kept by reference (Rule 1), and the hooks'
+                ``saved`` counts them all. ``None``: route all (nothing counted).
         """
         keep_ptrs = storage_ptrs(keep)
         c = codec if codec is not None else self.codec
+        if only is None:
+            return _Hooks(lambda t: self.pack(t, keep_ptrs, c), self.unpack)
+
         def pack(t: torch.Tensor) -> Any:
             k = hooks.saved
             hooks.saved = k + 1
-            if only is None or k in only:
+            if k in only:
                 return self.pack(t, keep_ptrs, c)
             self._c["packed"] += 1
             self._c["kept"] += 1

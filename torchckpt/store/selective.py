@@ -47,7 +47,7 @@ from torchckpt._errors import CheckpointError
 from torchckpt.store.identity import Kept
 from torchckpt.store.saved import Store
 
-__all__ = ["check_save", "fresh", "random_op", "selective_contexts"]
+__all__ = ["OpCounter", "check_save", "keepable", "selective_contexts"]
 
 Save = frozenset[Any]  # aten OpOverloads and op positions (ints)
 
@@ -70,17 +70,34 @@ def check_save(owner: str, save: object) -> Save | None:
     return frozenset(items or ())
 
 
-def fresh(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
-    """Whether ``func`` returned only new memory (Rule 2): no view, no output sharing an input's storage."""
+def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
+    """Whether a call's outputs may stand in for running ``func`` again (Rule 2): it writes no argument, draws
+    nothing from the RNG, and returns only new memory (no view, no output sharing an input's storage)."""
+    if func._schema.is_mutable or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return False
     if any(r.alias_info is not None for r in func._schema.returns):
         return False
     ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     return all(t.untyped_storage().data_ptr() not in ins for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
 
 
-def random_op(func: Any) -> bool:
-    """Whether ``func`` draws from the RNG (Rule 2: never kept)."""
-    return torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+class OpCounter(TorchDispatchMode):
+    """A dispatch mode that numbers the aten ops it sees as Rule 1 does and hands each to ``op(k, func, ...)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = 0
+
+    def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
+        return func(*args, **kwargs)
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func in SAC_IGNORED_OPS:
+            return func(*args, **kwargs)
+        k = self.k
+        self.k += 1
+        return self.op(k, func, args, kwargs)
 
 
 def _detach(x: Any, aliases: bool) -> Any:
@@ -91,29 +108,22 @@ def _detach(x: Any, aliases: bool) -> Any:
     return x
 
 
-class _Keeping(TorchDispatchMode):
+class _Keeping(OpCounter):
     """The forward's mode: run every op, keep the chosen ones' outputs (Rules 1-2)."""
 
     def __init__(self, save: Save, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
         super().__init__()
         self.save, self.cache, self.kept, self.store = save, cache, kept, store
-        self.k = 0
         self.where: dict[int, set[int]] = {}  # storage -> positions whose kept outputs live in it
 
     def put(self, x: torch.Tensor) -> Any:
         return self.store.pack(x) if self.store is not None else Kept(x)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
-            return func(*args, **kwargs)
-        k = self.k
-        self.k += 1
+    def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
-        mutable = func._schema.is_mutable
-        if self.where and mutable:
+        if self.where and func._schema.is_mutable:
             self.forget_written(func, args, kwargs)
-        if (k in self.save or func in self.save) and not mutable and not random_op(func) and fresh(func, args, kwargs, out):
+        if (k in self.save or func in self.save) and keepable(func, args, kwargs, out):
             self.cache[k] = (func, tree_map(
                 lambda x: _Slot(self.put(_detach(x, False))) if isinstance(x, torch.Tensor) else x, out))
             self.kept.add(k)
@@ -143,13 +153,12 @@ class _Slot:
         self.h = h
 
 
-class _Reusing(TorchDispatchMode):
+class _Reusing(OpCounter):
     """The recomputation's mode: hand back the kept outputs, run the other ops (Rules 1, 3)."""
 
     def __init__(self, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
         super().__init__()
         self.cache, self.kept, self.store = cache, kept, store
-        self.k = 0
 
     def __enter__(self) -> _Reusing:
         self.k = 0  # each recomputation counts from the block's first op (an earlier one may have stopped early)
@@ -164,12 +173,7 @@ class _Reusing(TorchDispatchMode):
         assert self.store is not None
         return self.store.unpack(h)
 
-    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
-        if func in SAC_IGNORED_OPS:
-            return func(*args, **kwargs)
-        k = self.k
-        self.k += 1
+    def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if k in self.cache:
             op, kept = self.cache.pop(k)
             try:
