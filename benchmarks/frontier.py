@@ -23,7 +23,9 @@ Methods, each measured the same way in this process:
 Each: 2 warm-up steps, then the median of ``--reps`` steps; peak = max_memory_allocated over the timed
 steps minus memory_allocated before them (gradients of earlier steps included in that base, as in
 peers_train.py). For planned settings the plan's predicted peak and step time are recorded beside
-the measured ones. One profiling step serves every budget of a codec (``torchckpt.planner.plans``).
+the measured ones. One profiling step serves every budget of a codec (as ``torchckpt.planner.plans``);
+its profile, link and codec costs go to ``profile[_llama][_q4].json`` (``benchmarks/replan.py`` plans
+from it offline).
 Prints the table with ratios to ``none`` of this run; writes ``frontier.json`` and ``frontier.png``
 (step time over ``none``'s against peak, one line per method) to ``--out``. Without CUDA it runs a tiny shape.
 
@@ -33,6 +35,7 @@ Prints the table with ratios to ``none`` of this run; writes ``frontier.json`` a
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import gc
 import json
@@ -48,7 +51,8 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 import torchckpt
 from common import GiB, GPTBlock, out_dir, pyplot, save_figure
-from torchckpt.planner import plans
+from torchckpt.planner import PlanError
+from torchckpt.planner.plan import _Planned
 aten = torch.ops.aten
 SAVE = {getattr(aten, op).default for op in (
     "mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -216,7 +220,17 @@ def main() -> None:
         codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name else None
         t0 = time.perf_counter()
         try:
-            found = plans(m, bench.x, budgets=[int(b * GiB) for b in bl], codec=codec, **bench.kwargs)
+            planned = _Planned.prepare(m, (bench.x,), bench.kwargs, codec, None, None, None)
+            with open(os.path.join(out, f"profile{tag}{'_' + codec_name if codec_name else ''}.json"), "w") as f:
+                json.dump({"link": [planned.link.d2h, planned.link.h2d],
+                           "codec": dataclasses.asdict(planned.codec) if planned.codec else None,
+                           "profile": json.loads(planned.prof.to_json())}, f)
+            found = {}
+            for b in bl:
+                try:
+                    found[int(b * GiB)] = planned.plan(int(b * GiB))
+                except PlanError:
+                    pass
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             rows.append({"name": f"plan{codec_name}", "error": f"{type(e).__name__}: {e}"})
@@ -239,7 +253,7 @@ def main() -> None:
                      "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
                      "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
                                    + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
-                                   + ("+host_inputs" if bp.host_inputs else "") for bp in pl.blocks]}
+                                   + ("+host" if bp.host else "") for bp in pl.blocks]}
 
             def setup(pl: Any = pl, codec: Any = codec) -> Callable[[], None]:
                 return pl.apply(m, codec=codec).remove

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
-from torchckpt.planner.costs import device_bytes as _device_bytes
+from torchckpt.planner.costs import device_bytes, host_bytes
 from torchckpt.planner.optimize import PlanError, ladder, search
 
 MiB = 1 << 20
@@ -98,11 +98,11 @@ def test_recompute_costs_a_forward_and_offload_hides_behind_compute() -> None:
     assert last.stall_s > 0
 
 
-def test_ladder_orders_options_by_device_bytes() -> None:
+def test_ladder_orders_options_bydevice_bytes() -> None:
     b = _chain(1).blocks[0]
     opts = ladder(b, compress=True)
-    assert opts[0] == KEEP and RECOMPUTE in opts and Decision("recompute", host_inputs=True) in opts
-    held = [_device_bytes(b, o) for o in opts]
+    assert opts[0] == KEEP and RECOMPUTE in opts and Decision("recompute", host=True) in opts
+    held = [device_bytes(b, o) for o in opts]
     assert held == sorted(held, reverse=True) and held[0] > held[1]
     offs = [o for o in opts if o.mode == "offload"]
     assert {o.compress for o in offs} == {False, True}
@@ -145,5 +145,12 @@ def test_selective_recompute_keeps_time_for_bytes() -> None:
     part = simulate(ch, [Decision("recompute", keep=(3,))] * 3)
     assert part.recompute_s == pytest.approx(full.recompute_s - 3 * 2e-3)
     assert part.peak_bytes > full.peak_bytes
-    with pytest.raises(ValueError, match="not both"):
-        Decision("recompute", host_inputs=True, keep=(3,))
+    # On the host (Rule 2b): nothing stays on the device; the inputs and the kept output cross the link, the
+    # recomputation still skips the kept op, and the peak is below keeping it on the device.
+    host = Decision("recompute", host=True, keep=(3,))
+    assert host in sel
+    assert device_bytes(b, host) == 0 and host_bytes(b, host) == 32 * MiB + 64 * MiB
+    moved = simulate(ch, [host] * 3)
+    assert moved.recompute_s == pytest.approx(part.recompute_s)
+    assert moved.d2h_bytes == 3 * 96 * MiB
+    assert moved.peak_bytes < part.peak_bytes

@@ -91,7 +91,7 @@ def test_every_decision_gives_plain_autograd_gradients_bit_for_bit(p: float) -> 
     mm = tuple(o.position for o in prof.ops[0] if o.op in ("aten.addmm.default", "aten.mm.default"))
     assert len(mm) == 2  # fc1, fc2
     pl = _forced(m, x, [Decision("recompute", keep=mm), Decision("recompute"), Decision("offload", allk),
-                        Decision("offload", some), Decision("recompute", host_inputs=True)])
+                        Decision("offload", some), Decision("recompute", host=True)])
     assert pl.blocks[0].keep_ops == mm and pl.blocks[0].keep_bytes > 0
     applied = pl.apply(m)
     try:

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import torchckpt
 from torchckpt import Recompute, Store
 from torchckpt._errors import CheckpointError
+from torchckpt.store.selective import keepable
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default}
@@ -205,3 +206,37 @@ def test_random_ops_are_never_kept() -> None:
         torch.manual_seed(1)
         got = torch.autograd.grad(torchckpt.api.run(Recompute(save=save), f, x).sum(), [x, lin1.weight, lin2.weight])
         assert _same(list(ref), list(got)), save
+
+
+def _attention_calls(p: float, save: frozenset | None) -> tuple[int, bool]:
+    """How many attention kernels a forward and backward ran, and whether the gradients were plain autograd's."""
+    torch.manual_seed(0)
+    m = Attn(p=0.3)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+
+    def f(y: torch.Tensor) -> torch.Tensor:  # attention with dropout_p=p, then the block's own dropout
+        b, s, d = y.shape
+        q, k, v = m.qkv(m.ln(y)).view(b, s, 3, m.h, d // m.h).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), dropout_p=p)
+        return m.drop(m.proj(a.transpose(1, 2).reshape(b, s, d)))
+
+    def grads(g) -> list[torch.Tensor]:  # noqa: ANN001
+        torch.manual_seed(7)
+        return list(torch.autograd.grad(g(x).square().sum(), [x, m.qkv.weight, m.proj.weight]))
+
+    ref = grads(f)
+    with _Count() as c:
+        got = grads(lambda y: torchckpt.api.run(Recompute(save=save), f, y))
+    return sum(n for k, n in c.n.items() if "attention" in k and "backward" not in k), _same(ref, got)
+
+
+def test_attention_without_dropout_is_kept() -> None:
+    """Rule 2: an attention kernel's schema is seeded (for its dropout); with dropout_p=0 it draws nothing, so it is
+    kept, and the dropout after it draws the forward's mask again; with dropout_p>0 it runs again."""
+    assert _attention_calls(0.0, None) == (2, True)  # forward, recomputation
+    assert _attention_calls(0.0, ATTENTION) == (1, True)  # handed back
+    op = aten._scaled_dot_product_flash_attention_for_cpu.default  # with dropout the CPU runs no fused kernel:
+    q = torch.randn(1, 2, 8, 16)  # ask the rule itself
+    out = op(q, q, q)
+    assert keepable(op, (q, q, q), {}, out) and keepable(op, (q, q, q, 0.0), {}, out)
+    assert not keepable(op, (q, q, q, 0.25), {}, out) and not keepable(op, (q, q, q), {"dropout_p": 0.25}, out)

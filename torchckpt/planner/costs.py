@@ -19,7 +19,8 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    forward for the last blocks), on the host-to-device engine (FIFO), never before its
 #    device-to-host copy ended; block i waits for it (a stall).
 # 2b. A recomputed block may keep some ops' outputs (``Decision.keep``): they stay on the device
-#    from its forward to its backward, and its recomputation takes its forward time less theirs.
+#    from its forward to its backward, or go to host with its inputs (``Decision.host``: copied as
+#    an offload is, Rules 1-2), and its recomputation takes its forward time less theirs.
 # 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks
 #    (unless they go to host too), offloaded tensors until their copy to host ends, then again
 #    from the start of their copy back to the end of their block's backward; a recomputed block
@@ -43,7 +44,7 @@ import dataclasses
 from collections.abc import Sequence
 
 __all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "cache_bytes", "device_bytes", "host_bytes",
-           "simulate"]
+           "kept_bytes", "simulate"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,16 +157,17 @@ class Decision:
         offload: for ``"offload"``, indices into ``Block.saved`` of the tensors sent to host (the
             others are kept).
         compress: offloaded tensors go through the chain's codec.
-        host_inputs: for ``"recompute"``, the block's inputs go to host too (nothing of the block
-            stays on the device between its forward and its backward).
+        host: for ``"recompute"``, what the block keeps (its inputs and the outputs of the ``keep``
+            ops) goes to host memory and is copied back for its backward: nothing of the block
+            stays on the device in between.
         keep: for ``"recompute"``, positions of ops (``Block.ops``) whose outputs are kept from
-            the forward, on the device, instead of being computed again.
+            the forward (on the device, or on the host with ``host``) instead of being computed again.
     """
 
     mode: str
     offload: tuple[int, ...] = ()
     compress: bool = False
-    host_inputs: bool = False
+    host: bool = False
     keep: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -173,15 +175,13 @@ class Decision:
             raise ValueError(f"torchckpt: Decision(mode=...) is 'keep', 'recompute' or 'offload', got {self.mode!r}.")
         if self.mode != "offload" and (self.offload or self.compress):
             raise ValueError("torchckpt: only Decision(mode='offload') takes offload=... and compress=True.")
-        if (self.host_inputs or self.keep) and self.mode != "recompute":
-            raise ValueError("torchckpt: only Decision(mode='recompute') takes host_inputs=True and keep=....")
-        if self.host_inputs and self.keep:
-            raise ValueError("torchckpt: Decision(mode='recompute') takes host_inputs=True or keep=..., not both.")
+        if (self.host or self.keep) and self.mode != "recompute":
+            raise ValueError("torchckpt: only Decision(mode='recompute') takes host=True and keep=....")
 
 
 KEEP = Decision("keep")
 RECOMPUTE = Decision("recompute")
-RECOMPUTE_HOST = Decision("recompute", host_inputs=True)
+RECOMPUTE_HOST = Decision("recompute", host=True)
 
 
 def device_bytes(block: Block, d: Decision) -> int:
@@ -189,15 +189,20 @@ def device_bytes(block: Block, d: Decision) -> int:
     if d.mode == "keep":
         return block.saved_bytes
     if d.mode == "recompute":
-        kept = sum(nb for k, nb, _ in block.ops if k in set(d.keep)) if d.keep else 0
-        return kept + (0 if d.host_inputs else block.input_bytes)
+        return 0 if d.host else block.input_bytes + kept_bytes(block, d)
     return block.saved_bytes - sum(block.saved[k] for k in d.offload)
+
+
+def kept_bytes(block: Block, d: Decision) -> int:
+    """Bytes of the outputs of the ops ``d`` keeps from a recomputed block's forward (Rule 2b)."""
+    chosen = set(d.keep)
+    return sum(nb for k, nb, _ in block.ops if k in chosen)
 
 
 def host_bytes(block: Block, d: Decision) -> int:
     """Bytes ``d`` sends of ``block`` to host memory (before compression)."""
     if d.mode == "recompute":
-        return block.input_bytes if d.host_inputs else 0
+        return block.input_bytes + kept_bytes(block, d) if d.host else 0
     return block.saved_bytes - device_bytes(block, d)
 
 
@@ -318,8 +323,8 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
         else:
             materialised = kept[i]
         mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes
-        if plan[i].mode == "recompute" and plan[i].host_inputs:
-            mem -= min(off[i], back)  # its inputs, back on the device, are part of what it materialises
+        if plan[i].mode == "recompute" and plan[i].host:
+            mem -= min(off[i], back)  # its inputs and kept outputs, back, are part of what it materialises
         if mem > peak:
             peak, at = mem, f"backward {i}"
         t += blocks[i].bwd_s + extra_b[i]

@@ -3,8 +3,9 @@
 # NOTE [ Plan search ]
 # 1. Each block has a ladder of options, ordered by the bytes they leave on the device: keep;
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
-#    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]);
-#    recompute; recompute with its inputs on the host. Every option is simulated with the whole chain (``simulate``), so the link's
+#    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]),
+#    on the device or on the host (copied out and back as an offload is); recompute; recompute
+#    with its inputs on the host. Every option is simulated with the whole chain (``simulate``), so the link's
 #    contention and the position of the block (offloading the last blocks cannot be hidden) are
 #    priced, not assumed.
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
@@ -61,7 +62,8 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
             out.append(Decision("offload", p))
             if compress:
                 out.append(Decision("offload", p, compress=True))
-    out += _selective(block, rungs)
+    sel = _selective(block, rungs)
+    out += sel + [dataclasses.replace(d, host=True) for d in sel]
     out.append(RECOMPUTE)
     if block.input_bytes:
         out.append(RECOMPUTE_HOST)
@@ -70,20 +72,21 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
     return [KEEP] + sorted(rest, key=lambda d: -device_bytes(block, d))  # stable: recompute-host last
 
 
-def _selective(block: Block, rungs: int) -> list[Decision]:
-    """Recompute options keeping the ops that save the most time per byte: up to 1/rungs, 2/rungs, ... of the time."""
+def _selective(block: Block, rungs: int, first: int = 6) -> list[Decision]:
+    """Recompute options keeping the ops that save the most time per byte (Rule 1): the first ``first`` of
+    them one by one, then up to 1/rungs, 2/rungs, ... of the block's forward time."""
     ops = sorted((o for o in block.ops if o[1] > 0 and o[2] > 0), key=lambda o: -o[2] / o[1])
     total = sum(o[2] for o in ops)
     out: list[Decision] = []
     acc, level, chosen = 0.0, 1, []
-    for k, _, sec in ops:
+    for j, (k, _, sec) in enumerate(ops):
         chosen.append(k)
         acc += sec
+        rung = j < first
         while level < rungs and acc >= total * level / rungs:
-            d = Decision("recompute", keep=tuple(sorted(chosen)))
-            if not out or out[-1] != d:
-                out.append(d)
-            level += 1
+            rung, level = True, level + 1
+        if rung:
+            out.append(Decision("recompute", keep=tuple(sorted(chosen))))
     return out
 
 

@@ -6,8 +6,8 @@
 #    tensors=positions)`` for an offload, where ``positions`` are the block's saved tensors (by
 #    the order its forward saves them, NOTE [ Profiling step ] Rule 2) the plan sends to host; kept
 #    blocks are left as they are. ``Applied.remove()`` puts the blocks' forwards back.
-# 2. Offloads (and the inputs of blocks recomputed with ``host_inputs``, through
-#    ``Recompute(store=...)``) go through one ``Store`` made for the plan unless one is passed,
+# 2. Offloads (and what blocks recomputed with ``host`` keep, their inputs and kept ops' outputs,
+#    through ``Recompute(store=...)``) go through one ``Store`` made for the plan unless one is passed,
 #    whose GPU cache holds two blocks' offloaded bytes, the block whose backward runs and the next
 #    one, prefetched (``cache_bytes``; NOTE [ Step model ] Rules 2-3 with ``lookahead=1``).
 # 3. Every decision moves a saved tensor through the store or recomputes it exactly, so gradients
@@ -46,7 +46,7 @@ from torchckpt.store import Store
 
 __all__ = ["Applied", "AutoPlan", "BlockPlan", "Plan", "auto", "plan", "plans"]
 
-_FORMAT = 2
+_FORMAT = 3
 _REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
 _VERIFY_STEPS = 3  # Rule 4: measured steps, after one that builds the store's prefetch plan
 _SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
@@ -61,7 +61,7 @@ class BlockPlan:
         mode: ``"keep"``, ``"recompute"`` or ``"offload"``.
         offload: positions of the saved tensors sent to host (``"offload"`` only).
         compress: the offloaded tensors go through the plan's codec.
-        host_inputs: (``"recompute"``) the block's inputs go to host too.
+        host: (``"recompute"``) what the block keeps (its inputs, the kept ops' outputs) goes to host.
         keep_ops: (``"recompute"``) positions of the forward's ops whose outputs are kept instead of
             computed again (``Recompute(save=...)``).
         tensors: the block's saved tensors as profiled.
@@ -69,13 +69,14 @@ class BlockPlan:
         fwd_s / bwd_s: measured forward and backward time.
         keep_bytes: bytes of the kept ops' outputs.
         keep_names: the kept ops, by name.
+        keep_s: the kept ops' measured time (what the recomputation saves).
     """
 
     name: str
     mode: str
     offload: tuple[int, ...]
     compress: bool
-    host_inputs: bool
+    host: bool
     keep_ops: tuple[int, ...]
     tensors: tuple[SavedTensor, ...]
     input_bytes: int
@@ -83,6 +84,7 @@ class BlockPlan:
     bwd_s: float
     keep_bytes: int = 0
     keep_names: tuple[str, ...] = ()
+    keep_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -94,7 +96,7 @@ class BlockPlan:
         if self.mode == "keep":
             return self.saved_bytes
         if self.mode == "recompute":
-            return (0 if self.host_inputs else self.input_bytes) + self.keep_bytes
+            return 0 if self.host else self.input_bytes + self.keep_bytes
         return self.saved_bytes - sum(self.tensors[k].nbytes for k in self.offload)
 
 
@@ -102,7 +104,7 @@ class BlockPlan:
     def host_bytes(self) -> int:
         """Bytes this block sends to host (before compression)."""
         if self.mode == "recompute":
-            return self.input_bytes if self.host_inputs else 0
+            return self.input_bytes + self.keep_bytes if self.host else 0
         return self.saved_bytes - self.device_bytes
 
 
@@ -158,7 +160,7 @@ class Plan:
         ]
         if self.codec is not None:
             lines.append(f"codec {self.codec}: " + (f"LOSSY, {self.bound}" if self.lossy else "lossless"))
-        lines.append(f"{'block':<28} {'decision':<22} {'saved MiB':>9} {'on device':>9} {'cost ms':>8}  prefetch")
+        lines.append(f"{'block':<28} {'decision':<30} {'saved MiB':>9} {'on device':>9} {'cost ms':>8}  prefetch")
         d2h = self.link[0]
         for i, b in enumerate(self.blocks):
             if b.mode == "offload":
@@ -168,19 +170,20 @@ class Plan:
                 cost = f"{moved / d2h * 1e3:8.2f}"
                 pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             elif b.mode == "recompute":
-                what, cost, pre = "recompute", f"{b.fwd_s * 1e3:8.2f}", "-"
+                what, cost, pre = "recompute", f"{max(0.0, b.fwd_s - b.keep_s) * 1e3:8.2f}", "-"
                 if b.keep_ops:
                     what = f"recompute, keep {len(b.keep_ops)} ops"
-                if b.host_inputs:
-                    what = "recompute, inputs host"
+                if b.host:
+                    what += ", on host" if b.keep_ops else ", inputs host"
                     pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             else:
                 what, cost, pre = "keep", f"{0:8.2f}", "-"
-            lines.append(f"{b.name:<28} {what:<22} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
+            lines.append(f"{b.name:<28} {what:<30} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
             if b.keep_ops:
                 names = ", ".join(f"{n.replace('aten.', '').replace('.default', '')}#{k}"
                                   for n, k in zip(b.keep_names, b.keep_ops))
-                lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs instead of recomputing them: {names}")
+                lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs{' on the host' if b.host else ''} "
+                             f"instead of recomputing them ({b.keep_s * 1e3:.2f} ms): {names}")
             if b.mode == "offload":
                 for k in b.offload:
                     t = b.tensors[k]
@@ -246,7 +249,7 @@ class Plan:
             if b.mode == "keep":
                 continue
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
-            policy: Any = Recompute(store=store if b.host_inputs else None,
+            policy: Any = Recompute(store=store if b.host else None,
                                     save=frozenset(b.keep_ops) if b.keep_ops else None) if b.mode == "recompute" else (
                 Offload(store, codec if b.compress else None, tensors=frozenset(b.offload), expect=len(b.tensors)))
             checkpoint(mod, policy=policy)
@@ -444,10 +447,11 @@ class _Planned:
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
           link: Link, codec: Any) -> Plan:
-    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host_inputs, d.keep, prof.saved[i],
+    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host, d.keep, prof.saved[i],
                              prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
                              keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)),
-                             keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)))
+                             keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)),
+                             keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)))
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,

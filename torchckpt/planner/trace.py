@@ -44,6 +44,7 @@ import contextlib
 import dataclasses
 import functools
 import gc
+import json
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -116,6 +117,17 @@ class Profile:
     peak_none: int
     device: str
     by_blocks: bool = False
+
+    def to_json(self) -> str:
+        """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
+        return json.dumps(dataclasses.asdict(self), indent=1)
+
+    @staticmethod
+    def from_json(text: str) -> Profile:
+        d = json.loads(text)
+        d["saved"] = tuple(tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b) for b in d["saved"])
+        d["ops"] = tuple(tuple(OpCost(**o) for o in b) for b in d["ops"])
+        return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     def blocks(self) -> list[Block]:
         out = []

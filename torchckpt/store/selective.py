@@ -18,7 +18,9 @@
 #    the recomputation must make them from the recomputed input, which later ops may write), or
 #    draws from the RNG: the recomputation restores the RNG state at the block's start and draws
 #    again, so skipping one random op would shift what every later one draws (dropout masks
-#    that differ from the forward's). So only ops that return new memory are kept (matmuls,
+#    that differ from the forward's). An op whose schema is seeded only for a ``dropout_p``
+#    argument (the attention kernels) draws nothing when it is 0, and is kept then (a CUDA test
+#    checks that the generator does not move). So only ops that return new memory are kept (matmuls,
 #    attention, normalisations, pointwise ops). Their outputs are detached
 #    as torch SAC detaches them (views keep their version counter), then packed by the store
 #    (``Store.pack``: the same identity and version rules as any saved tensor) or, without a
@@ -73,12 +75,24 @@ def check_save(owner: str, save: object) -> Save | None:
 def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     """Whether a call's outputs may stand in for running ``func`` again (Rule 2): it writes no argument, draws
     nothing from the RNG, and returns only new memory (no view, no output sharing an input's storage)."""
-    if func._schema.is_mutable or torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+    if func._schema.is_mutable or (torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
+                                   and not _no_dropout(func, args, kwargs)):
         return False
     if any(r.alias_info is not None for r in func._schema.returns):
         return False
     ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
     return all(t.untyped_storage().data_ptr() not in ins for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+
+
+def _no_dropout(func: Any, args: Any, kwargs: Any) -> bool:
+    """Whether a seeded op draws nothing here: its randomness is a ``dropout_p`` argument, and it is 0 (Rule 2:
+    attention kernels, whose schema is seeded for the dropout they may apply)."""
+    names = [a.name for a in func._schema.arguments]
+    if "dropout_p" not in names:
+        return False
+    i = names.index("dropout_p")
+    p = kwargs.get("dropout_p", args[i] if i < len(args) else func._schema.arguments[i].default_value)
+    return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
 
 
 class OpCounter(TorchDispatchMode):
