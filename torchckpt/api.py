@@ -215,7 +215,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     with ctx:  # the inputs saved at the boundary go to the store
         extra: dict[str, Any] = {}
         if policy.save is not None:  # NOTE [ Selective recompute ]
-            extra["context_fn"] = functools.partial(selective_contexts, policy.save, policy.store)
+            extra["context_fn"] = functools.partial(selective_contexts, policy.save, policy.store, policy.codec)
         return _torch_checkpoint(  # type: ignore[no-any-return]
             fn,
             *args,

@@ -41,6 +41,10 @@ class Recompute:
             ``torch.ops.aten.mm.default``) and/or op positions in the block's forward (ints, as the
             planner names them). The kept outputs go through ``store`` when one is given.
             ``None``: recompute everything.
+        codec: compress the kept outputs on their way to host memory with this
+            ``torchckpt.codecs.Codec`` (needs ``save`` and ``store``; the inputs go as the store
+            sends them). A lossy codec (e.g. ``TritonQuant``) makes the recomputation start from
+            outputs within its stated guarantee, so gradients are within it too, not bit-exact.
     """
 
     store: Store | None = None
@@ -48,10 +52,22 @@ class Recompute:
     determinism_check: str = "default"
     debug: bool = False
     save: frozenset[Any] | None = None
+    codec: Codec | None = None
 
     def __post_init__(self) -> None:
         _check_store("Recompute", self.store)
         object.__setattr__(self, "save", check_save("Recompute", self.save))
+        if self.codec is not None:
+            if not isinstance(self.codec, Codec):
+                raise TypeError(
+                    f"torchckpt: Recompute(codec=...) expects a torchckpt.codecs.Codec or None, got "
+                    f"{type(self.codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=8, mode='rel', "
+                    "bound=1e-2).")
+            if not self.save or self.store is None:
+                raise ValueError(
+                    "torchckpt: Recompute(codec=...) compresses the outputs kept by save=... on their way through "
+                    "store=...; pass both (e.g. Recompute(store=store, save={torch.ops.aten.mm.default}, codec=codec)), "
+                    "or use Offload(store, codec) to compress what a block saves.")
         for name in ("preserve_rng_state", "debug"):
             value = getattr(self, name)
             if not isinstance(value, bool):

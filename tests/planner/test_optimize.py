@@ -154,3 +154,13 @@ def test_selective_recompute_keeps_time_for_bytes() -> None:
     assert moved.recompute_s == pytest.approx(part.recompute_s)
     assert moved.d2h_bytes == 3 * 96 * MiB
     assert moved.peak_bytes < part.peak_bytes
+    # Compressed (a codec on the chain): only the kept output is squeezed, and its codec time is paid both ways.
+    codec = CodecCost("q", ratio=4.0, compress=1e12, decompress=1e12, lossy=True)
+    chc = Chain.calibrated([b] * 3, 4 << 30, 0, 0.0, 0.0, Link(25e9, 25e9), codec)
+    squeezed = Decision("recompute", host=True, keep=(3,), compress=True)
+    assert squeezed in ladder(b, compress=True) and squeezed not in ladder(b, compress=False)
+    small = simulate(chc, [squeezed] * 3)
+    assert small.d2h_bytes == 3 * (32 * MiB + 16 * MiB)
+    assert small.recompute_s == pytest.approx(moved.recompute_s + 3 * 64 * MiB / 1e12)
+    with pytest.raises(ValueError, match="compress=True takes"):
+        Decision("recompute", keep=(3,), compress=True)

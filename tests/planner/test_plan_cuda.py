@@ -114,3 +114,16 @@ def test_block_by_block_profiles_give_verified_exact_plans_on_the_gpu() -> None:
             assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x))), f"budget {budget}"
         finally:
             a.remove()
+
+
+def test_every_block_backward_working_memory_is_measured() -> None:
+    """NOTE [ Profiling step ] Rule 3: each block's backward allocates the gradients of its activations; two hooks
+    fire on the tensor between two blocks, and the first one's reset of the peak must not hide the second's."""
+    from torchckpt.planner import profile, find_blocks
+
+    torch.manual_seed(0)
+    m = Stack(256, 4, 4).cuda()
+    x = torch.randn(4, 128, 256, device="cuda", requires_grad=True)
+    prof = profile(m, (x,), {}, blocks=find_blocks(m))
+    # at least the gradient of the block's input (4 x 128 x 256 fp32) is allocated within each block's backward
+    assert all(b >= x.numel() * 4 for b in prof.bwd_bytes), prof.bwd_bytes

@@ -240,3 +240,37 @@ def test_attention_without_dropout_is_kept() -> None:
     out = op(q, q, q)
     assert keepable(op, (q, q, q), {}, out) and keepable(op, (q, q, q, 0.0), {}, out)
     assert not keepable(op, (q, q, q, 0.25), {}, out) and not keepable(op, (q, q, q), {"dropout_p": 0.25}, out)
+
+
+def test_kept_outputs_are_compressed_with_recompute_codec() -> None:
+    """Recompute(codec=...) compresses the kept outputs only: exact with a lossless codec, close with a lossy one
+    (whose error the recomputation carries on), and the inputs go as the store sends them."""
+    from torchckpt.codecs import Identity, TritonQuant
+    from torchckpt.memory import HostPool
+
+    torch.manual_seed(0)
+    m = Attn(p=0.0)
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    ref = _grads(m, m, x)
+    for codec, exact in ((Identity(), True), (TritonQuant(bits=8, mode="rel", bound=1e-2), False)):
+        st = Store(device="cpu", min_bytes=0, gpu_bytes=0, host=HostPool(chunk_bytes=1 << 20, pin=False))
+        got = _grads(lambda y: torchckpt.api.run(Recompute(save=MATMULS, store=st, codec=codec), m, y, module=m), m, x)
+        stats = st.stats()
+        assert stats.compressed == 4  # the four addmm outputs, not the block's input
+        if exact:
+            assert _same(ref, got)
+        else:
+            assert not _same(ref, got)
+            assert all(torch.allclose(a, b, rtol=0.1, atol=0.05 * a.abs().max().item()) for a, b in zip(ref, got))
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"codec": "q4"}, "expects a torchckpt.codecs.Codec"),
+    ({"codec_only": True}, "pass both"),
+])
+def test_recompute_codec_is_checked(kw: dict, match: str) -> None:
+    from torchckpt.codecs import Identity
+
+    args = {"codec": Identity()} if kw.pop("codec_only", False) else {**kw, "save": MATMULS, "store": Store(device="cpu")}
+    with pytest.raises((TypeError, ValueError), match=match):
+        Recompute(**args)

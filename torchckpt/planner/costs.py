@@ -20,7 +20,8 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    device-to-host copy ended; block i waits for it (a stall).
 # 2b. A recomputed block may keep some ops' outputs (``Decision.keep``): they stay on the device
 #    from its forward to its backward, or go to host with its inputs (``Decision.host``: copied as
-#    an offload is, Rules 1-2), and its recomputation takes its forward time less theirs.
+#    an offload is, Rules 1-2, compressed with ``Decision.compress``), and its recomputation takes
+#    its forward time less theirs.
 # 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks
 #    (unless they go to host too), offloaded tensors until their copy to host ends, then again
 #    from the start of their copy back to the end of their block's backward; a recomputed block
@@ -156,7 +157,8 @@ class Decision:
         mode: ``"keep"``, ``"recompute"`` or ``"offload"``.
         offload: for ``"offload"``, indices into ``Block.saved`` of the tensors sent to host (the
             others are kept).
-        compress: offloaded tensors go through the chain's codec.
+        compress: offloaded tensors (for ``"recompute"`` with ``host``, the kept ops' outputs) go
+            through the chain's codec.
         host: for ``"recompute"``, what the block keeps (its inputs and the outputs of the ``keep``
             ops) goes to host memory and is copied back for its backward: nothing of the block
             stays on the device in between.
@@ -173,8 +175,11 @@ class Decision:
     def __post_init__(self) -> None:
         if self.mode not in ("keep", "recompute", "offload"):
             raise ValueError(f"torchckpt: Decision(mode=...) is 'keep', 'recompute' or 'offload', got {self.mode!r}.")
-        if self.mode != "offload" and (self.offload or self.compress):
-            raise ValueError("torchckpt: only Decision(mode='offload') takes offload=... and compress=True.")
+        if self.mode != "offload" and self.offload:
+            raise ValueError("torchckpt: only Decision(mode='offload') takes offload=....")
+        if self.compress and not (self.mode == "offload" or (self.host and self.keep)):
+            raise ValueError("torchckpt: compress=True takes Decision(mode='offload') or Decision(mode='recompute', "
+                             "host=True, keep=...) (the kept outputs are compressed).")
         if (self.host or self.keep) and self.mode != "recompute":
             raise ValueError("torchckpt: only Decision(mode='recompute') takes host=True and keep=....")
 
@@ -256,10 +261,11 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
         if d.mode == "recompute":
             chosen = set(d.keep)
             extra_b[i] = max(0.0, b.fwd_s - sum(sec for k, _, sec in b.ops if k in chosen))
-        elif d.mode == "offload" and d.compress and codec is not None:
-            wire[i] = int(off[i] / codec.ratio)
-            extra_f[i] = off[i] / codec.compress
-            extra_b[i] = off[i] / codec.decompress
+        if d.compress and codec is not None:
+            squeezed = kept_bytes(b, d) if d.mode == "recompute" else off[i]  # Decision.compress
+            wire[i] = off[i] - squeezed + int(squeezed / codec.ratio)
+            extra_f[i] = squeezed / codec.compress
+            extra_b[i] += squeezed / codec.decompress
     base = chain.fixed_bytes + chain.other_saved_bytes
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)

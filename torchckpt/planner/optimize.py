@@ -4,7 +4,8 @@
 # 1. Each block has a ladder of options, ordered by the bytes they leave on the device: keep;
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
 #    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]),
-#    on the device or on the host (copied out and back as an offload is); recompute; recompute
+#    on the device or on the host (copied out and back as an offload is, compressed too with a
+#    codec); recompute; recompute
 #    with its inputs on the host. Every option is simulated with the whole chain (``simulate``), so the link's
 #    contention and the position of the block (offloading the last blocks cannot be hidden) are
 #    priced, not assumed.
@@ -64,6 +65,8 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
                 out.append(Decision("offload", p, compress=True))
     sel = _selective(block, rungs)
     out += sel + [dataclasses.replace(d, host=True) for d in sel]
+    if compress:
+        out += [dataclasses.replace(d, host=True, compress=True) for d in sel]
     out.append(RECOMPUTE)
     if block.input_bytes:
         out.append(RECOMPUTE_HOST)

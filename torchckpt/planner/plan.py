@@ -60,7 +60,7 @@ class BlockPlan:
         name: the block's qualified name in the model.
         mode: ``"keep"``, ``"recompute"`` or ``"offload"``.
         offload: positions of the saved tensors sent to host (``"offload"`` only).
-        compress: the offloaded tensors go through the plan's codec.
+        compress: the offloaded tensors (recomputed with ``host``: the kept outputs) go through the plan's codec.
         host: (``"recompute"``) what the block keeps (its inputs, the kept ops' outputs) goes to host.
         keep_ops: (``"recompute"``) positions of the forward's ops whose outputs are kept instead of
             computed again (``Recompute(save=...)``).
@@ -174,7 +174,7 @@ class Plan:
                 if b.keep_ops:
                     what = f"recompute, keep {len(b.keep_ops)} ops"
                 if b.host:
-                    what += ", on host" if b.keep_ops else ", inputs host"
+                    what += (", on host" + (" compressed" if b.compress else "")) if b.keep_ops else ", inputs host"
                     pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             else:
                 what, cost, pre = "keep", f"{0:8.2f}", "-"
@@ -182,7 +182,8 @@ class Plan:
             if b.keep_ops:
                 names = ", ".join(f"{n.replace('aten.', '').replace('.default', '')}#{k}"
                                   for n, k in zip(b.keep_names, b.keep_ops))
-                lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs{' on the host' if b.host else ''} "
+                lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs{' on the host' if b.host else ''}"
+                             f"{(' compressed' + (' (lossy)' if self.lossy else '')) if b.compress else ''} "
                              f"instead of recomputing them ({b.keep_s * 1e3:.2f} ms): {names}")
             if b.mode == "offload":
                 for k in b.offload:
@@ -249,8 +250,8 @@ class Plan:
             if b.mode == "keep":
                 continue
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
-            policy: Any = Recompute(store=store if b.host else None,
-                                    save=frozenset(b.keep_ops) if b.keep_ops else None) if b.mode == "recompute" else (
+            policy: Any = Recompute(store=store if b.host else None, save=frozenset(b.keep_ops) if b.keep_ops else None,
+                                    codec=codec if b.compress else None) if b.mode == "recompute" else (
                 Offload(store, codec if b.compress else None, tensors=frozenset(b.offload), expect=len(b.tensors)))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))

@@ -185,6 +185,7 @@ class _Recorder:
         self.grad_at_in: list[Any] = [None] * len(blocks)
         self.bwd_start = [0] * len(blocks)  # bytes allocated when the block's backward began (CUDA)
         self.bwd_bytes = [0] * len(blocks)
+        self.running: dict[int, int] = {}  # blocks whose backward runs: the allocator's peak since it began
         self.peak = 0  # the step's peak, carried over the resets below
         self.keep_sample = False
         self.sample: torch.Tensor | None = None
@@ -240,12 +241,16 @@ class _Recorder:
             return
         where[i] = self.clock.mark()
         if self.clock.cuda:  # Rule 3: each block's backward working memory, from the allocator's peak
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated())
+            top = torch.cuda.max_memory_allocated()  # since the last reset, which may have been a moment ago
+            self.peak = max(self.peak, top)
+            for j in self.running:  # another block's hook on the same tensor may reset the peak first: keep it
+                self.running[j] = max(self.running[j], top)
             now = torch.cuda.memory_allocated()
             if where is self.grad_at_out:
                 self.bwd_start[i] = now
-            elif self.grad_at_out[i] is not None:
-                self.bwd_bytes[i] = max(0, torch.cuda.max_memory_allocated() - self.bwd_start[i])
+                self.running[i] = now
+            elif i in self.running:
+                self.bwd_bytes[i] = max(0, self.running.pop(i) - self.bwd_start[i])
             torch.cuda.reset_peak_memory_stats()
 
 

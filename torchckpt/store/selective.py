@@ -23,8 +23,8 @@
 #    checks that the generator does not move). So only ops that return new memory are kept (matmuls,
 #    attention, normalisations, pointwise ops). Their outputs are detached
 #    as torch SAC detaches them (views keep their version counter), then packed by the store
-#    (``Store.pack``: the same identity and version rules as any saved tensor) or, without a
-#    store, held with their version.
+#    (``Store.pack``: the same identity and version rules as any saved tensor; compressed with
+#    ``Recompute(codec=...)``) or, without a store, held with their version.
 # 3. The recomputation returns the kept outputs, unpacked, in place of running the op. A kept
 #    output modified in place after the forward (an ``empty_like`` that ``bernoulli_`` fills, say)
 #    raises, naming the op, with autograd's own check (NOTE [ Saved tensor identity ] Rule 1):
@@ -46,6 +46,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from torchckpt._errors import CheckpointError
+from torchckpt.codecs.base import Codec
 from torchckpt.store.identity import Kept
 from torchckpt.store.saved import Store
 
@@ -125,13 +126,14 @@ def _detach(x: Any, aliases: bool) -> Any:
 class _Keeping(OpCounter):
     """The forward's mode: run every op, keep the chosen ones' outputs (Rules 1-2)."""
 
-    def __init__(self, save: Save, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
+    def __init__(self, save: Save, cache: dict[int, Any], kept: set[int], store: Store | None,
+                 codec: Codec | None = None) -> None:
         super().__init__()
-        self.save, self.cache, self.kept, self.store = save, cache, kept, store
+        self.save, self.cache, self.kept, self.store, self.codec = save, cache, kept, store, codec
         self.where: dict[int, set[int]] = {}  # storage -> positions whose kept outputs live in it
 
     def put(self, x: torch.Tensor) -> Any:
-        return self.store.pack(x) if self.store is not None else Kept(x)
+        return self.store.pack(x, codec=self.codec) if self.store is not None else Kept(x)
 
     def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
@@ -209,8 +211,9 @@ class _Reusing(OpCounter):
         return func(*args, **kwargs)
 
 
-def selective_contexts(save: Save, store: Store | None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
+def selective_contexts(save: Save, store: Store | None,
+                       codec: Codec | None = None) -> tuple[TorchDispatchMode, TorchDispatchMode]:
     """The forward's and the recomputation's modes for one call of a block (``context_fn`` of ``checkpoint``)."""
     cache: dict[int, Any] = {}
     kept: set[int] = set()
-    return _Keeping(save, cache, kept, store), _Reusing(cache, kept, store)
+    return _Keeping(save, cache, kept, store, codec), _Reusing(cache, kept, store)
