@@ -12,6 +12,9 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 # 1. Forward: block i computes for ``fwd_s`` (plus the compression of what it offloads); at its end
 #    its offloaded bytes queue on the device-to-host engine (FIFO, ``Link.d2h`` bytes/s of wire
 #    bytes, i.e. after compression). An offloaded tensor occupies the device until its copy ends.
+# 1b. The store's GPU cache (Rule 3) evicts only entries whose copy to host has ended (NOTE [ Store ]
+#    Rule 3): when the bytes not yet copied exceed it, the compute stream waits for the oldest
+#    copies (a stall in the forward). Without the cache (``simulate(cache=False)``), nothing waits.
 # 2. Backward: the work outside the blocks (the head, the loss) runs first, and frees what it
 #    saved (``other_saved_bytes`` count in the forward only), then block i's
 #    backward, ``bwd_s``, plus ``fwd_s`` again if recomputed, plus decompression. The copy back of
@@ -224,7 +227,8 @@ class Prediction:
         peak_bytes: device bytes at the peak, ``fixed_bytes`` included.
         step_s: forward plus backward, recomputation and stalls included.
         recompute_s: time spent recomputing.
-        stall_s: time the compute stream waited for copies back.
+        stall_s: time the compute stream waited for copies: to host, for room in the store's
+            GPU cache (forward), and back (backward).
         d2h_bytes / h2d_bytes: bytes over the link each way (after compression).
         at: where the peak is: ``"forward i"`` or ``"backward i"`` (block index).
     """
@@ -277,6 +281,7 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
     queue: list[tuple[float, int]] = []  # (end of copy, bytes), in issue order: ends never decrease (FIFO)
     head = 0
     flying = 0  # bytes of copies not yet ended
+    stall = 0.0
     peak, at = base, "forward 0"
     for i in range(n):
         t += blocks[i].fwd_s + extra_f[i]
@@ -289,7 +294,10 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
         else:
             d2h[i] = t
         offloaded += off[i]
-        while head < len(queue) and queue[head][0] <= t:
+        while head < len(queue) and (queue[head][0] <= t or (room and flying > room)):
+            if queue[head][0] > t:  # Rule 1b: the store evicts only what reached the host: compute waits
+                stall += queue[head][0] - t
+                t = queue[head][0]
             flying -= queue[head][1]
             head += 1
         mem = base + resident + max(flying, min(room, offloaded))
@@ -315,7 +323,7 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
 
     for k in range(n - 1, max(-1, n - 1 - lookahead), -1):
         issue(k, t)
-    stall = recompute = 0.0
+    recompute = 0.0
     for i in range(n - 1, -1, -1):
         for k in range(i, max(-1, i - lookahead - 1), -1):
             issue(k, t)
