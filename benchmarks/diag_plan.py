@@ -13,20 +13,21 @@ from frontier import Stack
 from torchckpt.planner.plan import _Planned
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 2.3
+codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if "--q4" in sys.argv else None
 torch.manual_seed(0)
 dev = torch.device("cuda")
 m = Stack(2048, 16, 16).to(dev, torch.bfloat16)
 x = torch.randn(8, 2048, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
-planned = _Planned.prepare(m, (x,), {}, None, None, None, None)
+planned = _Planned.prepare(m, (x,), {}, codec, None, None, None)
 pl = planned.plan(int(budget * GiB))
 pl.explain()
 
 
 def measure(label: str, store=None, p=pl) -> None:
-    a = p.apply(m, store=store)
+    a = p.apply(m, store=store, codec=codec)
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     fw, bw, tot = [], [], []
-    for r in range(7):
+    for r in range(9):
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
@@ -37,7 +38,7 @@ def measure(label: str, store=None, p=pl) -> None:
         out.backward()
         ev[2].record()
         torch.cuda.synchronize()
-        if r >= 2:
+        if r >= 4:
             tot.append(time.perf_counter() - t0)
             fw.append(ev[0].elapsed_time(ev[1]))
             bw.append(ev[1].elapsed_time(ev[2]))
@@ -54,5 +55,8 @@ measure("plan")
 measure("plan, store 40 GiB cache", torchckpt.Store(dev, gpu_bytes=40 * GiB, min_bytes=0))
 measure("plan, store no prefetch", torchckpt.Store(dev, gpu_bytes=pl.blocks and max(b.host_bytes for b in pl.blocks) * 2,
                                                    min_bytes=0, prefetch=False))
-on_dev = dataclasses.replace(pl, blocks=tuple(dataclasses.replace(b, host=False) for b in pl.blocks))
+on_dev = dataclasses.replace(pl, blocks=tuple(dataclasses.replace(b, host=False, compress=False) for b in pl.blocks))
 measure("plan, host -> device", p=on_dev)
+if codec is not None:
+    raw = dataclasses.replace(pl, blocks=tuple(dataclasses.replace(b, compress=False) for b in pl.blocks))
+    measure("plan, uncompressed", p=raw)

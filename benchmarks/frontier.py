@@ -174,6 +174,7 @@ def main() -> None:
             finally:
                 if callable(undo):
                     undo()
+            row.update(extra or {})
         except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
             row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
             traceback.print_exc()
@@ -187,6 +188,8 @@ def main() -> None:
             pred = (f"   predicted {row['pred_peak_GiB']:.2f} GiB, {row['pred_step_s'] * 1e3:.1f} ms"
                     if "pred_peak_GiB" in row else "")
             print(f"{name:<16} {row['step_s'] * 1e3:9.1f} ms {ratio:6.2f}x {pk:>11}{pred}", flush=True)
+            if "store" in row:
+                print(f"{'':<16} store: {row['store']}", flush=True)
         else:
             print(f"{name:<16} error: {row['error']}", flush=True)
         save()
@@ -255,8 +258,15 @@ def main() -> None:
                                    + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
                                    + ("+host" if bp.host else "") for bp in pl.blocks]}
 
-            def setup(pl: Any = pl, codec: Any = codec) -> Callable[[], None]:
-                return pl.apply(m, codec=codec).remove
+            def setup(pl: Any = pl, codec: Any = codec, extra: dict[str, Any] = extra) -> Callable[[], None]:
+                applied = pl.apply(m, codec=codec)
+
+                def undo() -> None:  # the store's counters over warm-up and timed steps, then the plan comes off
+                    if applied.store is not None:
+                        extra["store"] = applied.store.stats().summary()
+                    applied.remove()
+
+                return undo
 
             run(name, f"plan{codec_name}", setup, extra)
 
