@@ -20,12 +20,13 @@ Methods, each measured the same way in this process:
                  within 0.1 x the max |x| of its block of 256)
   compile_b{F}   ``torch.compile`` with ``activation_memory_budget = F`` (``--compile``)
 
-Each: 2 warm-up steps, then the median of ``--reps`` steps; peak = max_memory_allocated over the timed
+Each: 2 warm-up steps, then the median of ``--reps`` steps (7); peak = max_memory_allocated over the timed
 steps minus memory_allocated before them (gradients of earlier steps included in that base, as in
 peers_train.py). For planned settings the plan's predicted peak and step time are recorded beside
 the measured ones. One profiling step serves every budget of a codec (as ``torchckpt.planner.plans``);
 its profile, link and codec costs go to ``profile[_llama][_q4].json`` (``benchmarks/replan.py`` plans
 from it offline).
+``none`` runs again last (``none_end``): the drift of the device over the run is printed and recorded.
 Prints the table with ratios to ``none`` of this run; writes ``frontier.json`` and ``frontier.png``
 (step time over ``none``'s against peak, one line per method) to ``--out``. Without CUDA it runs a tiny shape.
 
@@ -139,7 +140,7 @@ def main() -> None:
     p.add_argument("--shape", default=None, help="D,H,S,B,L (default 2048,16,2048,8,16 on CUDA, 64,4,32,2,6 on CPU)")
     p.add_argument("--budgets", default=None, help="GiB, lossless plans (default 1.2,2.3,3.5,5,7,9,12,14)")
     p.add_argument("--q4-budgets", default=None, help="GiB, plans with TritonQuant(bits=4) (default 1.2,2.3,5; CUDA)")
-    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--reps", type=int, default=7)
     p.add_argument("--compile", action="store_true", help="also torch.compile with activation_memory_budget")
     p.add_argument("--only", default="", help="run only methods whose name starts with one of these")
     p.add_argument("--out", default=None)
@@ -253,6 +254,7 @@ def main() -> None:
                 pl.explain(file=f)
             extra = {"budget_GiB": b, "pred_peak_GiB": pl.peak_bytes / GiB, "pred_step_s": pl.step_time,
                      "verified_peak_GiB": pl.measured_peak_bytes / GiB if pl.measured_peak_bytes is not None else None,
+                     "verified_step_s": pl.measured_step_time,
                      "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
                      "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
                                    + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
@@ -289,8 +291,14 @@ def main() -> None:
 
             run(f"compile_b{frac:g}", "compile", setup, {"budget_fraction": frac})
 
+    run("none_end", "none_end", lambda: None)  # the device's drift over the run: none again, last
+    first, last = (next((r for r in rows if r["name"] == n and "step_s" in r), None) for n in ("none", "none_end"))
+    if first and last:
+        result["drift"] = last["step_s"] / first["step_s"] - 1
+        print(f"drift: no checkpointing took {result['drift'] * 100:+.1f}% at the end of the run against its start",
+              flush=True)
     save()
-    plot(rows, os.path.join(out, f"frontier{tag}.png"), gpu, args.model)
+    plot([r for r in rows if r["name"] != "none_end"], os.path.join(out, f"frontier{tag}.png"), gpu, args.model)
 
 
 def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:

@@ -185,9 +185,9 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     seen: list[int] = []
 
     def over_by(extra: int):
-        def step(p: Plan) -> int:
+        def step(p: Plan) -> tuple[int, float]:
             seen.append(p.peak_bytes)
-            return p.peak_bytes + extra
+            return p.peak_bytes + extra, p.step_time
         return step
 
     ok = _Planned(prof, Link(2e8, 2e8), None, over_by(0))
@@ -197,7 +197,7 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     assert ok.plan(budget).measured_peak_bytes <= budget
     seen.clear()
     extra = (hi - ok.found.floor) // 6  # a step peaks a little above each prediction: planned again, lower
-    p = _Planned(prof, Link(2e8, 2e8), None, over_by(extra)).plan(budget)
+    p = _Planned(prof, Link(2e8, 2e8), None, over_by(extra))._verified(budget, "all")[0]
     assert p.measured_peak_bytes <= budget and p.budget == budget
     assert len(seen) >= 2 and seen == sorted(seen, reverse=True)
     seen.clear()
@@ -370,3 +370,41 @@ def test_progress_says_each_phase(capsys: pytest.CaptureFixture[str]) -> None:
     assert "torchckpt: searched" in err
     plan(Net(3), torch.randn(8, D), budget=1 << 40)
     assert capsys.readouterr().err == ""
+
+
+def test_verification_returns_the_fastest_measured_family() -> None:
+    """NOTE [ Applying a plan ] Rule 5: when the measured steps say the copies cost more than predicted, the best
+    plan that moves nothing over the host link wins the race."""
+    from torchckpt.planner.costs import host_bytes
+    from torchckpt.planner.plan import _Planned
+
+    m = Net(6)
+    x = torch.randn(64, D)
+    prof = profile(m, (x,), {})
+    measured: list[tuple[int, float]] = []
+
+    def step(p: Plan) -> tuple[int, float]:  # a link far slower than the model thought
+        moves = any(b.host_bytes for b in p.blocks)
+        measured.append((p.peak_bytes, p.step_time * (5 if moves else 1)))
+        return measured[-1]
+
+    planner = _Planned(prof, Link(1e13, 1e13), None, step)  # the model: copies are free
+    chain = planner.found.chain
+    budgets = [pred.peak_bytes * 10 // 9 + 1 for _, pred in planner.found.plans]  # room for Rule 4's slack
+    moving = [b for b in budgets if any(host_bytes(blk, d) for blk, d in zip(chain.blocks, planner.found.best(b)[0]))]
+    local = [b for b in moving if _fits_local(planner, b)]
+    assert local, "no budget where the best plan moves bytes and a local plan fits"
+    measured.clear()
+    budget = local[0]
+    p = planner.plan(budget)
+    assert not any(b.host_bytes for b in p.blocks)
+    limit = budget - max(budget // 100, min(2 << 20, budget // 10))  # Rule 4's slack
+    assert p.measured_step_time == min(t for peak, t in measured if peak <= limit) and len(measured) >= 2
+
+
+def _fits_local(planner, budget: int) -> bool:  # noqa: ANN001
+    try:
+        planner.found.best(budget, "local")
+    except PlanError:
+        return False
+    return True

@@ -33,7 +33,7 @@ from torchckpt.planner.costs import (
     KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, device_bytes, host_bytes, simulate,
 )
 
-__all__ = ["PlanError", "Search", "ladder", "search"]
+__all__ = ["FAMILIES", "PlanError", "Search", "ladder", "search"]
 
 
 class PlanError(CheckpointError, ValueError):
@@ -105,9 +105,14 @@ class Search:
         """The lowest predicted peak of any recorded plan."""
         return min(p.peak_bytes for _, p in self.plans)
 
-    def best(self, budget: int) -> tuple[tuple[Decision, ...], Prediction]:
-        """The fastest recorded plan whose predicted peak is at most ``budget`` (Rules 3-4)."""
-        fit = [(d, p) for d, p in self.plans if p.peak_bytes <= budget]
+    def best(self, budget: int, family: str = "all") -> tuple[tuple[Decision, ...], Prediction]:
+        """The fastest recorded plan whose predicted peak is at most ``budget`` (Rules 3-4), among ``family``:
+        ``"all"``, ``"lossless"`` (no compression) or ``"local"`` (nothing crosses the host link)."""
+        if family not in FAMILIES:
+            raise ValueError(f"torchckpt: Search.best(family=...) is one of {FAMILIES}, got {family!r}.")
+        fit = [(d, p) for d, p in self.plans if p.peak_bytes <= budget and _in(family, d, self.chain)]
+        if not fit and family != "all":
+            raise PlanError(f"torchckpt: no {family} plan fits a budget of {size(budget)}.")
         if not fit:
             raise PlanError(
                 f"torchckpt: no plan fits a budget of {size(budget)}: the lowest peak this model reaches is "
@@ -115,6 +120,17 @@ class Search:
                 f"pass budget >= {self.floor}, or make the step smaller (batch, sequence length)."
             )
         return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
+
+
+FAMILIES = ("all", "lossless", "local")
+
+
+def _in(family: str, plan: tuple[Decision, ...], chain: Chain) -> bool:
+    if family == "lossless":
+        return not any(d.compress for d in plan)
+    if family == "local":
+        return not any(host_bytes(b, d) for b, d in zip(chain.blocks, plan))
+    return True
 
 
 def size(n: float) -> str:

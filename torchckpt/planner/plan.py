@@ -20,6 +20,11 @@
 #    20 MiB): the allocator's peak varies a little with what ran before. Over that, the plan is made again for its prediction
 #    less the excess, up to ``_REPLANS`` times; then ``PlanError`` says what was measured. So a
 #    returned plan's measured peak is within its budget, whatever NOTE [ Step model ] left out.
+# 5. The step model is least sure of the copies (how the store's cache and the codec's kernels share
+#    the device with compute), so verification races the best plan of each family (``FAMILIES``:
+#    any plan; without compression; with nothing over the host link), each verified as in Rule 4,
+#    and returns the one whose measured step (the median of the verification steps) is fastest.
+#    Families whose best plan was already measured are not run again.
 """
 from __future__ import annotations
 
@@ -37,7 +42,7 @@ from torchckpt._args import parse_bytes
 from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes
-from torchckpt.planner.optimize import PlanError, search, size
+from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.chain import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, profile, profile_blocks
@@ -126,6 +131,7 @@ class Plan:
         device: where the profiling step ran.
         measured_peak_bytes: the peak of a step run under the plan when it was made (CUDA; ``None``
             on the CPU, which has no allocator statistics, or with ``verify=False``).
+        measured_step_time: the median time of those steps (seconds; ``None`` when not measured).
         none_measured: the no-checkpointing figures were measured (``False``: predicted, for a step
             that only fits with its blocks recomputed; NOTE [ Profiling step ] Rule 6).
     """
@@ -144,6 +150,7 @@ class Plan:
     device: str
     measured_peak_bytes: int | None = None
     none_measured: bool = True
+    measured_step_time: float | None = None
 
     # -- reading ----------------------------------------------------------------------------
     def explain(self, file: Any = None) -> str:
@@ -155,7 +162,8 @@ class Plan:
             f"{self.none_step_time * 1e3:.1f} ms, "
             f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
             f"floor {size(self.floor_bytes)}"
-            + (f"; measured peak {size(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else ""),
+            + (f"; measured peak {size(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else "")
+            + (f", step {self.measured_step_time * 1e3:.1f} ms" if self.measured_step_time is not None else ""),
             f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
         ]
         if self.codec is not None:
@@ -356,10 +364,10 @@ class _Planned:
     """One profiling step and its search, planned for any budget."""
 
     def __init__(self, prof: Profile, link: Link, codec: CodecCost | None,
-                 step: Callable[[Plan], int | None]) -> None:
+                 step: Callable[[Plan], tuple[int, float] | None]) -> None:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(prof.chain(link, codec))
-        self.step = step  # runs steps under a plan, returns their largest peak (None: not measured)
+        self.step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
         self.say: Callable[[str], None] = _quiet
 
     @staticmethod
@@ -392,7 +400,7 @@ class _Planned:
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
         loss_of = loss_fn if loss_fn is not None else _loss_of
 
-        def step(p: Plan) -> int | None:
+        def step(p: Plan) -> tuple[int, float] | None:
             if not verify or torch.device(prof.device).type != "cuda":
                 return None
             a = p.apply(model, codec=codec)
@@ -400,17 +408,19 @@ class _Planned:
                 out = model(*args, **kwargs)
                 loss_of(out).backward()
                 del out
-                peaks = []
+                peaks, times = [], []
                 for _ in range(_VERIFY_STEPS):
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     start = torch.cuda.memory_allocated()
+                    t0 = time.perf_counter()
                     out = model(*args, **kwargs)  # held through backward, as in the profiling step
                     loss_of(out).backward()
                     del out
                     torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
                     peaks.append(int(torch.cuda.max_memory_allocated() - start))
-                return max(peaks)
+                return max(peaks), sorted(times)[len(times) // 2]
             finally:
                 a.remove()
 
@@ -420,21 +430,48 @@ class _Planned:
         return planned
 
     def plan(self, budget: int) -> Plan:
-        """The plan for ``budget``, verified (NOTE [ Applying a plan ] Rule 4)."""
+        """The plan for ``budget``, verified, the fastest measured of the families' best (NOTE [ Applying a plan ]
+        Rules 4-5)."""
+        best, tried = self._verified(budget, "all")
+        if best.measured_step_time is None:
+            return best
+        times = [f"all {best.measured_step_time * 1e3:.1f} ms"]
+        for family in FAMILIES[1:]:
+            try:
+                if self.found.best(budget, family)[0] in tried:
+                    continue
+                p, more = self._verified(budget, family)
+            except PlanError:
+                continue
+            tried |= more
+            assert p.measured_step_time is not None and best.measured_step_time is not None
+            times.append(f"{family} {p.measured_step_time * 1e3:.1f} ms")
+            if p.measured_step_time < best.measured_step_time:
+                best = p
+        if len(times) > 1:
+            self.say(f"budget {size(budget)}: measured the best plan of each family: {', '.join(times)}")
+        return best
+
+    def _verified(self, budget: int, family: str) -> tuple[Plan, set[tuple[Decision, ...]]]:
+        """The fastest plan of ``family`` whose measured peak is within ``budget`` (Rule 4), and the plans tried."""
         target = budget
         measured: int | None = None
+        tried: set[tuple[Decision, ...]] = set()
         for _ in range(_REPLANS + 1):
-            decisions, pred = self.found.best(target)
+            decisions, pred = self.found.best(target, family)
+            tried.add(decisions)
             p = _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link,
                       self.codec)
-            measured = self.step(p)
-            if measured is None:
-                return p
-            self.say(f"budget {size(budget)}: predicted {size(pred.peak_bytes)}, measured {size(measured)}")
-            p = dataclasses.replace(p, measured_peak_bytes=measured)
+            got = self.step(p)
+            if got is None:
+                return p, tried
+            measured, seconds = got
+            self.say(f"budget {size(budget)} ({family}): predicted {size(pred.peak_bytes)}, {pred.step_s * 1e3:.1f} ms; "
+                     f"measured {size(measured)}, {seconds * 1e3:.1f} ms")
+            p = dataclasses.replace(p, measured_peak_bytes=measured, measured_step_time=seconds)
             limit = budget - max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
             if measured <= limit:
-                return p
+                return p, tried
             target = min(target, pred.peak_bytes) - (measured - limit) - (measured - limit) // 16 - 1
             if target < self.found.floor:
                 break
