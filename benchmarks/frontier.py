@@ -14,6 +14,7 @@ Methods, each measured the same way in this process:
   checkpoint     ``torch.utils.checkpoint`` per block (non-reentrant)
   every_other    ``torch.utils.checkpoint`` on every other block
   sac            torch SAC per block: save mm/addmm/attention outputs, recompute the rest
+  rec_save       ``torchckpt.Recompute(save=...)`` per block with the same ops (the planner's mechanism)
   offload_all    ``torchckpt.Offload`` on every block (a store with no GPU cache)
   plan_{B}       ``torchckpt.plan(..., budget=B GiB)`` applied, lossless
   plan_q4_{B}    the same with ``codec=TritonQuant(bits=4, mode="rel", bound=0.1)`` (LOSSY: each value
@@ -214,6 +215,8 @@ def main() -> None:
         lambda: wrap(lambda i, b, x: checkpoint(b, x, use_reentrant=False) if i % 2 == 0 else b(x)))
     run("sac", "sac", lambda: wrap(lambda i, b, x: checkpoint(
         b, x, use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy))))
+    rec_save = torchckpt.Recompute(save=frozenset(SAVE))  # the same selection through torchckpt's own dispatch mode
+    run("rec_save", "rec_save", lambda: wrap(lambda i, b, x: torchckpt.api.run(rec_save, b, x, module=b)))
     store_all = torchckpt.Store(bench.dev, gpu_bytes=0, min_bytes=0)
     run("offload_all", "offload_all",
         lambda: wrap(lambda i, b, x: torchckpt.api.run(torchckpt.Offload(store_all), b, x, module=b)))
