@@ -60,3 +60,10 @@ measure("plan, host -> device", p=on_dev)
 if codec is not None:
     raw = dataclasses.replace(pl, blocks=tuple(dataclasses.replace(b, compress=False) for b in pl.blocks))
     measure("plan, uncompressed", p=raw)
+rec = next((b for b in pl.blocks if b.mode == "recompute" and b.keep_ops and not b.host), None)
+if rec is not None:  # the plan's selective recomputation on every block, and on none
+    same = dataclasses.replace(pl, blocks=tuple(dataclasses.replace(b, mode="recompute", keep_ops=rec.keep_ops, host=False,
+                                                                    compress=False) for b in pl.blocks))
+    measure("every block as " + ",".join(map(str, rec.keep_ops)), p=same)
+    kept = dataclasses.replace(pl, blocks=tuple(dataclasses.replace(b, mode="keep", keep_ops=()) for b in pl.blocks))
+    measure("every block kept", p=kept)
