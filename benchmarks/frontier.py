@@ -149,7 +149,8 @@ def main() -> None:
     cuda = torch.cuda.is_available()
     args.shape = tuple(int(v) for v in (args.shape or ("2048,16,2048,8,16" if cuda else "64,4,32,2,6")).split(","))
     budgets = [float(v) for v in (args.budgets or ("1.2,2.3,3.5,5,7,9,12,14" if cuda else "0.002,0.004,0.006")).split(",")]
-    q4 = [float(v) for v in (args.q4_budgets or ("1.2,2.3,5" if cuda else "")).split(",") if v]
+    q4 = [float(v) for v in (args.q4_budgets if args.q4_budgets is not None else ("1.2,2.3,5" if cuda else "")).split(",")
+          if v]
     out = out_dir(args.out)
     only = [o for o in args.only.split(",") if o]
     bench = Bench(args)

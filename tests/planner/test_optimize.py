@@ -164,3 +164,22 @@ def test_selective_recompute_keeps_time_for_bytes() -> None:
     assert small.recompute_s == pytest.approx(moved.recompute_s + 3 * 64 * MiB / 1e12)
     with pytest.raises(ValueError, match="compress=True takes"):
         Decision("recompute", keep=(3,), compress=True)
+
+
+def test_backward_calibrated_on_its_own_when_measured() -> None:
+    """NOTE [ Step model ] Rule 4: the forward's end holds the loss's temporaries, gone by the blocks' backward. With
+    the allocation at each block's backward start measured, keeping everything still predicts the measured peak, and
+    recomputing everything predicts less than the forward's calibration alone would."""
+    blocks = [Block(f"b{i}", 1e-3, 2e-3, 8 * MiB, (64 * MiB,) * 2, bwd_bytes=32 * MiB) for i in range(4)]
+    link = Link(25e9, 25e9)
+    transient = 256 * MiB  # at the forward's end only
+    peak_none = transient + 4 * 128 * MiB
+    grads = 16 * MiB  # held through the backward
+    bwd_start = [grads + 128 * MiB * (i + 1) for i in range(4)]  # saved bytes of blocks 0..i, plus the gradients
+    plain = Chain.calibrated(blocks, peak_none, 0, 0.0, 0.0, link)
+    both = Chain.calibrated(blocks, peak_none, 0, 0.0, 0.0, link, bwd_start=bwd_start)
+    assert both.bwd_fixed_bytes == grads and plain.bwd_fixed_bytes is None
+    assert simulate(both, [KEEP] * 4).peak_bytes == simulate(plain, [KEEP] * 4).peak_bytes == peak_none
+    rec_plain, rec_both = simulate(plain, [RECOMPUTE] * 4), simulate(both, [RECOMPUTE] * 4)
+    assert rec_both.peak_bytes < rec_plain.peak_bytes
+    assert rec_both.peak_bytes >= grads + 3 * 8 * MiB + 128 * MiB + 32 * MiB  # inputs, one block, its gradients

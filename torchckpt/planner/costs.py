@@ -40,7 +40,11 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 # 4. ``fixed_bytes`` is chosen so that keeping every block predicts the measured
 #    no-checkpointing peak (``Chain.calibrated``), or, for a step that only fits with its blocks
 #    recomputed, so that recomputing every block predicts that step's measured peak
-#    (``Chain.calibrated_on``).
+#    (``Chain.calibrated_on``). What the forward's end holds besides saved tensors (the loss's
+#    temporaries) is gone by the blocks' backward, so when the profiling step measured what was
+#    allocated as each block's backward began, the backward gets its own ``bwd_fixed_bytes``: the
+#    most of those allocations less the saved bytes of the blocks not yet through backward, and
+#    ``fixed_bytes`` calibrates the forward's peak alone.
 """
 from __future__ import annotations
 
@@ -127,6 +131,8 @@ class Chain:
         other_fwd_s / other_bwd_s: time outside the blocks in each sweep.
         link: the host link.
         codec: the codec offloads may use (``None``: offloads are uncompressed).
+        bwd_fixed_bytes: device bytes that no decision changes during the backward, when measured
+            (Rule 4); ``None``: ``fixed_bytes``.
     """
 
     blocks: tuple[Block, ...]
@@ -136,13 +142,27 @@ class Chain:
     other_bwd_s: float
     link: Link
     codec: CodecCost | None = None
+    bwd_fixed_bytes: int | None = None
 
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
-                   other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> Chain:
-        """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4)."""
-        return Chain.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
-                                   other_bwd_s, link, codec)
+                   other_bwd_s: float, link: Link, codec: CodecCost | None = None,
+                   bwd_start: Sequence[int] = ()) -> Chain:
+        """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4).
+
+        ``bwd_start``: what was allocated when each block's backward began in that step, if measured; it
+        calibrates the backward on its own (Rule 4).
+        """
+        if len(bwd_start) != len(blocks) or not blocks:
+            return Chain.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
+                                       other_bwd_s, link, codec)
+        held, bwd_fixed = 0, 0
+        for b, at in zip(blocks, bwd_start):
+            held += b.saved_bytes
+            bwd_fixed = max(bwd_fixed, at - held)
+        bare = Chain(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec, bwd_fixed)
+        fixed = max(0, peak_none - simulate(bare, [KEEP] * len(blocks)).fwd_peak_bytes)
+        return dataclasses.replace(bare, fixed_bytes=fixed)
 
     @staticmethod
     def calibrated_on(blocks: Sequence[Block], plan: Sequence[Decision], peak: int, other_saved_bytes: int,
@@ -231,6 +251,7 @@ class Prediction:
             GPU cache (forward), and back (backward).
         d2h_bytes / h2d_bytes: bytes over the link each way (after compression).
         at: where the peak is: ``"forward i"`` or ``"backward i"`` (block index).
+        fwd_peak_bytes: the forward sweep's peak.
     """
 
     peak_bytes: int
@@ -240,6 +261,7 @@ class Prediction:
     d2h_bytes: int
     h2d_bytes: int
     at: str
+    fwd_peak_bytes: int = 0
 
 
 def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: bool = True) -> Prediction:
@@ -303,8 +325,9 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
         mem = base + resident + max(flying, min(room, offloaded))
         if mem > peak:
             peak, at = mem, f"forward {i}"
+    fwd_peak = peak
     # Backward (Rule 2): the work outside the blocks (head, loss) runs first and frees what it saved.
-    base = chain.fixed_bytes
+    base = chain.fixed_bytes if chain.bwd_fixed_bytes is None else chain.bwd_fixed_bytes
     t += chain.other_bwd_s
     h2d_free = 0.0
     ready = [0.0] * n
@@ -347,4 +370,4 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
         if issued[i]:
             issued_bytes -= off[i]
         off[i] = 0
-    return Prediction(peak, t, recompute, stall, sum(wire), sum(wire), at)
+    return Prediction(peak, t, recompute, stall, sum(wire), sum(wire), at, fwd_peak)

@@ -21,8 +21,9 @@
 #    output to its arrival at its input (the previous block's output). On the device, a block's
 #    backward working memory is the allocator's peak between those two points minus what was
 #    allocated at the first (the peak statistic is reset there; the step's own peak is carried
-#    over). The step is run ``warmup`` times first, unmeasured, so allocator and kernel caches
-#    are warm.
+#    over), and what was allocated when it began is kept too (``Profile.bwd_start_bytes``: the
+#    backward's own calibration, NOTE [ Step model ] Rule 4). The step is run ``warmup`` times
+#    first, unmeasured, so allocator and kernel caches are warm.
 # 4. The no-checkpointing peak is the device's peak allocated bytes over the profiled step minus
 #    what was allocated when it started (parameters, optimiser state, gradients left by earlier
 #    steps): a budget counts what a step adds. The host link is measured each way with pinned
@@ -119,6 +120,7 @@ class Profile:
     peak_none: int
     device: str
     by_blocks: bool = False
+    bwd_start_bytes: tuple[int, ...] = ()
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -152,7 +154,7 @@ class Profile:
             return Chain.calibrated_on(blocks, [RECOMPUTE] * len(blocks), self.peak_none, self.other_saved_bytes,
                                        self.other_fwd_s, self.other_bwd_s, link, codec)
         return Chain.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
-                                link, codec)
+                                link, codec, self.bwd_start_bytes)
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
@@ -368,6 +370,8 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(rec.bwd_bytes), ops=ops, other_saved_bytes=rec.other,
         other_fwd_s=max(0.0, fwd_total - sum(fwd)), other_bwd_s=max(0.0, step_s - fwd_total - sum(bwd)),
         step_s=step_s, peak_none=int(peak), device=str(device),
+        bwd_start_bytes=tuple(b - start_bytes for b in rec.bwd_start) if clock.cuda and all(
+            s is not None for s in rec.grad_at_out) else (),
     )
 
 
