@@ -9,7 +9,7 @@ The public names are below; everything else stays importable from its module
 """
 from torchckpt import codecs, planner, schedules
 from torchckpt._errors import CheckpointError
-from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
+from torchckpt.adjoint import Auto, checkpointed_loop, checkpointed_scan, run_schedule
 from torchckpt.api import checkpoint, default_store, offload
 from torchckpt.planner import auto, plan
 from torchckpt.policies import Keep, Offload, Policy, Recompute
@@ -29,6 +29,7 @@ __all__ = [
     "auto",
     "checkpoint",
     "checkpointed_loop",
+    "checkpointed_scan",
     "codecs",
     "default_store",
     "offload",

@@ -55,7 +55,7 @@ from typing import Any
 import torch
 from torch._C import _functorch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
 
 from torchckpt._errors import CheckpointError
 
@@ -257,19 +257,19 @@ def unfound(node: Any, where: str) -> CheckpointError:
     )
 
 
-def probe(step: Callable[[Any], Any], flat: list[torch.Tensor], spec: Any,
+def probe(call: Callable[[list[torch.Tensor]], list[torch.Tensor]], flat: list[torch.Tensor],
            given: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
     """Run step 0 under grad to find the tensors it reads from outside the loop (Rule 1).
 
-    Returns those tensors (``given`` first, each once), state 1 (detached) and whether the
-    step ran autograd itself.
+    ``call`` is step 0 on flat lists: its inputs (the state, and a scan's ``xs[0]``) to its outputs
+    (the next state, and a scan's ``y``). Returns the tensors found (``given`` first, each once),
+    the outputs (detached) and whether the step ran autograd itself.
     """
     xin = [t.detach().requires_grad_(t.requires_grad) for t in flat]
     mark = node_mark()
     reads = _Reads(mark)
     with torch.enable_grad(), reads:
-        y = step(tree_unflatten(xin, spec))
-    out = flat_state(spec, xin, y)
+        out = call(xin)
     age = Age(mark, xin)
     found: dict[int, torch.Tensor] = {}
     for t in [*given, *(t for t in reads.found.values() if t.grad_fn is None or not age.new(t.grad_fn))]:

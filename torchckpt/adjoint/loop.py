@@ -1,4 +1,4 @@
-"""``checkpointed_loop``: ``state = step(state)`` n times, differentiated through autograd under a schedule.
+"""``checkpointed_scan`` and ``checkpointed_loop``: a time-stepping loop differentiated through autograd under a schedule.
 
 # NOTE [ Checkpointed loop ]
 # 1. ``checkpointed_loop`` is an autograd Function driven by the executor (NOTE [ Adjoint
@@ -21,6 +21,17 @@
 # 3. Captured tensors: every tensor from outside the loop that a step reads differentiably is
 #    an input of the Function (NOTE [ Captured tensors ], torchckpt/adjoint/captures.py): found by a
 #    probe of step 0, whose output is state 1, where the forward sweep starts.
+# 4. The scan. ``checkpointed_scan``'s step is ``(carry, xs[k]) -> (carry, y)``; the loop is its
+#    case with no ``xs`` and no ``y``. The state the schedule snapshots is the carry's tensor
+#    leaves (its other leaves pass through, checked unchanged). ``xs`` leaves are inputs of the
+#    Function; each step reads ``xs[k]`` as a view, and a recorded step as a leaf of its own, so
+#    ``Adjoint(k)`` returns its gradient, and the Function returns each leaf's gradient as the
+#    steps' gradients stacked (what ``select``'s backward accumulates in plain autograd, at
+#    disjoint positions: the same values). Each step's ``y`` is kept from the forward sweep
+#    (every step runs once there; recomputations in the backward drop theirs) and returned
+#    stacked; ``Adjoint(k)`` seeds ``y``'s outputs with slice ``k`` of the stacked adjoint, beside
+#    the carry's. The step index reaches the step as a Python int (``index=True``): the
+#    executor knows it, so no tensor holds it and nothing syncs.
 """
 from __future__ import annotations
 
@@ -39,7 +50,7 @@ from torchckpt.adjoint.args import check_actions, check_callable, check_params, 
 from torchckpt.adjoint.auto import Auto
 from torchckpt.codecs.base import Packed
 from torchckpt.adjoint.captures import (
-    Age, Swap, check_structure, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
+    Age, Swap, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
 )
 from torchckpt.adjoint.execute import Planned
 from torchckpt.adjoint.execute import run as execute_all
@@ -47,7 +58,7 @@ from torchckpt.schedules import Adjoint, Restore, Revolve, Tier, Uniform
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
 
-__all__ = ["checkpointed_loop"]
+__all__ = ["checkpointed_loop", "checkpointed_scan"]
 
 
 def _auto_value(schedule: Any) -> Any:
@@ -66,22 +77,105 @@ def _auto_value(schedule: Any) -> Any:
     return schedule
 
 
+class _Step:
+    """One step on flat lists (Rule 4): ``(k, state, xs[k]) -> (state, y)``, for the scan or the loop."""
+
+    def __init__(self, step: Callable[..., Any], carry: _Tree, xs: list[torch.Tensor], xs_tree: _Tree | None,
+                 index: bool, loop: bool) -> None:
+        self.step, self.carry, self.xs, self.xs_tree = step, carry, xs, xs_tree
+        self.index, self.loop = index, loop
+        self.y: _Tree | None = None  # the structure of y, fixed by step 0
+
+    def x_at(self, k: int, grad: bool = False) -> list[torch.Tensor]:
+        """``xs[k]``, as leaves of their own when ``grad`` and the slice requires grad (Rule 4)."""
+        return [grad_leaf(t[k]) if grad and t.requires_grad else t[k].detach() for t in self.xs]
+
+    def __call__(self, k: int, x: list[torch.Tensor], xk: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        carry = self.carry.build(x)
+        if self.loop:
+            return flat_state(self.carry.spec, x, self.step(carry)), []
+        xt = self.xs_tree.build(xk) if self.xs_tree is not None else None
+        got = self.step(carry, xt, k) if self.index else self.step(carry, xt)
+        if not isinstance(got, tuple) or len(got) != 2:
+            raise CheckpointError(
+                f"torchckpt: checkpointed_scan's step must return a pair (carry, y), got {type(got).__name__}; return "
+                "(carry, None) when a step has no output.")
+        out = self.carry.tensors(got[0], x)
+        if self.y is None:
+            self.y = _Tree(got[1], "y", "step's output y")
+        return out, self.y.tensors(got[1])
+
+
+class _Tree:
+    """A pytree's tensor leaves as a flat list; its other leaves are held as they are (Rule 4)."""
+
+    def __init__(self, tree: Any, name: str, where: str) -> None:
+        leaves, self.spec = tree_flatten(tree)
+        self.name, self.where = name, where
+        self.pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.rest = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
+        self.like = [leaves[i] for i in self.pos]
+        self.n = len(leaves)
+
+    def build(self, tensors: list[torch.Tensor]) -> Any:
+        leaves: list[Any] = [None] * self.n
+        for i, t in zip(self.pos, tensors):
+            leaves[i] = t
+        for i, v in self.rest:
+            leaves[i] = v
+        return tree_unflatten(leaves, self.spec)
+
+    def tensors(self, tree: Any, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """The tensor leaves of ``tree``, checked against the structure (and shapes, dtypes) this was made from."""
+        leaves, spec = tree_flatten(tree)
+        if spec != self.spec:
+            raise CheckpointError(f"torchckpt: the {self.where} must keep its structure from step to step; took "
+                                  f"{self.spec}, returned {spec}.")
+        for i, v in self.rest:
+            if not _same(leaves[i], v):
+                raise CheckpointError(
+                    f"torchckpt: a non-tensor part of the {self.where} changed ({v!r} became {leaves[i]!r}): it is "
+                    "passed through unchanged, not checkpointed. Make it a tensor, or compute it from the step index "
+                    "(checkpointed_scan(..., index=True) passes it as a Python int).")
+        out = [leaves[i] for i in self.pos]
+        for a, b in zip(like if like is not None else self.like, out):
+            if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
+                raise CheckpointError(
+                    f"torchckpt: the {self.where} must keep its shapes and dtypes from step to step; took "
+                    f"{tuple(a.shape)} {a.dtype}, returned {tuple(getattr(b, 'shape', ()))} "
+                    f"{getattr(b, 'dtype', type(b))}.")
+        return out
+
+
+def _same(a: Any, b: Any) -> bool:
+    if a is b:
+        return True
+    try:
+        return bool(a == b)
+    except Exception:  # noqa: BLE001 - objects whose == is not a truth value are compared by identity
+        return False
+
+
 class _LoopRun:
     """What the autograd Function carries from forward to backward."""
 
-    def __init__(self, step: Callable[..., Any], spec: Any, n_state: int, schedule: Iterable[Any],
+    def __init__(self, fn: _Step, n_state: int, n_steps: int, schedule: Iterable[Any],
                  snaps_factory: Callable[[torch.device], SnapshotStore], slots: int, prefetch: bool,
-                 inputs: list[torch.Tensor], swapped: list[torch.Tensor], state1: list[torch.Tensor] | None,
+                 inputs: list[torch.Tensor], swapped: list[torch.Tensor], out1: list[torch.Tensor] | None,
                  through_old: bool) -> None:
-        self.step, self.spec, self.n_state = step, spec, n_state
+        self.fn, self.n_state, self.n_steps = fn, n_state, n_steps
         self.plan = Planned.of(schedule, prefetch)
         self.slots = slots
         self.factory = snaps_factory
         self.snaps: SnapshotStore | None = None
-        self.last: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
+        self.last: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]] | None = None
         self.stats: SnapshotStats | None = None
         self.done = False
-        self.state1 = state1  # NOTE [ Captured tensors ] Rule 1: the probe's output, where the forward sweep starts
+        # NOTE [ Captured tensors ] Rule 1: the probe's output, where the forward sweep starts (and y of step 0)
+        self.state1 = out1[:n_state] if out1 is not None else None
+        self.ys: list[list[torch.Tensor] | None] = [None] * n_steps  # Rule 4: each step's y, from the forward sweep
+        if out1 is not None:
+            self.ys[0] = out1[n_state:]
         # NOTE [ Captured tensors ] Rule 2: recorded steps see an alias of each swapped tensor; each step is differentiated
         # with respect to the Function's inputs, or to their aliases.
         self.swaps = {id(t): (t, t.detach().requires_grad_()) for t in swapped}
@@ -92,11 +186,10 @@ class _LoopRun:
         self.first_packs: list[Packed] | None = None  # the initial state, compressed by Auto (or None)
         self.owns_snaps = True  # False: the caller's SnapshotStore
         self.x: list[torch.Tensor] | None = None
-        self.g: list[torch.Tensor | None] = []
-        self.gp: list[torch.Tensor | None] = []
-
-    def call(self, x: list[torch.Tensor]) -> list[torch.Tensor]:
-        return flat_state(self.spec, x, self.step(tree_unflatten(x, self.spec)))
+        self.g: list[torch.Tensor | None] = []  # the adjoint of the current state
+        self.gp: list[torch.Tensor | None] = []  # each captured tensor's running sum
+        self.gys: list[torch.Tensor | None] = []  # the incoming adjoint of each stacked y (Rule 4)
+        self.gxs: list[list[torch.Tensor | None]] = []  # each step's adjoint of xs[k] (Rule 4)
 
     def steps(self, x: list[torch.Tensor], n0: int, n1: int) -> list[torch.Tensor]:
         """Steps ``n0`` to ``n1`` with no graph kept, in the grad mode plain autograd runs them in (Rule 2)."""
@@ -105,17 +198,24 @@ class _LoopRun:
                 x = self.state1
                 continue
             with torch.enable_grad():
-                x = [v.detach() for v in self.call([grad_leaf(v) for v in x])]
+                out, y = self.fn(k, [grad_leaf(v) for v in x], self.fn.x_at(k))
+            x = [v.detach() for v in out]
+            if not self.backward and y:  # Rule 4: the forward sweep keeps each step's y
+                self.ys[k] = [v.detach() for v in y]
         return x
 
-    def record(self, x: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """Evaluate one step from ``x`` with recording (Rule 2): the graph ends at the inputs (NOTE [ Captured tensors ] Rule 2)."""
+    def record(self, x: list[torch.Tensor], k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+        """Evaluate step k from ``x`` with recording (Rule 2): the graph ends at the inputs (NOTE [ Captured tensors ]
+        Rule 2) and at ``xs[k]``; returns the inputs, ``xs[k]`` and the outputs (the state, then y)."""
         xin = [grad_leaf(v) for v in x]
+        xk = self.fn.x_at(k, grad=True)
         with torch.enable_grad():
             if self.swaps:
                 with Swap(self.swaps):
-                    return xin, self.call(xin)
-            return xin, self.call(xin)
+                    out, y = self.fn(k, xin, xk)
+            else:
+                out, y = self.fn(k, xin, xk)
+        return xin, xk, out + y
 
     def check_exits(self, xin: list[torch.Tensor], y: list[torch.Tensor], mark: int) -> None:
         """NOTE [ Captured tensors ] Rule 2: a recorded step's graph leaves it only through its inputs."""
@@ -186,20 +286,21 @@ class _LoopRun:
             raise CheckpointError("torchckpt: End() before EndForward: the schedule is invalid.")
 
     def adjoint(self, n: int) -> None:
-        """Back-propagate the adjoints through step n (Rule 2)."""
+        """Back-propagate the adjoints through step n (Rules 2, 4)."""
         if not self.backward:
             raise CheckpointError(f"torchckpt: {Adjoint(n)!r} before EndForward: the schedule is invalid.")
         if self.last is not None:
-            xin, y = self.last
+            xin, xk, out = self.last
             self.last = None
         else:
             if self.x is None:
                 raise CheckpointError(f"torchckpt: {Adjoint(n)!r} with no current state: the schedule is invalid.")
-            xin, y = self.record(self.x)
-        params, g, gp = self.wrt, self.g, self.gp
-        outs_y = [v for v, gv in zip(y, g) if gv is not None and v.requires_grad]
-        gs = [gv for v, gv in zip(y, g) if gv is not None and v.requires_grad]
-        wrt = [v for v in xin if v.requires_grad] + [p for p in params if p.requires_grad]
+            xin, xk, out = self.record(self.x, n)
+        params, gp = self.wrt, self.gp
+        g = self.g + [gy[n] if gy is not None else None for gy in self.gys]  # Rule 4: this step's slice of ys' adjoint
+        outs_y = [v for v, gv in zip(out, g) if gv is not None and v.requires_grad]
+        gs = [gv for v, gv in zip(out, g) if gv is not None and v.requires_grad]
+        wrt = [v for v in xin if v.requires_grad] + [v for v in xk if v.requires_grad] + [p for p in params if p.requires_grad]
         # Rule 2: each parameter's running sum enters as an output of its own, so autograd adds
         # this step's uses to it one by one, in the order plain autograd would.
         seeds = [(p, s) for p, s in zip(params, gp) if p.requires_grad and s is not None]
@@ -207,6 +308,8 @@ class _LoopRun:
                                    allow_unused=True) if outs_y or seeds else [None] * len(wrt))
         it = iter(res)
         self.g = [next(it) if v.requires_grad else None for v in xin]
+        if xk:
+            self.gxs[n] = [next(it) if v.requires_grad else None for v in xk]
         for k, p in enumerate(params):
             if p.requires_grad:
                 d = next(it)
@@ -223,12 +326,15 @@ class _Loop(torch.autograd.Function):
         x = run.x
         run.state1 = None
         mark = node_mark()
-        xin, y = run.record(x)  # Rule 2: record the last step, keep its graph for Adjoint(n-1)
-        run.check_exits(xin, y, mark)
-        run.last = (xin, y)
+        last = run.n_steps - 1
+        xin, xk, out = run.record(x, last)  # Rule 2: record the last step, keep its graph for Adjoint(n-1)
+        run.check_exits(xin + xk, out, mark)
+        run.last = (xin, xk, out)
+        run.ys[last] = [v.detach() for v in out[run.n_state:]]
         ctx.set_materialize_grads(False)  # an output the loss does not use brings None, as in plain autograd
         ctx.run = run
-        return tuple(v.detach() for v in y)
+        ys = [torch.stack([y[j] for y in run.ys]) for j in range(len(out) - run.n_state)]  # type: ignore[index]
+        return (*(v.detach() for v in out[: run.n_state]), *ys)
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:  # type: ignore[override]
@@ -240,13 +346,23 @@ class _Loop(torch.autograd.Function):
             )
         run.done = True
         run.backward = True
-        run.g, run.gp, run.x = list(grads), [None] * len(run.wrt), None
+        run.g, run.gp, run.x = list(grads[: run.n_state]), [None] * len(run.wrt), None
+        run.gys = list(grads[run.n_state:])
+        run.gxs = [[None] * len(run.fn.xs) for _ in range(run.n_steps)]
         execute_all(iter(run.plan), run)  # the rest of the schedule, to End
         if run.snaps is not None:
             run.stats = run.snaps.stats()
             if run.owns_snaps:
                 run.snaps.close()
-        return (None, *run.g, *run.gp)
+        gxs: list[torch.Tensor | None] = []  # Rule 4: each xs leaf's adjoint, its steps' slices stacked (zeros where none)
+        for j, t in enumerate(run.fn.xs):
+            parts = [gk[j] for gk in run.gxs]
+            if not t.requires_grad or all(p is None for p in parts):
+                gxs.append(None)
+                continue
+            zero = torch.zeros_like(t[0])
+            gxs.append(torch.stack([p if p is not None else zero for p in parts]))
+        return (None, *run.g, *gxs, *run.gp)
 
 
 def checkpointed_loop(
@@ -322,12 +438,120 @@ def checkpointed_loop(
     flat, spec = tree_flatten(state)
     if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
         raise TypeError("torchckpt: state must be a tensor or a tuple/list/dict of tensors.")
+    carry = _Tree(state, "state", "state")
+    fn = _Step(step, carry, [], None, index=False, loop=True)
+    out, _ = _differentiate("checkpointed_loop", fn, flat, n_steps, schedule, store, slots, prefetch,
+                            _given(step, params))
+    return tree_unflatten(out, spec)
+
+
+def checkpointed_scan(
+    step: Callable[..., tuple[Any, Any]],
+    init: Any,
+    xs: Any = None,
+    *,
+    length: int | None = None,
+    index: bool = False,
+    schedule: Schedule | Auto | Iterable[Any] = Auto(),
+    store: Store | SnapshotStore | None = None,
+    slots: int = 4,
+    prefetch: bool = True,
+    params: Sequence[torch.Tensor] | None = None,
+) -> tuple[Any, Any]:
+    """``carry, y = step(carry, xs[k])`` for every k, differentiably, storing only a schedule's snapshots of the carry.
+
+    The scan of ``jax.lax.scan`` and ``torch``'s scan operator, checkpointed as ``checkpointed_loop``
+    is (its special case: no ``xs``, no ``y``): ``backward()`` through the final carry and the
+    stacked outputs gives the gradients of the plain unrolled loop, bit for bit for deterministic
+    ops, with respect to ``init``, ``xs`` and every tensor ``step`` reads from outside (NOTE
+    [ Checkpointed loop ] Rule 4).
+
+    Args:
+        step: ``step(carry, x) -> (carry, y)``, or ``step(carry, x, k)`` with ``index=True`` (``k``
+            the step's index as a Python int: no tensor, no device sync). ``carry`` keeps its
+            structure, shapes and dtypes from step to step; its non-tensor leaves (settings,
+            metadata) are passed through unchanged and must come back unchanged. ``y`` is a tensor,
+            a tuple/dict of tensors or ``None``, the same structure every step. Deterministic and
+            free of side effects: steps run again to recompute carries.
+        init: the initial carry (a tensor or a pytree with at least one tensor).
+        xs: per-step inputs, a tensor or a pytree of tensors stacked along a first dimension of
+            ``length``; ``step`` gets ``xs[k]`` (views). ``None``: ``step`` gets ``None``, and
+            ``length`` is required.
+        length: the number of steps (default: the first dimension of ``xs``).
+        index: pass the step index as a third argument.
+        schedule, store, slots, prefetch, params: as for ``checkpointed_loop``; the schedule is
+            for ``length`` steps and its snapshots are of the carry.
+
+    Returns:
+        ``(carry, ys)``: the carry after the last step, and the ``y`` of every step stacked along
+        a new first dimension (``None`` where ``y`` is ``None``).
+
+    Example::
+
+        >>> w = torch.tensor(0.9, requires_grad=True)
+        >>> forcing = torch.linspace(0, 1, 20).unsqueeze(1).expand(20, 3)
+        >>> def step(u, f):
+        ...     u = torch.sin(w * u) + f
+        ...     return u, u.sum()
+        >>> u, traces = checkpointed_scan(step, torch.ones(3, requires_grad=True), forcing,
+        ...                               store=Store("cpu"))
+        >>> traces.shape
+        torch.Size([20])
+        >>> (u.sum() + traces.square().sum()).backward()
+        >>> w.grad is not None
+        True
+    """
+    check_callable("checkpointed_scan", "step", step)
+    check_flag("checkpointed_scan", "index", index)
+    carry = _Tree(init, "carry", "carry")
+    flat = carry.like
+    if not flat:
+        raise TypeError("torchckpt: checkpointed_scan(init=...) must hold at least one tensor (the carry).")
+    xs_tree = None if xs is None else _Tree(xs, "xs", "xs")
+    leaves = xs_tree.like if xs_tree is not None else []
+    if xs_tree is not None and any(v is not None for _, v in xs_tree.rest):
+        raise TypeError("torchckpt: checkpointed_scan(xs=...) must be a tensor or a tuple/list/dict of tensors stacked "
+                        "along their first dimension (None leaves allowed).")
+    sizes = {t.shape[0] if t.dim() else None for t in leaves}
+    if None in sizes or len(sizes) > 1:
+        raise ValueError("torchckpt: checkpointed_scan(xs=...) tensors must share their first dimension (the steps); got "
+                         f"shapes {[tuple(t.shape) for t in leaves]}.")
+    n = sizes.pop() if sizes else None
+    if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
+        raise ValueError(f"torchckpt: checkpointed_scan(length=...) must be an int >= 1, got {length!r}.")
+    if n is None and length is None:
+        raise ValueError("torchckpt: checkpointed_scan needs xs=... (stacked per-step inputs) or length=... (the number "
+                         "of steps).")
+    if n is not None and length is not None and n != length:
+        raise ValueError(f"torchckpt: checkpointed_scan(length={length}) but xs has {n} steps along its first dimension.")
+    n_steps = length if length is not None else n
+    assert n_steps is not None
+    if n_steps < 1:
+        raise ValueError("torchckpt: checkpointed_scan needs at least one step; xs has 0 along its first dimension.")
+    fn = _Step(step, carry, leaves, xs_tree, index=index, loop=False)
+    out, ys = _differentiate("checkpointed_scan", fn, flat, n_steps, schedule, store, slots, prefetch,
+                             _given(step, params))
+    assert fn.y is not None
+    if any(v is not None for _, v in fn.y.rest):
+        raise TypeError("torchckpt: checkpointed_scan's step must return y as a tensor, a tuple/list/dict of tensors, "
+                        "or None.")
+    return carry.build(out), fn.y.build(ys)
+
+
+def _given(step: Any, params: Sequence[torch.Tensor] | None) -> list[torch.Tensor]:
     given = check_params(params)
     if isinstance(step, nn.Module):
         given = [p for p in step.parameters() if p.requires_grad] + given
-    check_store("checkpointed_loop", store, snapshot_store=True)
-    check_slots("checkpointed_loop", slots)
-    check_flag("checkpointed_loop", "prefetch", prefetch)
+    return given
+
+
+def _differentiate(name: str, fn: _Step, flat: list[torch.Tensor], n_steps: int, schedule: Any,
+                   store: Store | SnapshotStore | None, slots: int, prefetch: bool,
+                   given: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """The loop or scan of ``fn`` for ``n_steps``: the last state and the stacked ys (Rules 1-4)."""
+    check_store(name, store, snapshot_store=True)
+    check_slots(name, slots)
+    check_flag(name, "prefetch", prefetch)
     if store is None:
         store = default_store(flat[0].device)
     schedule = _auto_value(schedule)
@@ -343,14 +567,15 @@ def checkpointed_loop(
             f"got {schedule!r}. Only Revolve and Uniform can be sized from the budgets: build other schedules yourself."
         )
     if schedule is None:
-        raise TypeError("torchckpt: checkpointed_loop(schedule=None): expected a schedule (e.g. Revolve(n_steps, "
+        raise TypeError(f"torchckpt: {name}(schedule=None): expected a schedule (e.g. Revolve(n_steps, "
                         "4)) or torchckpt.Auto(); pass schedule=torchckpt.Auto() (the default) to size Revolve from the "
                         "store.")
     sched_n = getattr(schedule, "n_steps", n_steps)
     if not isinstance(schedule, Schedule):
-        schedule = check_actions("checkpointed_loop", schedule)
+        schedule = check_actions(name, schedule)
     if sched_n != n_steps:
-        raise ValueError(f"torchckpt: the schedule is for {sched_n} steps but n_steps={n_steps}; build it with n_steps.")
+        raise ValueError(f"torchckpt: the schedule is for {sched_n} steps but the {'loop' if fn.loop else 'scan'} has "
+                         f"{n_steps}; build it with n_steps={n_steps}.")
     st = store
 
     def factory(device: torch.device) -> SnapshotStore:
@@ -359,22 +584,28 @@ def checkpointed_loop(
         return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec)
 
     if not torch.is_grad_enabled():
-        with torch.no_grad():  # nothing to differentiate: no snapshots at all
-            for _ in range(n_steps):
-                state = step(state)
-                check_structure(spec, tree_flatten(state)[1])
-        return state
-    inputs, state1, through_old = probe(step, flat, spec, given)  # NOTE [ Captured tensors ] Rule 1
-    if not any(t.requires_grad for t in [*flat, *inputs]):
-        state = tree_unflatten(state1, spec)
-        with torch.no_grad():  # nothing to differentiate: no snapshots at all
-            for _ in range(n_steps - 1):
-                state = step(state)
-                check_structure(spec, tree_flatten(state)[1])
-        return state
-    run = _LoopRun(step, spec, len(flat), schedule, factory, slots, prefetch, inputs, descendants(inputs), state1,
-                   through_old)
+        return _plain(fn, list(flat), 0, n_steps, [])  # nothing to differentiate: no snapshots at all
+    n = len(flat)
+    # NOTE [ Captured tensors ] Rule 1: step 0 (with xs[0]) finds what the steps read
+    def step0(xin: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, y = fn(0, xin[:n], xin[n:])
+        return out + y
+
+    inputs, out1, through_old = probe(step0, [*flat, *(t[0] for t in fn.xs)], given)
+    if not any(t.requires_grad for t in [*flat, *fn.xs, *inputs]):
+        return _plain(fn, out1[:n], 1, n_steps, [out1[n:]])  # nothing to differentiate
+    run = _LoopRun(fn, n, n_steps, schedule, factory, slots, prefetch, inputs, descendants(inputs), out1, through_old)
     run.first_packs = first_packs
     run.owns_snaps = not isinstance(store, SnapshotStore)
-    out = _Loop.apply(run, *flat, *inputs)
-    return tree_unflatten(list(out), spec)
+    res = _Loop.apply(run, *flat, *fn.xs, *inputs)
+    return list(res[:n]), list(res[n:])
+
+
+def _plain(fn: _Step, x: list[torch.Tensor], k0: int, n_steps: int,
+           ys: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Steps ``k0`` to the last with no graph: the last state and the stacked ys."""
+    with torch.no_grad():
+        for k in range(k0, n_steps):
+            x, y = fn(k, x, fn.x_at(k))
+            ys.append(y)
+    return x, [torch.stack([y[j] for y in ys]) for j in range(len(ys[0]))] if ys else []

@@ -131,7 +131,8 @@ class Profile:
         d = json.loads(text)
         d["saved"] = tuple(tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b) for b in d["saved"])
         d["ops"] = tuple(tuple(OpCost(**o) for o in b) for b in d["ops"])
-        return Profile(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
+        fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
+        return Profile(**fields)
 
     def blocks(self) -> list[Block]:
         out = []
