@@ -2,11 +2,13 @@
 blocks), ``lazy_pool`` (one mapping pinned chunk by chunk in the background), ``link_model`` (the
 host link's measured bandwidths and the strategy model), ``sysinfo`` (what the machine offers),
 ``factory`` (which pool a store gets, and the shared pools), ``node_lock`` (registrations
-serialized across processes), ``device_arena`` (snapshot slots in CUDA virtual memory).
+serialized across processes), ``device_arena`` (snapshot slots in CUDA virtual memory), ``disk``
+(the disk tier behind host memory: snapshot files written behind and read ahead by I/O threads).
 """
+from torchckpt.memory.disk import DiskStats, DiskTier
 from torchckpt.memory.factory import make_host_pool, release_shared_host_pools, shared_host_pool
 from torchckpt.memory.host_pool import HostBlock, HostPool, HostPoolBase, HostPoolStats
 from torchckpt.memory.lazy_pool import LazyHostPool
 
-__all__ = ["HostBlock", "HostPool", "HostPoolBase", "HostPoolStats", "LazyHostPool", "make_host_pool", "release_shared_host_pools",
-           "shared_host_pool"]
+__all__ = ["DiskStats", "DiskTier", "HostBlock", "HostPool", "HostPoolBase", "HostPoolStats", "LazyHostPool",
+           "make_host_pool", "release_shared_host_pools", "shared_host_pool"]

@@ -7,7 +7,7 @@
 # 1. A snapshot is a tuple of tensors (a wave equation carries u_t and u_{t-1}); every
 #    snapshot of one loop has the same layout (shapes, dtypes), checked at each save.
 # 2. ``Tier.GPU`` snapshots are device copies held by reference. Off-GPU snapshots
-#    (``Tier.HOST``; DISK is treated as HOST) live in the host pool and pass through
+#    (``Tier.HOST``; DISK too, as HOST without ``disk=``, Rule 11) live in the host pool and pass through
 #    ``slots`` device slots, each one flat buffer allocated once for the loop: a save
 #    copies the state into a slot on the compute stream and the slot is flushed to host on
 #    the offload stream; a restore that hits reads the slot.
@@ -44,14 +44,33 @@
 #    at once and the rest in the background (a slot's first use waits for its own range only);
 #    elsewhere one ``torch.empty``. ``TORCHCKPT_DEVICE_CACHE=caching`` forces the latter. Arena
 #    memory is outside PyTorch's caching allocator: ``device_bytes()`` reports it.
+# 11. With ``disk=`` (a directory, or a ``DiskTier``: NOTE [ Disk tier ], memory/disk.py),
+#    ``Tier.DISK`` snapshots go one tier further. A save is a HOST save (a slot, flushed to a host
+#    block); the block is then written behind to a file, and given back to the host pool once
+#    the write has ended, so host memory holds only the disk snapshots in flight. On CUDA the
+#    I/O thread waits for the flush's event before it reads the block. A write-back snapshot
+#    (Rule 6) is written when it is flushed, at its eviction.
+# 12. A restore that misses the slots reads the file into a host block (or collects a prefetch's
+#    read) and goes on as a HOST restore; the block goes back once the slot is filled from it.
+#    ``Prefetch(n, DISK, GPU)`` takes and pins a slot as Rule 3 says and starts the read on an
+#    I/O thread; the slot's fill is issued on the owner's thread once the read has ended: by the
+#    next action that finds it done, at the latest by the restore (which waits for the read).
+# 13. ``free`` deletes the file (cancelling a queued write, waiting for one under way); ``close``
+#    deletes every file of the store, and closes the tier when the store made it. Each action
+#    first collects the tier's finished jobs and raises its I/O errors (NOTE [ Disk tier ] Rule 5);
+#    a snapshot whose write failed keeps its host block and is a HOST snapshot from then on: an
+#    error, never a lost or wrong snapshot. ``stats()`` waits for the jobs under way, so a loop's
+#    own write errors reach it. With a codec the files hold the blobs (Rule 8).
 """
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 import time
 import warnings
 from collections.abc import Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -64,10 +83,11 @@ from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
-from torchckpt.memory import HostBlock, HostPoolBase, make_host_pool
+from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
 from torchckpt.store.stats import SnapshotStats
 
 _ALIGN = 256
+_store_ids = itertools.count()  # names a store's files in a DiskTier it may share (Rule 11)
 
 
 def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
@@ -161,6 +181,11 @@ class SnapshotStore:
         slot_bytes: bytes of one slot (with a codec: the compressed room per snapshot);
             ``None``: the snapshot's size, or with a codec its first blob times ``1 + slot_margin``.
         slot_margin: headroom of a calibrated compressed slot (>= 0).
+        disk: where ``Tier.DISK`` snapshots go (NOTE [ Snapshot store ] Rules 11-13): a directory
+            (an NVMe path in practice; the store makes a ``DiskTier`` there and closes it), or a
+            ``torchckpt.memory.DiskTier``. ``None``: DISK snapshots are held as HOST ones.
+
+    The store is a context manager: leaving the ``with`` block (also by an exception) calls ``close()``.
 
     Example::
 
@@ -173,7 +198,8 @@ class SnapshotStore:
 
     def __init__(self, device: str | torch.device | None = None, slots: int | None = None,
                  host: HostPoolBase | None = None, timing: bool = True, codec: Codec | None = None,
-                 gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25) -> None:
+                 gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25,
+                 disk: str | os.PathLike[str] | DiskTier | None = None) -> None:
         device = _check_device(device)
         if slots is not None and gpu_bytes is not None:
             raise ValueError("torchckpt: SnapshotStore takes slots= or gpu_bytes=, not both; pass one of them.")
@@ -195,6 +221,10 @@ class SnapshotStore:
                 f"torchckpt: SnapshotStore(codec=...) expects a torchckpt.codecs.Codec, got {type(codec).__name__}; "
                 "pass e.g. codec=torchckpt.codecs.TritonQuant(bits=8, mode='rel', bound=1e-3)."
             )
+        if disk is not None and not isinstance(disk, (str, os.PathLike, DiskTier)):
+            raise TypeError(f"torchckpt: SnapshotStore(disk=...) expects a directory path or a "
+                            f"torchckpt.memory.DiskTier, got {type(disk).__name__} {disk!r}; pass e.g. "
+                            "disk='/mnt/nvme/scratch', or None to hold Tier.DISK snapshots in host memory.")
         self.device = device
         self.cuda = device.type == "cuda"
         self.timing = timing and self.cuda
@@ -223,10 +253,18 @@ class SnapshotStore:
         self._dirty: set[int] = set()  # in a slot, not on host (write-back)
         self._timings: list[tuple[str, Any, Any]] = []
         self._pending_use: int | None = None
-        self._c: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(SnapshotStats)}
+        self._c: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(SnapshotStats) if f.name != "disk"}
         for k in ("late_wait_s", "miss_wait_s", "save_wait_s"):
             self._c[k] = 0.0
         self._mover = Mover(device, self.timing, self.host)
+        # Rules 11-13: the disk tier (made last: nothing above can fail and leave its directory behind).
+        self._own_disk = disk is not None and not isinstance(disk, DiskTier)
+        self.disk: DiskTier | None = disk if disk is None or isinstance(disk, DiskTier) else DiskTier(disk)
+        self._uid = next(_store_ids)
+        self._disk_ns: set[int] = set()  # off-GPU snapshots saved to Tier.DISK
+        self._writing: dict[int, Future[None]] = {}  # write under way; its source is the host block
+        self._on_disk: set[int] = set()  # written completely
+        self._reading: dict[int, Future[Any]] = {}  # a prefetch's read into the host block, not collected
 
     # -- actions -------------------------------------------------------------------------
     def save(self, n: int, tier: Tier, tensors: Sequence[torch.Tensor], flush: bool = True) -> None:
@@ -248,6 +286,10 @@ class SnapshotStore:
                     self._gpu[n] = [t.detach().clone() for t in tensors]
                 return
             c["host_saves"] += 1
+            self._poll()
+            self._drop_disk(n)  # a save of n again replaces its file
+            if tier is Tier.DISK and self.disk is not None:
+                self._disk_ns.add(n)
             lay = self._layout
             assert lay is not None
             blob = Blob(packs) if packs is not None else None
@@ -260,6 +302,7 @@ class SnapshotStore:
                 self._fill_flat(flat, tensors, packs, blob)
                 ev = self._to_host(block.tensor, flat)
                 self._on_host[n] = (block, ev)
+                self._write_behind(n)
                 if self.cuda:
                     self._mover.current().wait_event(ev)  # flat must outlive the copy
                 return
@@ -286,17 +329,25 @@ class SnapshotStore:
             if n in self._slot_of:
                 self._rank.pin(n)
             return
+        self._poll()
         if n in self._slot_of:
             self._rank.pin(n)
             return
-        if n not in self._on_host:
+        on_disk = n not in self._on_host and n in self._on_disk
+        if n not in self._on_host and not on_disk:
             raise CheckpointError(f"torchckpt: Prefetch({n}) of a snapshot that was never saved to host.")
         if not self._rank.can_take():
             return  # every slot pinned: the restore will load on demand
         with nvtx_range(f"torchckpt.prefetch {n}"):
             s = self._take_slot(n)
             self._rank.pin(n)
-            self._fill(s, n)
+            if on_disk:  # Rule 12: read ahead; the fill follows once the read has ended
+                assert self.disk is not None
+                block = self.host.alloc(self._size(n))
+                self._on_host[n] = (block, None)
+                self._reading[n] = self.disk.prefetch(self._key(n), block.tensor)
+            else:
+                self._fill(s, n)
             self._prefetched.add(n)
             self._c["prefetches"] += 1
 
@@ -311,6 +362,9 @@ class SnapshotStore:
                 if n not in self._gpu:
                     raise CheckpointError(f"torchckpt: Restore({n}, GPU) of a snapshot that was never saved.")
                 return self._gpu[n]
+            self._poll()
+            if n in self._reading:
+                self._finish_read(n)  # Rule 12: the restore waits for its prefetch's read
             hit = self._rank.use(n)
             if hit:
                 s = self._slot_of[n]
@@ -326,6 +380,8 @@ class SnapshotStore:
                 self._use_ev[s] = None  # the caller's copy comes after: see _after_use
                 self._pending_use = s
                 return views
+            if n not in self._on_host and n in self._on_disk:
+                self._load(n)  # Rule 12
             if n not in self._on_host:
                 raise CheckpointError(f"torchckpt: Restore({n}, HOST) of a snapshot that was never saved.")
             c["misses"] += 1
@@ -339,20 +395,28 @@ class SnapshotStore:
                 elif not self.cuda:
                     c["miss_wait_s"] += time.perf_counter() - t0
                 self._pending_use = s
+                self._release_host(n)
                 return self._views(n, self._slots[s])
             block, ev = self._on_host[n]
             if ev is not None:
                 self._wait(ev)
             flat = block.tensor.to(self.device)  # synchronous from the caller's view
             c["bytes_to_device"] += block.tensor.numel()
+            self._release_host(n)
             return self._views(n, flat)
 
     def free(self, n: int, tier: Tier) -> None:
-        """Release snapshot ``n`` of ``tier``."""
+        """Release snapshot ``n`` of ``tier`` (a disk snapshot's file too, Rule 13)."""
+        if tier is not Tier.GPU:
+            self._poll()
+        self._free(n, tier)
+
+    def _free(self, n: int, tier: Tier) -> None:
         if tier is Tier.GPU:
             self._gpu.pop(n, None)
             self._packs.pop(n, None)
             return
+        self._drop_disk(n)
         self._blobs.pop(n, None)
         self._rank.remove(n)
         self._prefetched.discard(n)
@@ -373,7 +437,10 @@ class SnapshotStore:
             self._pending_use = None
 
     def stats(self) -> SnapshotStats:
-        """Counters so far (waits for pending timing events)."""
+        """Counters so far (waits for pending timing events, and for the disk tier's jobs: Rule 13)."""
+        if self.disk is not None:
+            self.disk.wait()
+            self._poll()
         for kind, need, done in self._timings:
             done.synchronize()
             need.synchronize()
@@ -384,12 +451,12 @@ class SnapshotStore:
                 if kind == "late":
                     self._c["late_prefetches"] += 1
         self._timings = []
-        return SnapshotStats(**self._c)
+        return SnapshotStats(**self._c, disk=self.disk.stats() if self.disk is not None else None)
 
     def close(self) -> None:
-        """Free every snapshot and the slots (waits for copies in flight)."""
-        for n in list(self._on_host):
-            self.free(n, Tier.HOST)
+        """Free every snapshot and the slots (waits for copies in flight); delete the disk files (Rule 13)."""
+        for n in [*self._on_host, *(self._disk_ns - self._on_host.keys())]:
+            self._free(n, Tier.HOST)
         self._gpu.clear()
         self._packs.clear()
         self._mover.drain()
@@ -398,6 +465,14 @@ class SnapshotStore:
         if self._arena is not None:
             self._arena.close()  # the memory goes back once no view of it is left
             self._arena = None
+        if self.disk is not None and self._own_disk:
+            self.disk.close()
+
+    def __enter__(self) -> SnapshotStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def device_bytes(self) -> int:
         """Device memory the slots hold (arena memory is not in ``torch.cuda.memory_allocated()``)."""
@@ -532,6 +607,7 @@ class SnapshotStore:
         self._flush_ev[s] = ev
         self._on_host[n] = (block, ev)
         self._dirty.discard(n)
+        self._write_behind(n)
 
     def _take_slot(self, n: int) -> int:
         evicted = self._rank.admit(n)
@@ -572,3 +648,94 @@ class SnapshotStore:
     def _wait(self, ev: Any) -> Any:
         """The compute stream waits on ``ev``; returns a timing event marking when it started to."""
         return self._mover.wait(ev)
+
+    # -- the disk tier (Rules 11-13) -------------------------------------------------------
+    def _key(self, n: int) -> tuple[int, int]:
+        return (self._uid, n)
+
+    def _size(self, n: int) -> int:
+        """Bytes of off-GPU snapshot ``n`` in a host block: its blob, or the layout."""
+        if self.codec is not None:
+            return self._blobs[n].nbytes
+        assert self._layout is not None
+        return self._layout.nbytes
+
+    def _write_behind(self, n: int) -> None:
+        """Start writing disk snapshot ``n``'s new host block to its file (Rule 11)."""
+        if n not in self._disk_ns:
+            return
+        assert self.disk is not None
+        block, ev = self._on_host[n]
+        self._on_disk.discard(n)
+        self._writing[n] = self.disk.write(self._key(n), block.tensor, after=ev)
+
+    def _load(self, n: int) -> None:
+        """Read disk snapshot ``n`` into a new host block, now (Rule 12)."""
+        assert self.disk is not None
+        block = self.host.alloc(self._size(n))
+        try:
+            self.disk.read(self._key(n), block.tensor)
+        except BaseException:
+            self.host.free(block)
+            raise
+        self._on_host[n] = (block, None)
+
+    def _finish_read(self, n: int) -> None:
+        """Collect the prefetch's read of ``n`` (waiting for it) and fill its pinned slot (Rule 12)."""
+        assert self.disk is not None
+        self._reading.pop(n)
+        block, _ = self._on_host[n]
+        try:
+            self.disk.read(self._key(n), block.tensor)  # the prefetch's buffer: waits, raises its error
+        except BaseException:  # nothing of n stays in host memory or in a slot: never a wrong restore
+            del self._on_host[n]
+            self.host.free(block)
+            self._prefetched.discard(n)
+            self._rank.remove(n)
+            slot = self._slot_of.pop(n, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+            raise
+        s = self._slot_of.get(n)
+        if s is not None:
+            self._fill(s, n)
+        self._release_host(n)
+
+    def _release_host(self, n: int) -> None:
+        """Give back disk snapshot ``n``'s host block once its file is complete and nothing waits on it (Rule 11)."""
+        if n not in self._on_disk or n in self._writing or n in self._reading or n not in self._on_host:
+            return
+        block, ev = self._on_host.pop(n)
+        s = self._slot_of.get(n)
+        filled = s is not None and self._fill_of[s] == n  # a fill from the block may still run
+        self.host.free(block, self._fill_ev[s] if filled else ev)  # type: ignore[index]
+
+    def _poll(self) -> None:
+        """Collect the disk tier's finished jobs, then raise its I/O errors (Rule 13)."""
+        disk = self.disk
+        if disk is None or disk.closed:
+            return
+        for n, fut in list(self._writing.items()):
+            if not fut.done():
+                continue
+            del self._writing[n]
+            if fut.cancelled() or fut.exception() is not None:
+                self._disk_ns.discard(n)  # the host block keeps it: a HOST snapshot from now on
+                disk.delete(self._key(n))
+            else:
+                self._on_disk.add(n)
+                self._release_host(n)
+        for n in [n for n, fut in self._reading.items() if fut.done()]:
+            self._finish_read(n)
+        disk.check()
+
+    def _drop_disk(self, n: int) -> None:
+        """Forget disk snapshot ``n``: its jobs cancelled or waited for, its file deleted (Rule 13)."""
+        if n not in self._disk_ns:
+            return
+        assert self.disk is not None
+        self._disk_ns.discard(n)
+        self._writing.pop(n, None)
+        self._reading.pop(n, None)
+        self._on_disk.discard(n)
+        self.disk.delete(self._key(n))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from torchckpt.memory import HostPoolStats
+from torchckpt.memory import DiskStats, HostPoolStats
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +105,8 @@ class SnapshotStats:
         raw_bytes / packed_bytes: with a codec, the bytes of the snapshots saved and of their
             compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
             (NOTE [ Snapshot store ] Rule 9).
+        disk: the disk tier's counters (``SnapshotStore(disk=...)``, NOTE [ Snapshot store ] Rule 11),
+            else ``None``.
     """
 
     saves: int = 0
@@ -123,6 +125,7 @@ class SnapshotStats:
     raw_bytes: int = 0
     packed_bytes: int = 0
     slot_grows: int = 0
+    disk: DiskStats | None = None
 
     @property
     def ratio(self) -> float:
@@ -137,4 +140,6 @@ class SnapshotStats:
 
     @property
     def exposed_transfer_s(self) -> float:
-        return self.late_wait_s + self.miss_wait_s + self.save_wait_s
+        """Transfer time not hidden: late prefetches, loads on demand, save waits, waits for disk reads."""
+        disk = self.disk.read_wait_s if self.disk is not None else 0.0
+        return self.late_wait_s + self.miss_wait_s + self.save_wait_s + disk
