@@ -51,6 +51,15 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    again. A program that writes such an output in place later makes that twin raise
 #    (NOTE [ Selective recompute ] Rule 3) where plain autograd runs; that twin is then not
 #    compared with plain autograd, but its setting is compared with it, errors included.
+# 7. ``SAVE_OPS`` holds the attention kernels too: with ``dropout_p=0`` they draw nothing and are
+#    kept (NOTE [ Selective recompute ] Rule 2). Half of the ``sdpa`` variants apply a dropout to
+#    the result, so a recomputation whose RNG replay goes wrong around a kept kernel draws another
+#    mask: its gradients leave plain autograd's by far more than ``RECOMPUTE_TOL``, and a full
+#    recomputation's (the twin ``Recompute()``, whose key ``rec_save`` shares) bit for bit.
+# 8. ``rec_save_all_codec`` (in ``default_settings``) and ``rec_save_codec`` send the kept
+#    outputs through the store compressed (``Recompute(codec=Identity())``): their twin is that
+#    of ``rec_save_all`` and ``rec_save`` (no store, no codec), compared bit for bit: the identity
+#    codec is lossless.
 """
 
 from __future__ import annotations
@@ -432,7 +441,13 @@ STORES: dict[str, dict[str, Any]] = {
 
 # Rule 6: the ops Recompute(save=...) keeps in rec_save, and the error it raises when the program writes one of
 # their outputs in place later (plain autograd has nothing to object to there; keeping it would be wrong).
-SAVE_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default})
+# Attention (Rule 7): the fused kernels, kept when dropout_p=0 (the CPU's flash kernel; CUDA's flash, efficient
+# and cuDNN kernels), and the math path's softmax (its matmuls are bmm), taken when dropout_p > 0.
+ATTN_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_safe_softmax")
+    if hasattr(torch.ops.aten, name))
+SAVE_OPS = frozenset({torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}) | ATTN_OPS
 ALL_POSITIONS = frozenset(range(512))
 KEPT_WRITTEN = "leave that op out of save"
 
@@ -486,6 +501,10 @@ class Setting:
             return (plain, (Pol(Recompute(save=SAVE_OPS, store=s)) if not twin else Pol(Recompute(save=SAVE_OPS)),))
         if st == "rec_save_all":  # every op position named: what can be kept is (the planner names positions)
             return (plain, (Pol(Recompute(save=ALL_POSITIONS, store=s)) if not twin else Pol(Recompute(save=ALL_POSITIONS)),))
+        if st in ("rec_save_codec", "rec_save_all_codec"):  # Rule 8: the kept outputs through the store, compressed
+            save = SAVE_OPS if st == "rec_save_codec" else ALL_POSITIONS
+            kept = Recompute(save=save) if twin else Recompute(save=save, store=s, codec=Identity())
+            return (plain, (Pol(kept),))
         if st == "keep":
             return (plain, (Pol(Keep()),))
         if st == "rec_in_off":  # a Recompute block inside an Offload block
@@ -506,6 +525,7 @@ def default_settings() -> list[Setting]:
             Setting("rec"), Setting("rec_store", "evicted"), Setting("rec_store", "budget"), Setting("keep"),
             Setting("rec_save"), Setting("rec_save", "evicted"), Setting("rec_save", "budget"),
             Setting("rec_save_all"), Setting("rec_save_all", "evicted"),
+            Setting("rec_save_all_codec", "evicted"),
             Setting("rec_in_off", "evicted"), Setting("rec_in_off", "budget"),
             Setting("off_in_rec", "evicted"), Setting("off_in_rec", "resident"), Setting("mixed", "budget"),
             Setting("mixed", "evicted")]

@@ -436,11 +436,18 @@ def _dropout(ctx: Ctx, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor
 
 @op("sdpa")
 def _sdpa(ctx: Ctx, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """Attention: ``dropout_p=0.2`` when ``k % 4 == 2`` (the math path, a random op), else ``dropout_p=0``: a kernel
+    that draws nothing and that ``Recompute(save=...)`` may keep (NOTE [ Selective recompute ] Rule 2). Every other
+    variant applies a dropout to the result, so a recomputation that replays the RNG wrongly around a kept kernel
+    draws another mask and shows."""
     b, h, t, d = 1, 2, 4, 4
     q, kk, v = take(fp(x, ctx.dtype), 3 * b * h * t * d).view(3, b, h, t, d).unbind(0)
     if k % 4 == 3:  # keys and values from the other operand
         kk = take(fp(y, ctx.dtype), b * h * t * d).view(b, h, t, d).to(q.dtype)
-    return F.scaled_dot_product_attention(q, kk, v, is_causal=bool(k % 2), dropout_p=0.2 if k % 4 == 2 else 0.0)
+    out = F.scaled_dot_product_attention(q, kk, v, is_causal=bool(k % 2), dropout_p=0.2 if k % 4 == 2 else 0.0)
+    if (k // 4) % 2:
+        out = F.dropout(out, p=0.3, training=True)
+    return out
 
 
 def _bn_params(g: torch.Generator, dt: torch.dtype, k: int) -> dict[str, Any]:

@@ -17,15 +17,18 @@ semantics ]):
   ``torch.fft.rfft``/``irfft`` as in a Fourier neural operator's spectral convolution);
   nn.GRUCell, nn.LSTMCell, nn.GRU, nn.LSTM (in the program's float32 or float64); casts to
   float64/float32/bfloat16/float16; ``F.scaled_dot_product_attention`` (causal or not, with
-  dropout); batch norm (nn.BatchNorm1d and ``F.batch_norm``, train mode); dropout; unary, binary,
+  dropout, or with ``dropout_p=0`` and now and then a dropout after it); batch norm
+  (nn.BatchNorm1d and ``F.batch_norm``, train mode); dropout; unary, binary,
   matmul, linear, layer norm, softmax, logsumexp. Deliberately invalid programs (rarely): a
   tensor autograd saved is modified in place afterwards (``clobber``).
 - **Settings** (``fuzz_programs.default_settings()``): ``torchckpt.offload(store)`` around the
   whole program with every store configuration; ``checkpoint(fn, *args, policy=...)`` per segment
   with ``Offload(store)``, ``Offload(store, tensors=...)`` (every other saved tensor, the planner's per-tensor
   decisions), ``Offload(store, codec=Identity())``, ``Recompute()``,
-  ``Recompute(store=store)``, ``Keep()``; nested: a Recompute block inside an ``offload()``
-  region and inside an ``Offload`` block, an Offload block inside a Recompute block; one
+  ``Recompute(store=store)``, ``Keep()``; ``Recompute(save=...)`` keeping matmul and attention outputs
+  (the fused kernels with ``dropout_p=0``, each followed by a dropout now and then) or every op it can, through
+  the store or not, and compressed on the way (``Recompute(codec=Identity())``); nested: a Recompute block inside
+  an ``offload()`` region and inside an ``Offload`` block, an Offload block inside a Recompute block; one
   policy per segment. Store configurations (``fuzz_programs.STORES``): resident (64 MiB
   budget), evicted (``gpu_bytes=0``), a budget of a few tensors (some evicted), ``min_bytes``
   that keeps the small ones, the identity codec (evicted and with a budget), prefetch off.
@@ -69,6 +72,8 @@ from hypothesis import HealthCheck, example, given, note, seed, settings
 import fuzz_programs as fz
 import torchckpt
 from fuzz_programs import Op, Program, Setting
+from torchckpt.codecs import Identity
+from torchckpt.store import selective
 
 EXAMPLES = int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500"))
 SEED = int(os.environ.get("TORCHCKPT_FUZZ_SEED", "0"))
@@ -103,6 +108,9 @@ KNOWN = [
     Program(ops=(Op("clobber", 0, 0, 0), Op("chunk", 0, 0, 0), Op("slice", 0, 0, 0), Op("inplace", 0, 0, 1, clobber=True))),
     Program(ops=(Op("clobber", 0, 0, 0), Op("as_strided", 0, 0, 0), Op("unsafe_chunk", 2, 0, 0),
                  Op("inplace", 0, 0, 1, clobber=True))),
+    # An attention kernel with dropout_p=0 kept by Recompute(save=...) (compressed, in rec_save_codec), then a
+    # dropout: the recomputation must draw the forward's mask (NOTE [ Fuzzer semantics ] Rules 7-8).
+    Program(ops=(Op("sdpa", 0, 0, 5), Op("matmul", 0, 0, 2)), dtype="float64"),
 ]
 
 
@@ -163,6 +171,42 @@ def test_fuzzer_catches_a_missing_version_check(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torchckpt.Store, "unpack", lambda self, t: t)
     problems = fz.check(Program(ops=(Op("clobber", 0, 0, 0),)), settings=[Setting("ctx", "resident")])
     assert any("raised nothing where the reference raised" in p for p in problems), problems
+
+
+def test_fuzzer_catches_a_lossy_codec_on_kept_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Recompute(save=..., codec=Identity()) sends the kept outputs through the codec: an identity codec that gives
+    back one wrong element is reported for those settings, not for the ones that keep them uncompressed."""
+    decompress = Identity.decompress
+
+    def bad_decompress(self, p, out=None, stream=None):  # type: ignore[no-untyped-def]
+        t = decompress(self, p, out, stream)
+        if t.is_floating_point() and t.numel() > 1:
+            t.view(-1)[0] += 1
+        return t
+
+    monkeypatch.setattr(Identity, "decompress", bad_decompress)
+    settings = [Setting("rec_save", "evicted"), Setting("rec_save_codec", "evicted"),
+                Setting("rec_save_all_codec", "evicted")]
+    problems = fz.check(Program(ops=(Op("sdpa", 0, 0, 0), Op("matmul", 0, 0, 2)), dtype="float64"), settings=settings)
+    failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
+    assert failing == {"Setting('rec_save_codec', 'evicted')", "Setting('rec_save_all_codec', 'evicted')"}, problems
+
+
+def test_fuzzer_catches_a_wrong_rng_replay_around_a_kept_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recomputation that moves the generator where it hands back a kept attention output (as a kernel that drew
+    in the forward would) draws another dropout mask after it: reported against plain autograd."""
+    reuse = selective._Reusing.op
+
+    def bad_op(self, k, func, args, kwargs):  # type: ignore[no-untyped-def]
+        if k in self.cache and func in fz.ATTN_OPS:
+            torch.rand(1)
+        return reuse(self, k, func, args, kwargs)
+
+    prog = Program(ops=(Op("sdpa", 0, 0, 4),), dtype="float64")  # dropout_p=0, then a dropout
+    assert not fz.check(prog, settings=[Setting("rec_save")])
+    monkeypatch.setattr(selective._Reusing, "op", bad_op)
+    problems = fz.check(prog, settings=[Setting("rec_save")])
+    assert any("vs plain autograd: grad of input0" in p for p in problems), problems
 
 
 def test_invalid_program_raises_in_plain_autograd() -> None:

@@ -140,7 +140,7 @@ def test_round_trip_when_every_slot_is_pinned() -> None:
 def test_layout_mismatch(tier: Tier, second: list[torch.Tensor]) -> None:
     s = SnapshotStore("cpu", slots=2, host=small_pool())
     s.save(0, tier, [torch.zeros(4)])
-    with pytest.raises(ValueError, match="^torchckpt: every snapshot of a loop"):
+    with pytest.raises(ValueError, match="^torchckpt: a SnapshotStore holds snapshots of one layout"):
         s.save(1, tier, second)
 
 

@@ -1,4 +1,4 @@
-"""``checkpointed_scan`` and ``checkpointed_loop``: a time-stepping loop differentiated through autograd under a schedule.
+"""``checkpointed_scan`` and ``checkpointed_loop``: a time-stepping loop differentiated under a schedule.
 
 # NOTE [ Checkpointed loop ]
 # 1. ``checkpointed_loop`` is an autograd Function driven by the executor (NOTE [ Adjoint
@@ -32,6 +32,13 @@
 #    stacked; ``Adjoint(k)`` seeds ``y``'s outputs with slice ``k`` of the stacked adjoint, beside
 #    the carry's. The step index reaches the step as a Python int (``index=True``): the
 #    executor knows it, so no tensor holds it and nothing syncs.
+#    Known limits (strict-xfail tests in tests/adjoint/test_scan_fuzz.py): a ``y`` leaf that is
+#    one tensor at every step (a captured tensor, or the step's input carry, returned as it is)
+#    gets its gradient summed over the steps in reverse order, where plain autograd's ``stack``
+#    backward hands all slices to it at once, in forward order; one tensor passed as two leaves
+#    of the initial state becomes two inputs of the Function, its gradient the sum of the two.
+#    Both differ from plain autograd in the last bit; return a copy (``w.clone()``) or pass
+#    separate tensors for exactness.
 """
 from __future__ import annotations
 
@@ -90,7 +97,8 @@ class _Step:
         """``xs[k]``, as leaves of their own when ``grad`` and the slice requires grad (Rule 4)."""
         return [grad_leaf(t[k]) if grad and t.requires_grad else t[k].detach() for t in self.xs]
 
-    def __call__(self, k: int, x: list[torch.Tensor], xk: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def __call__(self, k: int, x: list[torch.Tensor],
+                 xk: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         carry = self.carry.build(x)
         if self.loop:
             return flat_state(self.carry.spec, x, self.step(carry)), []
@@ -204,7 +212,8 @@ class _LoopRun:
                 self.ys[k] = [v.detach() for v in y]
         return x
 
-    def record(self, x: list[torch.Tensor], k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
+    def record(self, x: list[torch.Tensor],
+               k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Evaluate step k from ``x`` with recording (Rule 2): the graph ends at the inputs (NOTE [ Captured tensors ]
         Rule 2) and at ``xs[k]``; returns the inputs, ``xs[k]`` and the outputs (the state, then y)."""
         xin = [grad_leaf(v) for v in x]

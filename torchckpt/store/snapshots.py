@@ -494,8 +494,10 @@ class SnapshotStore:
             self.calibrate(tensors)
         elif tuple((t.shape, t.dtype) for t in tensors) != self._layout.meta:
             raise ValueError(
-                "torchckpt: every snapshot of a loop must have the same shapes and dtypes; expected "
-                f"{[(tuple(s), d) for s, d in self._layout.meta]}, got {[(tuple(t.shape), t.dtype) for t in tensors]}."
+                "torchckpt: a SnapshotStore holds snapshots of one layout, fixed by its first save: expected "
+                f"{[(tuple(s), d) for s, d in self._layout.meta]}, got {[(tuple(t.shape), t.dtype) for t in tensors]}. "
+                "Every snapshot of a loop has the same shapes and dtypes; a loop (or scan) with another state needs a "
+                "SnapshotStore of its own (or pass a Store, which makes one per loop)."
             )
 
     def calibrate(self, tensors: Sequence[torch.Tensor], packs: Sequence[Packed] | None = None) -> int:
