@@ -192,3 +192,33 @@ def test_the_loop_is_the_scan_without_xs_and_ys() -> None:
 def test_bad_input_is_refused(call: Callable[[], Any], match: str) -> None:
     with pytest.raises((CheckpointError, TypeError, ValueError), match=match):
         call()
+
+
+@pytest.mark.parametrize("schedule", [Revolve(7, 2), Revolve(7, 3, tier=Tier.HOST), ZCut(7, tier=Tier.HOST)], ids=str)
+def test_one_tensor_in_two_places_of_a_state_stays_one(schedule: Any) -> None:
+    """NOTE [ Checkpointed loop ] Rule 5: a step returning ``(v, v)`` (and an initial ``(u0, u0)``): every step sees one
+    tensor in two places, also after a restore from a snapshot, as in the plain loop."""
+    def build() -> tuple[Callable[..., Any], Any, Any, list[torch.Tensor]]:
+        w = torch.randn(3, dtype=D, requires_grad=True)
+        u0 = torch.randn(3, dtype=D, requires_grad=True)
+
+        def step(c: tuple[torch.Tensor, torch.Tensor], x: None) -> tuple[Any, torch.Tensor]:
+            a, b = c
+            v = torch.sin(a * w) + torch.cos(b) * a + b * b
+            return (v, v), a * b
+
+        return step, (u0, u0), None, [w, u0]
+
+    def loss_first(carry: Any, ys: Any) -> torch.Tensor:  # the final carry's two places are one tensor: use it once
+        torch.manual_seed(5)
+        return (carry[0] * torch.randn(3, dtype=D)).sum() + (ys * torch.randn(ys.shape, dtype=D)).sum()
+
+    torch.manual_seed(0)
+    step, init, _, leaves = build()
+    c_ref, y_ref = plain_scan(step, init, None, 7)
+    g_ref = torch.autograd.grad(loss_first(c_ref, y_ref), leaves)
+    torch.manual_seed(0)
+    step, init, _, leaves = build()
+    c, y = checkpointed_scan(step, init, length=7, schedule=schedule, store=Store("cpu", host=small_pool()))
+    assert_same(y_ref, y)
+    assert all(torch.equal(a, b) for a, b in zip(g_ref, torch.autograd.grad(loss_first(c, y), leaves)))

@@ -662,12 +662,8 @@ def test_carry_passed_on_and_returned_as_y() -> None:
         assert same(ref, got)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "library: one tensor passed as two leaves of the initial carry becomes two inputs of the loop's Function, so "
-    "its gradient is the sum of two sums (each leaf's uses), where plain autograd adds step 0's uses of both leaves "
-    "in the order it runs them: last-bit differences"))
 def test_one_tensor_as_two_carry_leaves() -> None:
-    """``init = (u0, u0)``: u0's gradient."""
+    """``init = (u0, u0)``: u0's gradient, bit for bit (NOTE [ Checkpointed loop ] Rule 5; found by this fuzzer)."""
     def step(c: tuple[torch.Tensor, torch.Tensor], x: None) -> tuple[Any, None]:
         a, b = c
         return (torch.sin(a) + torch.cos(b) + a * a, b * 0.5 + torch.tanh(a)), None

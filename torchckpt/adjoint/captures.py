@@ -284,7 +284,8 @@ def probe(call: Callable[[list[torch.Tensor]], list[torch.Tensor]], flat: list[t
             found.setdefault(id(t), t)
     if edges:
         raise unfound(next(iter(edges.values())), "step 0")
-    return list(found.values()), [t.detach() for t in out], reads.backward
+    memo: dict[int, torch.Tensor] = {}  # one tensor in two places stays one (NOTE [ Checkpointed loop ] Rule 5)
+    return list(found.values()), [memo.setdefault(id(t), t.detach()) for t in out], reads.backward
 
 
 def descendants(found: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -32,13 +32,18 @@
 #    stacked; ``Adjoint(k)`` seeds ``y``'s outputs with slice ``k`` of the stacked adjoint, beside
 #    the carry's. The step index reaches the step as a Python int (``index=True``): the
 #    executor knows it, so no tensor holds it and nothing syncs.
-#    Known limits (strict-xfail tests in tests/adjoint/test_scan_fuzz.py): a ``y`` leaf that is
+#    Known limit (strict-xfail tests in tests/adjoint/test_scan_fuzz.py): a ``y`` leaf that is
 #    one tensor at every step (a captured tensor, or the step's input carry, returned as it is)
 #    gets its gradient summed over the steps in reverse order, where plain autograd's ``stack``
-#    backward hands all slices to it at once, in forward order; one tensor passed as two leaves
-#    of the initial state becomes two inputs of the Function, its gradient the sum of the two.
-#    Both differ from plain autograd in the last bit; return a copy (``w.clone()``) or pass
-#    separate tensors for exactness.
+#    backward hands all slices to it at once, in forward order: the last bit may differ; return
+#    a copy (``w.clone()``) for exactness.
+# 5. One tensor at two positions of a state (``init=(u0, u0)``, a step returning ``(v, v)``) stays
+#    one tensor: one input of the Function for the initial state, one detached tensor after an
+#    advance, the saved state's pattern re-applied at its restore, and one leaf when a step is
+#    recorded, differentiated once, its gradient given to its first position (the others get
+#    ``None``, so the step before seeds that tensor once). Autograd then sums the step's uses of
+#    it in the order plain autograd does. The final state's two positions are two outputs of the
+#    Function, whose gradients the last step sums (the last bit may differ there).
 """
 from __future__ import annotations
 
@@ -164,6 +169,27 @@ def _same(a: Any, b: Any) -> bool:
         return False
 
 
+def _aliases(x: Sequence[torch.Tensor]) -> list[int] | None:
+    """Rule 5: for each position, the first position holding the same tensor object; ``None`` when none repeats."""
+    seen: dict[int, int] = {}
+    pattern = [seen.setdefault(id(v), i) for i, v in enumerate(x)]
+    return pattern if len(seen) < len(x) else None
+
+
+def _firsts(x: Sequence[torch.Tensor]) -> list[bool]:
+    seen: set[int] = set()
+    out = []
+    for v in x:
+        out.append(id(v) not in seen)
+        seen.add(id(v))
+    return out
+
+
+def _detached(x: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    memo: dict[int, torch.Tensor] = {}
+    return [memo.setdefault(id(v), v.detach()) for v in x]
+
+
 class _LoopRun:
     """What the autograd Function carries from forward to backward."""
 
@@ -198,6 +224,10 @@ class _LoopRun:
         self.gp: list[torch.Tensor | None] = []  # each captured tensor's running sum
         self.gys: list[torch.Tensor | None] = []  # the incoming adjoint of each stacked y (Rule 4)
         self.gxs: list[list[torch.Tensor | None]] = []  # each step's adjoint of xs[k] (Rule 4)
+        self.alias: dict[int, list[int]] = {}  # Rule 5: the saved states that hold one tensor in two places
+        self.unique_of: list[int] = list(range(n_state))  # Rule 5: each initial position's input of the Function
+        self.first_of: list[int] = list(range(n_state))  # Rule 5: each input's first position
+        self.n_unique = n_state
 
     def steps(self, x: list[torch.Tensor], n0: int, n1: int) -> list[torch.Tensor]:
         """Steps ``n0`` to ``n1`` with no graph kept, in the grad mode plain autograd runs them in (Rule 2)."""
@@ -207,7 +237,7 @@ class _LoopRun:
                 continue
             with torch.enable_grad():
                 out, y = self.fn(k, [grad_leaf(v) for v in x], self.fn.x_at(k))
-            x = [v.detach() for v in out]
+            x = _detached(out)  # Rule 5: one tensor in two places stays one
             if not self.backward and y:  # Rule 4: the forward sweep keeps each step's y
                 self.ys[k] = [v.detach() for v in y]
         return x
@@ -216,7 +246,8 @@ class _LoopRun:
                k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
         """Evaluate step k from ``x`` with recording (Rule 2): the graph ends at the inputs (NOTE [ Captured tensors ]
         Rule 2) and at ``xs[k]``; returns the inputs, ``xs[k]`` and the outputs (the state, then y)."""
-        xin = [grad_leaf(v) for v in x]
+        leaves: dict[int, torch.Tensor] = {}
+        xin = [leaves.setdefault(id(v), grad_leaf(v)) for v in x]  # Rule 5: one leaf where the state holds one tensor
         xk = self.fn.x_at(k, grad=True)
         with torch.enable_grad():
             if self.swaps:
@@ -264,6 +295,11 @@ class _LoopRun:
             self.plan.start(self.snaps.calibrate(x, packs=self.first_packs))
             self.first_packs = None
         self.snaps.save(n, tier, x, flush=self.plan.flush(i))
+        pattern = _aliases(x)
+        if pattern is not None:  # Rule 5: restored as one tensor where it was one
+            self.alias[n] = pattern
+        else:
+            self.alias.pop(n, None)
 
     def prefetch(self, n: int, src: Tier, dst: Tier) -> None:
         if self.snaps is not None:  # nothing to do before the first save
@@ -281,6 +317,8 @@ class _LoopRun:
         # With a codec the store decompresses into fresh tensors (NOTE [ Snapshot store ] Rule 8):
         # they are ours already; otherwise they are views of a slot or of the stored snapshot.
         self.x = list(got) if self.snaps.codec is not None else [v.clone() for v in got]
+        if n in self.alias:  # Rule 5
+            self.x = [self.x[j] for j in self.alias[n]]
         self.snaps.after_use()
 
     def advance(self, n0: int, n1: int) -> None:
@@ -309,14 +347,16 @@ class _LoopRun:
         g = self.g + [gy[n] if gy is not None else None for gy in self.gys]  # Rule 4: this step's slice of ys' adjoint
         outs_y = [v for v, gv in zip(out, g) if gv is not None and v.requires_grad]
         gs = [gv for v, gv in zip(out, g) if gv is not None and v.requires_grad]
-        wrt = [v for v in xin if v.requires_grad] + [v for v in xk if v.requires_grad] + [p for p in params if p.requires_grad]
+        first = _firsts(xin)  # Rule 5: a leaf at two positions is differentiated once, its gradient given to the first
+        wrt = ([v for i, v in enumerate(xin) if v.requires_grad and first[i]] + [v for v in xk if v.requires_grad]
+               + [p for p in params if p.requires_grad])
         # Rule 2: each parameter's running sum enters as an output of its own, so autograd adds
         # this step's uses to it one by one, in the order plain autograd would.
         seeds = [(p, s) for p, s in zip(params, gp) if p.requires_grad and s is not None]
         res = (torch.autograd.grad(outs_y + [p for p, _ in seeds], wrt, gs + [s for _, s in seeds],
                                    allow_unused=True) if outs_y or seeds else [None] * len(wrt))
         it = iter(res)
-        self.g = [next(it) if v.requires_grad else None for v in xin]
+        self.g = [next(it) if v.requires_grad and first[i] else None for i, v in enumerate(xin)]
         if xk:
             self.gxs[n] = [next(it) if v.requires_grad else None for v in xk]
         for k, p in enumerate(params):
@@ -330,7 +370,8 @@ class _LoopRun:
 class _Loop(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _LoopRun, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
-        run.x = [t.detach() for t in tensors[: run.n_state]]
+        uniq = [t.detach() for t in tensors[: run.n_unique]]
+        run.x = [uniq[j] for j in run.unique_of]  # Rule 5: the initial state, one tensor where it was one
         execute_all(iter(run.plan), run)  # up to EndForward (Rule 2)
         x = run.x
         run.state1 = None
@@ -363,7 +404,7 @@ class _Loop(torch.autograd.Function):
             run.stats = run.snaps.stats()
             if run.owns_snaps:
                 run.snaps.close()
-        gxs: list[torch.Tensor | None] = []  # Rule 4: each xs leaf's adjoint, its steps' slices stacked (zeros where none)
+        gxs: list[torch.Tensor | None] = []  # Rule 4: each xs leaf's adjoint: its steps' slices stacked
         for j, t in enumerate(run.fn.xs):
             parts = [gk[j] for gk in run.gxs]
             if not t.requires_grad or all(p is None for p in parts):
@@ -371,7 +412,8 @@ class _Loop(torch.autograd.Function):
                 continue
             zero = torch.zeros_like(t[0])
             gxs.append(torch.stack([p if p is not None else zero for p in parts]))
-        return (None, *run.g, *gxs, *run.gp)
+        g0 = [run.g[i] for i in run.first_of]  # Rule 5: each input's gradient (the first position of its tensor)
+        return (None, *g0, *gxs, *run.gp)
 
 
 def checkpointed_loop(
@@ -523,16 +565,17 @@ def checkpointed_scan(
                         "along their first dimension (None leaves allowed).")
     sizes = {t.shape[0] if t.dim() else None for t in leaves}
     if None in sizes or len(sizes) > 1:
-        raise ValueError("torchckpt: checkpointed_scan(xs=...) tensors must share their first dimension (the steps); got "
-                         f"shapes {[tuple(t.shape) for t in leaves]}.")
+        raise ValueError("torchckpt: checkpointed_scan(xs=...) tensors must share their first dimension (the steps); "
+                         f"got shapes {[tuple(t.shape) for t in leaves]}.")
     n = sizes.pop() if sizes else None
     if length is not None and (not isinstance(length, int) or isinstance(length, bool) or length < 1):
         raise ValueError(f"torchckpt: checkpointed_scan(length=...) must be an int >= 1, got {length!r}.")
     if n is None and length is None:
-        raise ValueError("torchckpt: checkpointed_scan needs xs=... (stacked per-step inputs) or length=... (the number "
-                         "of steps).")
+        raise ValueError("torchckpt: checkpointed_scan needs xs=... (stacked per-step inputs) or length=... (the "
+                         "number of steps).")
     if n is not None and length is not None and n != length:
-        raise ValueError(f"torchckpt: checkpointed_scan(length={length}) but xs has {n} steps along its first dimension.")
+        raise ValueError(f"torchckpt: checkpointed_scan(length={length}) but xs has {n} steps along its first "
+                         "dimension.")
     n_steps = length if length is not None else n
     assert n_steps is not None
     if n_steps < 1:
@@ -606,7 +649,14 @@ def _differentiate(name: str, fn: _Step, flat: list[torch.Tensor], n_steps: int,
     run = _LoopRun(fn, n, n_steps, schedule, factory, slots, prefetch, inputs, descendants(inputs), out1, through_old)
     run.first_packs = first_packs
     run.owns_snaps = not isinstance(store, SnapshotStore)
-    res = _Loop.apply(run, *flat, *fn.xs, *inputs)
+    pattern = _aliases(flat)
+    uniq = flat
+    if pattern is not None:  # Rule 5: one tensor at two positions of the initial state is one input
+        firsts = sorted(set(pattern))
+        run.first_of, run.n_unique = firsts, len(firsts)
+        run.unique_of = [firsts.index(p) for p in pattern]
+        uniq = [flat[i] for i in firsts]
+    res = _Loop.apply(run, *uniq, *fn.xs, *inputs)
     return list(res[:n]), list(res[n:])
 
 
