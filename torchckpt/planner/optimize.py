@@ -5,10 +5,9 @@
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
 #    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]),
 #    on the device or on the host (copied out and back as an offload is, compressed too with a
-#    codec); recompute; recompute
-#    with its inputs on the host. Every option is simulated with the whole chain (``simulate``), so the link's
-#    contention and the position of the block (offloading the last blocks cannot be hidden) are
-#    priced, not assumed.
+#    codec); recompute; recompute with its inputs on the host. Every option is simulated with the
+#    whole chain (``simulate``), so the link's contention and the position of the block
+#    (offloading the last blocks cannot be hidden) are priced, not assumed.
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
 #    to a lower rung) that lowers the predicted peak for the least added time per byte saved,
 #    until no move lowers it. Moves are ranked by the peak without the store's GPU cache (whose
@@ -22,6 +21,8 @@
 #    budget (among equally fast ones, the one moving the fewest bytes over the link). So a plan over the budget is never returned, and a larger budget, which admits every
 #    plan a smaller one admits, never gets a slower plan (time is non-increasing in the budget).
 # 4. A budget under the floor raises ``PlanError`` naming the floor.
+# 5. ``best(budget, family)`` answers within a family of plans (``FAMILIES``: any; no compression;
+#    nothing over the host link), for the race of NOTE [ Applying a plan ] Rule 5.
 """
 from __future__ import annotations
 
