@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag|planner] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims);
 # memory: host_init.py and device_cache_init.py (the native memory engine); memdiag: after_pin.py and
 # register_stall.py (why the lazy pool blocks what it blocks; not part of `all`); planner: the planner's CUDA tests
-# and benchmarks/frontier.py on the GPT stack (with --compile) and a Llama (not part of `all`). `all` runs the rest.
+# and benchmarks/frontier.py on the GPT stack (with --compile) and a Llama (not part of `all`); tiers: benchmarks/tiers.py
+# (snapshots beyond a host cap: the disk tier against recomputation; not part of `all`). `all` runs the rest.
 # nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it;
 # carry .deps/ (zfp sources fetched by tools/fetch_zfp.py) and it builds the ZFP codec too.
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
@@ -13,7 +14,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag|planner) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag|planner] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -103,6 +104,9 @@ if [[ $PART == planner ]]; then
   mv "$OUT"/frontier.json "$OUT"/frontier.png "$OUT"/plan_*.txt "$OUT/gpt/" 2>/dev/null || true
   run_part frontier_llama benchmarks/frontier.py --model llama
   mv "$OUT"/frontier_llama.* "$OUT"/plan_*.txt "$OUT/llama/" 2>/dev/null || true
+fi
+if [[ $PART == tiers ]]; then
+  run_part tiers benchmarks/tiers.py "$@"
 fi
 if [[ $PART == memdiag ]]; then
   run_part register_stall benchmarks/register_stall.py --region 32G --reps 60 --lead 20
