@@ -36,7 +36,7 @@ from common import GiB, fmt, out_dir, plot_bars, print_table, write_json  # noqa
 from torchckpt._args import parse_bytes  # noqa: E402
 from torchckpt.distributed import exchange  # noqa: E402
 from torchckpt.memory import PeerTier  # noqa: E402
-from torchckpt.schedules.spill import Spill, spill_time  # noqa: E402
+from torchckpt.schedules.spill import spill_time  # noqa: E402
 
 
 def sync(cuda: bool) -> None:

@@ -39,7 +39,7 @@ from adjoint import Bench  # noqa: E402  (the RTM of benchmarks/adjoint.py)
 from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
 from torchckpt._args import parse_bytes  # noqa: E402
 from torchckpt.adjoint import run_schedule  # noqa: E402
-from torchckpt.memory import DiskTier, HostPool  # noqa: E402
+from torchckpt.memory import DiskTier  # noqa: E402
 from torchckpt.memory.sysinfo import available_memory_bytes  # noqa: E402
 from torchckpt.schedules import Revolve, Tier, simulate  # noqa: E402
 from torchckpt.store import SnapshotStore  # noqa: E402
