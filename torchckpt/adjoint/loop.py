@@ -32,11 +32,12 @@
 #    stacked; ``Adjoint(k)`` seeds ``y``'s outputs with slice ``k`` of the stacked adjoint, beside
 #    the carry's. The step index reaches the step as a Python int (``index=True``): the
 #    executor knows it, so no tensor holds it and nothing syncs.
-#    Known limit (strict-xfail tests in tests/adjoint/test_scan_fuzz.py): a ``y`` leaf that is
-#    one tensor at every step (a captured tensor, or the step's input carry, returned as it is)
-#    gets its gradient summed over the steps in reverse order, where plain autograd's ``stack``
-#    backward hands all slices to it at once, in forward order: the last bit may differ; return
-#    a copy (``w.clone()``) for exactness.
+#    A ``y`` leaf that is a captured tensor returned as it is at every step (``(carry, w)``): plain
+#    autograd's ``stack`` backward hands all its slices to that tensor at once, in step order,
+#    before any step's own uses; so its slices are summed in that order first and start the
+#    tensor's running sum (Rule 2), and are not seeded step by step. Known limit (a strict-xfail
+#    test in tests/adjoint/test_scan_fuzz.py): a ``y`` that is the step's input carry returned as
+#    it is may differ in the last bit; return a copy (``c.clone()``) for exactness.
 # 5. One tensor at two positions of a state (``init=(u0, u0)``, a step returning ``(v, v)``) stays
 #    one tensor: one input of the Function for the initial state, one detached tensor after an
 #    advance, the saved state's pattern re-applied at its restore, and one leaf when a step is
@@ -214,6 +215,9 @@ class _LoopRun:
         # with respect to the Function's inputs, or to their aliases.
         self.swaps = {id(t): (t, t.detach().requires_grad_()) for t in swapped}
         self.wrt = [self.swaps[id(p)][1] if id(p) in self.swaps else p for p in inputs]
+        self.inputs = inputs
+        self.passthrough: dict[int, int] = {}  # Rule 4: y leaf -> the captured tensor it returns as is, every step
+        self.not_passthrough: set[int] = set()  # y leaves that were something else at some step
         self.through_old = through_old  # NOTE [ Captured tensors ] Rule 1: a step running autograd makes nodes on other threads
         # The executor's state (NOTE [ Adjoint executor ] Rule 1): the sweep, the current state, the adjoints.
         self.backward = False
@@ -240,7 +244,17 @@ class _LoopRun:
             x = _detached(out)  # Rule 5: one tensor in two places stays one
             if not self.backward and y:  # Rule 4: the forward sweep keeps each step's y
                 self.ys[k] = [v.detach() for v in y]
+                self.check_passthrough(y, self.inputs)
         return x
+
+    def check_passthrough(self, y: list[torch.Tensor], captured: list[torch.Tensor]) -> None:
+        """Rule 4: note the y leaves that are a captured tensor returned as it is (the same one at every step)."""
+        for j, v in enumerate(y):
+            m = next((i for i, p in enumerate(captured) if v is p), None)
+            if m is None or self.passthrough.get(j, m) != m:
+                self.not_passthrough.add(j)
+            else:
+                self.passthrough[j] = m
 
     def record(self, x: list[torch.Tensor],
                k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
@@ -381,6 +395,7 @@ class _Loop(torch.autograd.Function):
         run.check_exits(xin + xk, out, mark)
         run.last = (xin, xk, out)
         run.ys[last] = [v.detach() for v in out[run.n_state:]]
+        run.check_passthrough(out[run.n_state:], run.wrt)  # the recorded step sees the aliases (wrt)
         ctx.set_materialize_grads(False)  # an output the loss does not use brings None, as in plain autograd
         ctx.run = run
         ys = [torch.stack([y[j] for y in run.ys]) for j in range(len(out) - run.n_state)]  # type: ignore[index]
@@ -398,6 +413,15 @@ class _Loop(torch.autograd.Function):
         run.backward = True
         run.g, run.gp, run.x = list(grads[: run.n_state]), [None] * len(run.wrt), None
         run.gys = list(grads[run.n_state:])
+        for j, m in run.passthrough.items():  # Rule 4: a captured tensor returned as y at every step
+            gy = run.gys[j]
+            if j in run.not_passthrough or gy is None:
+                continue
+            acc = gy[0]
+            for k in range(1, run.n_steps):  # stack's backward hands the slices over in order: sum them so
+                acc = acc + gy[k]
+            run.gp[m] = acc  # the running sum starts with them, as the tensor's buffer does in plain autograd
+            run.gys[j] = None
         run.gxs = [[None] * len(run.fn.xs) for _ in range(run.n_steps)]
         execute_all(iter(run.plan), run)  # the rest of the schedule, to End
         if run.snaps is not None:
