@@ -222,3 +222,18 @@ def test_one_tensor_in_two_places_of_a_state_stays_one(schedule: Any) -> None:
     c, y = checkpointed_scan(step, init, length=7, schedule=schedule, store=Store("cpu", host=small_pool()))
     assert_same(y_ref, y)
     assert all(torch.equal(a, b) for a, b in zip(g_ref, torch.autograd.grad(loss_first(c, y), leaves)))
+
+
+def test_captured_tensors_returned_as_y() -> None:
+    """NOTE [ Checkpointed loop ] Rule 4: captured tensors returned as y leaves as they are, one of them twice and one
+    computed before the scan from the other (swapped in recorded steps): values and gradients as the plain loop's."""
+    def build() -> tuple[Callable[..., Any], Any, Any, list[torch.Tensor]]:
+        w = torch.randn(4, dtype=D, requires_grad=True)
+        w2 = w * 2  # read by the step too: a descendant of another captured tensor
+
+        def step(c: torch.Tensor, x: None) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+            return torch.sin(c * w) + w2, (w, w2, w, c * 1.0)
+
+        return step, torch.randn(4, dtype=D, requires_grad=True), None, [w]
+
+    check(build, 6, schedule=Revolve(6, 2))

@@ -34,8 +34,11 @@
 #    executor knows it, so no tensor holds it and nothing syncs.
 #    A ``y`` leaf that is a captured tensor returned as it is at every step (``(carry, w)``): plain
 #    autograd's ``stack`` backward hands all its slices to that tensor at once, in step order,
-#    before any step's own uses; so its slices are summed in that order first and start the
-#    tensor's running sum (Rule 2), and are not seeded step by step. Known limit (a strict-xfail
+#    before any step's own uses; so its slices are summed in that order first (the stacks of
+#    later leaves first, into one sum, when it is several leaves) and start the tensor's running
+#    sum (Rule 2), and are not seeded step by step. A swapped tensor (NOTE [ Captured tensors ]
+#    Rule 2) returned as it is passes no op the mode sees: the recorded step returns its alias
+#    instead. Known limit (a strict-xfail
 #    test in tests/adjoint/test_scan_fuzz.py): a ``y`` that is the step's input carry returned as
 #    it is may differ in the last bit; return a copy (``c.clone()``) for exactness.
 # 5. One tensor at two positions of a state (``init=(u0, u0)``, a step returning ``(v, v)``) stays
@@ -267,8 +270,10 @@ class _LoopRun:
             if self.swaps:
                 with Swap(self.swaps):
                     out, y = self.fn(k, xin, xk)
-            else:
-                out, y = self.fn(k, xin, xk)
+                # a swapped tensor returned as it is went through no op the mode sees: its alias stands in
+                # (NOTE [ Captured tensors ] Rule 2)
+                return xin, xk, [self.swaps[id(v)][1] if id(v) in self.swaps else v for v in out + y]
+            out, y = self.fn(k, xin, xk)
         return xin, xk, out + y
 
     def check_exits(self, xin: list[torch.Tensor], y: list[torch.Tensor], mark: int) -> None:
@@ -413,14 +418,14 @@ class _Loop(torch.autograd.Function):
         run.backward = True
         run.g, run.gp, run.x = list(grads[: run.n_state]), [None] * len(run.wrt), None
         run.gys = list(grads[run.n_state:])
-        for j, m in run.passthrough.items():  # Rule 4: a captured tensor returned as y at every step
+        for j, m in sorted(run.passthrough.items(), reverse=True):  # Rule 4: a captured tensor returned as y
             gy = run.gys[j]
             if j in run.not_passthrough or gy is None:
                 continue
-            acc = gy[0]
-            for k in range(1, run.n_steps):  # stack's backward hands the slices over in order: sum them so
-                acc = acc + gy[k]
-            run.gp[m] = acc  # the running sum starts with them, as the tensor's buffer does in plain autograd
+            acc = run.gp[m]  # the same tensor as another y leaf too: the later stack's backward runs first
+            for k in range(run.n_steps):  # stack's backward hands the slices over in order, into one buffer
+                acc = gy[k] if acc is None else acc + gy[k]
+            run.gp[m] = acc  # the running sum starts with them (Rule 2)
             run.gys[j] = None
         run.gxs = [[None] * len(run.fn.xs) for _ in range(run.n_steps)]
         execute_all(iter(run.plan), run)  # the rest of the schedule, to End
