@@ -151,3 +151,32 @@ class FakeEvent:
     def synchronize(self) -> None:
         self.syncs += 1
         self.done = True
+
+
+def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
+    """Same dtype, shape, device and bytes (NaN payloads and signed zeros too)."""
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
+        assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+
+
+def replay_snapshots(store: Any, actions: Any, state: Any, flushes: frozenset[int] | None = None) -> int:
+    """Run a schedule's Save/Restore/Prefetch/Free on a ``SnapshotStore`` with ``state(n)`` as snapshot n; every
+    restore must give it back bit for bit. ``flushes``: positions of the Saves that copy to host at once (``None``:
+    all; NOTE [ Write-back ]). Returns the number of restores."""
+    from torchckpt.schedules import Free, Prefetch, Restore, Save
+
+    restores = 0
+    for i, a in enumerate(actions):
+        if isinstance(a, Save):
+            store.save(a.n, a.tier, state(a.n), flush=flushes is None or i in flushes)
+        elif isinstance(a, Restore):
+            assert_bits_equal([t.clone() for t in store.restore(a.n, a.tier)], state(a.n))
+            store.after_use()
+            restores += 1
+        elif isinstance(a, Prefetch):
+            store.prefetch(a.n, a.src, a.dst)
+        elif isinstance(a, Free):
+            store.free(a.n, a.tier)
+    return restores

@@ -20,13 +20,13 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_models import small_pool
+from ckpt_models import assert_bits_equal, replay_snapshots, small_pool
 from torchckpt import CheckpointError, SnapshotStore, checkpointed_loop, checkpointed_scan, run_schedule
 from torchckpt.codecs import Identity
 from torchckpt.memory import DiskTier, HostPool
 from torchckpt.memory.disk import ALIGN, PIECE
 from torchckpt.schedules import (
-    Action, Free, Prefetch, Restore, Revolve, Save, Schedule, Tier, Uniform, ZCut, plan_flushes, plan_prefetch,
+    Action, Revolve, Schedule, Tier, Uniform, ZCut, plan_flushes, plan_prefetch,
 )
 
 D = torch.float64
@@ -65,13 +65,6 @@ def state(n: int) -> list[torch.Tensor]:
         torch.randn(3, generator=g, dtype=torch.complex64),
         torch.tensor([float("nan"), -0.0, float("inf")]) + n,
     ]
-
-
-def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
 class Gate:
@@ -337,19 +330,7 @@ def test_store_close_deletes_its_files_in_a_shared_tier(tmp_path: Any) -> None:
 
 
 def replay(store: SnapshotStore, actions: Iterable[Action], flushes: frozenset[int] | None = None) -> int:
-    restores = 0
-    for i, a in enumerate(actions):
-        if isinstance(a, Save):
-            store.save(a.n, a.tier, state(a.n), flush=flushes is None or i in flushes)
-        elif isinstance(a, Restore):
-            assert_bits_equal([t.clone() for t in store.restore(a.n, a.tier)], state(a.n))
-            store.after_use()
-            restores += 1
-        elif isinstance(a, Prefetch):
-            store.prefetch(a.n, a.src, a.dst)
-        elif isinstance(a, Free):
-            store.free(a.n, a.tier)
-    return restores
+    return replay_snapshots(store, actions, state, flushes)
 
 
 def disk_schedules(n: int) -> list[Schedule]:

@@ -11,11 +11,11 @@ from collections.abc import Iterable
 import pytest
 import torch
 
-from ckpt_models import small_pool
+from ckpt_models import assert_bits_equal, replay_snapshots, small_pool
 from torchckpt import CheckpointError, SnapshotStore
 from torchckpt.memory import HostPool
 from torchckpt.schedules import (
-    Action, Free, Multistage, Prefetch, Restore, Revolve, Save, Schedule, Tier, Uniform, ZCut, plan_flushes,
+    Action, Multistage, Restore, Revolve, Schedule, Tier, Uniform, ZCut, plan_flushes,
     plan_prefetch, simulate_cache,
 )
 
@@ -45,33 +45,8 @@ def mixed(n: int) -> list[torch.Tensor]:
     ]
 
 
-def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
-    assert len(got) == len(want)
-    for a, b in zip(got, want):
-        assert a.dtype == b.dtype and a.shape == b.shape and a.device == b.device
-        if a.is_floating_point() or a.is_complex():  # NaN payloads and signed zeros too
-            a, b = a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
-        assert torch.equal(a, b)
-
-
 def replay(store: SnapshotStore, actions: Iterable[Action], flushes: frozenset[int] | None = None) -> int:
-    """Execute the snapshot actions of a schedule on ``store``; check every restore; return restores.
-
-    ``flushes``: positions of the Saves that copy to host at once (``None``: all; NOTE [ Write-back ]).
-    """
-    restores = 0
-    for i, a in enumerate(actions):
-        if isinstance(a, Save):
-            store.save(a.n, a.tier, mixed(a.n), flush=flushes is None or i in flushes)
-        elif isinstance(a, Restore):
-            assert_bits_equal([t.clone() for t in store.restore(a.n, a.tier)], mixed(a.n))
-            store.after_use()
-            restores += 1
-        elif isinstance(a, Prefetch):
-            store.prefetch(a.n, a.src, a.dst)
-        elif isinstance(a, Free):
-            store.free(a.n, a.tier)
-    return restores
+    return replay_snapshots(store, actions, mixed, flushes)
 
 
 def host_schedules(n: int) -> list[Schedule]:
