@@ -44,7 +44,8 @@
 #    at once and the rest in the background (a slot's first use waits for its own range only);
 #    elsewhere one ``torch.empty``. ``TORCHCKPT_DEVICE_CACHE=caching`` forces the latter. Arena
 #    memory is outside PyTorch's caching allocator: ``device_bytes()`` reports it.
-# 11. With ``disk=`` (a directory, or a ``DiskTier``: NOTE [ Disk tier ], memory/disk.py),
+# 11. With ``disk=`` (a directory, or a ``DiskTier``: NOTE [ Disk tier ], memory/disk.py; the
+#    store's disk side is store/snapshot_disk.py),
 #    ``Tier.DISK`` snapshots go one tier further. A save is a HOST save (a slot, flushed to a host
 #    block); the block is then written behind to a file, and given back to the host pool once
 #    the write has ended, so host memory holds only the disk snapshots in flight. On CUDA the
@@ -84,6 +85,7 @@ from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
+from torchckpt.store.snapshot_disk import DiskSide
 from torchckpt.store.stats import SnapshotStats
 
 _ALIGN = 256
@@ -165,7 +167,7 @@ def _check_device(device: object) -> torch.device:
     return dev
 
 
-class SnapshotStore:
+class SnapshotStore(DiskSide):
     """Holds a schedule's snapshots: GPU tier on the device, other tiers via device slots and a host pool.
 
     Args:
@@ -650,94 +652,3 @@ class SnapshotStore:
     def _wait(self, ev: Any) -> Any:
         """The compute stream waits on ``ev``; returns a timing event marking when it started to."""
         return self._mover.wait(ev)
-
-    # -- the disk tier (Rules 11-13) -------------------------------------------------------
-    def _key(self, n: int) -> tuple[int, int]:
-        return (self._uid, n)
-
-    def _size(self, n: int) -> int:
-        """Bytes of off-GPU snapshot ``n`` in a host block: its blob, or the layout."""
-        if self.codec is not None:
-            return self._blobs[n].nbytes
-        assert self._layout is not None
-        return self._layout.nbytes
-
-    def _write_behind(self, n: int) -> None:
-        """Start writing disk snapshot ``n``'s new host block to its file (Rule 11)."""
-        if n not in self._disk_ns:
-            return
-        assert self.disk is not None
-        block, ev = self._on_host[n]
-        self._on_disk.discard(n)
-        self._writing[n] = self.disk.write(self._key(n), block.tensor, after=ev)
-
-    def _load(self, n: int) -> None:
-        """Read disk snapshot ``n`` into a new host block, now (Rule 12)."""
-        assert self.disk is not None
-        block = self.host.alloc(self._size(n))
-        try:
-            self.disk.read(self._key(n), block.tensor)
-        except BaseException:
-            self.host.free(block)
-            raise
-        self._on_host[n] = (block, None)
-
-    def _finish_read(self, n: int) -> None:
-        """Collect the prefetch's read of ``n`` (waiting for it) and fill its pinned slot (Rule 12)."""
-        assert self.disk is not None
-        self._reading.pop(n)
-        block, _ = self._on_host[n]
-        try:
-            self.disk.read(self._key(n), block.tensor)  # the prefetch's buffer: waits, raises its error
-        except BaseException:  # nothing of n stays in host memory or in a slot: never a wrong restore
-            del self._on_host[n]
-            self.host.free(block)
-            self._prefetched.discard(n)
-            self._rank.remove(n)
-            slot = self._slot_of.pop(n, None)
-            if slot is not None:
-                self._free_slots.append(slot)
-            raise
-        s = self._slot_of.get(n)
-        if s is not None:
-            self._fill(s, n)
-        self._release_host(n)
-
-    def _release_host(self, n: int) -> None:
-        """Give back disk snapshot ``n``'s host block once its file is complete and nothing waits on it (Rule 11)."""
-        if n not in self._on_disk or n in self._writing or n in self._reading or n not in self._on_host:
-            return
-        block, ev = self._on_host.pop(n)
-        s = self._slot_of.get(n)
-        filled = s is not None and self._fill_of[s] == n  # a fill from the block may still run
-        self.host.free(block, self._fill_ev[s] if filled else ev)  # type: ignore[index]
-
-    def _poll(self) -> None:
-        """Collect the disk tier's finished jobs, then raise its I/O errors (Rule 13)."""
-        disk = self.disk
-        if disk is None or disk.closed:
-            return
-        for n, fut in list(self._writing.items()):
-            if not fut.done():
-                continue
-            del self._writing[n]
-            if fut.cancelled() or fut.exception() is not None:
-                self._disk_ns.discard(n)  # the host block keeps it: a HOST snapshot from now on
-                disk.delete(self._key(n))
-            else:
-                self._on_disk.add(n)
-                self._release_host(n)
-        for n in [n for n, fut in self._reading.items() if fut.done()]:
-            self._finish_read(n)
-        disk.check()
-
-    def _drop_disk(self, n: int) -> None:
-        """Forget disk snapshot ``n``: its jobs cancelled or waited for, its file deleted (Rule 13)."""
-        if n not in self._disk_ns:
-            return
-        assert self.disk is not None
-        self._disk_ns.discard(n)
-        self._writing.pop(n, None)
-        self._reading.pop(n, None)
-        self._on_disk.discard(n)
-        self.disk.delete(self._key(n))

@@ -1,0 +1,130 @@
+"""The disk side of ``SnapshotStore``: its ``Tier.DISK`` snapshots written behind, read back and freed.
+
+``SnapshotStore`` (store/snapshots.py) takes these methods from ``DiskSide``; the rules are NOTE
+[ Snapshot store ] Rules 11-13 there, and the files' own NOTE [ Disk tier ] is memory/disk.py's.
+"""
+from __future__ import annotations
+
+from concurrent.futures import Future
+from typing import Any
+
+from torchckpt.codecs.blob import Blob
+from torchckpt.memory import DiskTier, HostBlock, HostPoolBase
+from torchckpt.schedules.cache import Cache
+
+__all__ = ["DiskSide"]
+
+
+class DiskSide:
+    """The disk-tier methods of ``SnapshotStore``, over the store's state (declared here, set by the store)."""
+
+    disk: DiskTier | None
+    host: HostPoolBase
+    codec: Any
+    _uid: int
+    _disk_ns: set[int]
+    _writing: dict[int, Future[None]]
+    _on_disk: set[int]
+    _reading: dict[int, Future[Any]]
+    _on_host: dict[int, tuple[HostBlock, Any]]
+    _blobs: dict[int, Blob]
+    _layout: Any
+    _prefetched: set[int]
+    _rank: Cache[int]
+    _slot_of: dict[int, int]
+    _free_slots: list[int]
+    _fill_of: list[int | None]
+    _fill_ev: list[Any]
+
+    def _fill(self, s: int, n: int) -> Any:  # SnapshotStore's: a slot filled from host (Rule 3)
+        raise NotImplementedError
+
+    def _key(self, n: int) -> tuple[int, int]:
+        return (self._uid, n)
+
+    def _size(self, n: int) -> int:
+        """Bytes of off-GPU snapshot ``n`` in a host block: its blob, or the layout."""
+        if self.codec is not None:
+            return self._blobs[n].nbytes
+        assert self._layout is not None
+        return self._layout.nbytes
+
+    def _write_behind(self, n: int) -> None:
+        """Start writing disk snapshot ``n``'s new host block to its file (Rule 11)."""
+        if n not in self._disk_ns:
+            return
+        assert self.disk is not None
+        block, ev = self._on_host[n]
+        self._on_disk.discard(n)
+        self._writing[n] = self.disk.write(self._key(n), block.tensor, after=ev)
+
+    def _load(self, n: int) -> None:
+        """Read disk snapshot ``n`` into a new host block, now (Rule 12)."""
+        assert self.disk is not None
+        block = self.host.alloc(self._size(n))
+        try:
+            self.disk.read(self._key(n), block.tensor)
+        except BaseException:
+            self.host.free(block)
+            raise
+        self._on_host[n] = (block, None)
+
+    def _finish_read(self, n: int) -> None:
+        """Collect the prefetch's read of ``n`` (waiting for it) and fill its pinned slot (Rule 12)."""
+        assert self.disk is not None
+        self._reading.pop(n)
+        block, _ = self._on_host[n]
+        try:
+            self.disk.read(self._key(n), block.tensor)  # the prefetch's buffer: waits, raises its error
+        except BaseException:  # nothing of n stays in host memory or in a slot: never a wrong restore
+            del self._on_host[n]
+            self.host.free(block)
+            self._prefetched.discard(n)
+            self._rank.remove(n)
+            slot = self._slot_of.pop(n, None)
+            if slot is not None:
+                self._free_slots.append(slot)
+            raise
+        s = self._slot_of.get(n)
+        if s is not None:
+            self._fill(s, n)
+        self._release_host(n)
+
+    def _release_host(self, n: int) -> None:
+        """Give back disk snapshot ``n``'s host block once its file is complete and nothing waits on it (Rule 11)."""
+        if n not in self._on_disk or n in self._writing or n in self._reading or n not in self._on_host:
+            return
+        block, ev = self._on_host.pop(n)
+        s = self._slot_of.get(n)
+        filled = s is not None and self._fill_of[s] == n  # a fill from the block may still run
+        self.host.free(block, self._fill_ev[s] if filled else ev)  # type: ignore[index]
+
+    def _poll(self) -> None:
+        """Collect the disk tier's finished jobs, then raise its I/O errors (Rule 13)."""
+        disk = self.disk
+        if disk is None or disk.closed:
+            return
+        for n, fut in list(self._writing.items()):
+            if not fut.done():
+                continue
+            del self._writing[n]
+            if fut.cancelled() or fut.exception() is not None:
+                self._disk_ns.discard(n)  # the host block keeps it: a HOST snapshot from now on
+                disk.delete(self._key(n))
+            else:
+                self._on_disk.add(n)
+                self._release_host(n)
+        for n in [n for n, fut in self._reading.items() if fut.done()]:
+            self._finish_read(n)
+        disk.check()
+
+    def _drop_disk(self, n: int) -> None:
+        """Forget disk snapshot ``n``: its jobs cancelled or waited for, its file deleted (Rule 13)."""
+        if n not in self._disk_ns:
+            return
+        assert self.disk is not None
+        self._disk_ns.discard(n)
+        self._writing.pop(n, None)
+        self._reading.pop(n, None)
+        self._on_disk.discard(n)
+        self.disk.delete(self._key(n))
