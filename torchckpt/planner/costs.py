@@ -52,7 +52,7 @@ import dataclasses
 from collections.abc import Sequence
 
 __all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "cache_bytes", "device_bytes", "host_bytes",
-           "kept_bytes", "simulate"]
+           "kept_bytes", "simulate", "split_bytes"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,13 +212,25 @@ RECOMPUTE = Decision("recompute")
 RECOMPUTE_HOST = Decision("recompute", host=True)
 
 
+def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, kept: int) -> tuple[int, int]:
+    """(bytes left on the device, bytes sent to host before compression) between a block's forward and backward,
+    for a decision's ``mode`` and ``host``: its saved bytes, the offloaded ones, its inputs' and its kept ops'
+    (Rules 2b, 3). The one home of this arithmetic for the model and for ``BlockPlan``."""
+    if mode == "keep":
+        return saved, 0
+    if mode == "recompute":
+        return (0, inputs + kept) if host else (inputs + kept, 0)
+    return saved - offloaded, offloaded
+
+
+def _split(block: Block, d: Decision) -> tuple[int, int]:
+    return split_bytes(d.mode, d.host, block.saved_bytes, sum(block.saved[k] for k in d.offload), block.input_bytes,
+                       kept_bytes(block, d) if d.keep else 0)
+
+
 def device_bytes(block: Block, d: Decision) -> int:
     """Bytes ``d`` leaves of ``block`` on the device between its forward and its backward (Rules 2b, 3)."""
-    if d.mode == "keep":
-        return block.saved_bytes
-    if d.mode == "recompute":
-        return 0 if d.host else block.input_bytes + kept_bytes(block, d)
-    return block.saved_bytes - sum(block.saved[k] for k in d.offload)
+    return _split(block, d)[0]
 
 
 def kept_bytes(block: Block, d: Decision) -> int:
@@ -229,9 +241,7 @@ def kept_bytes(block: Block, d: Decision) -> int:
 
 def host_bytes(block: Block, d: Decision) -> int:
     """Bytes ``d`` sends of ``block`` to host memory (before compression)."""
-    if d.mode == "recompute":
-        return block.input_bytes + kept_bytes(block, d) if d.host else 0
-    return block.saved_bytes - device_bytes(block, d)
+    return _split(block, d)[1]
 
 
 def cache_bytes(offloaded: Sequence[int], lookahead: int = 1) -> int:

@@ -41,7 +41,7 @@ from torch import nn
 from torchckpt._args import parse_bytes
 from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
-from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes
+from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes, split_bytes
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.chain import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
@@ -98,19 +98,16 @@ class BlockPlan:
     @property
     def device_bytes(self) -> int:
         """Bytes this block leaves on the device between its forward and backward."""
-        if self.mode == "keep":
-            return self.saved_bytes
-        if self.mode == "recompute":
-            return 0 if self.host else self.input_bytes + self.keep_bytes
-        return self.saved_bytes - sum(self.tensors[k].nbytes for k in self.offload)
-
+        return self._split()[0]
 
     @property
     def host_bytes(self) -> int:
         """Bytes this block sends to host (before compression)."""
-        if self.mode == "recompute":
-            return self.input_bytes + self.keep_bytes if self.host else 0
-        return self.saved_bytes - self.device_bytes
+        return self._split()[1]
+
+    def _split(self) -> tuple[int, int]:
+        return split_bytes(self.mode, self.host, self.saved_bytes, sum(self.tensors[k].nbytes for k in self.offload),
+                           self.input_bytes, self.keep_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
