@@ -66,9 +66,10 @@ from torchckpt.adjoint.args import check_actions, check_callable, check_params, 
 from torchckpt.adjoint.auto import Auto
 from torchckpt.codecs.base import Packed
 from torchckpt.adjoint.captures import (
-    Age, Swap, descendants, exits, flat_state, grad_leaf, node_mark, owned_nodes, probe, unfound,
+    Age, Swap, descendants, exits, grad_leaf, node_mark, owned_nodes, probe, unfound,
 )
 from torchckpt.adjoint.execute import Planned
+from torchckpt.adjoint.step import Step, Tree, aliases, detached, firsts
 from torchckpt.adjoint.execute import run as execute_all
 from torchckpt.schedules import Adjoint, Restore, Revolve, Tier, Uniform
 from torchckpt.schedules.schedule import Schedule
@@ -93,111 +94,10 @@ def _auto_value(schedule: Any) -> Any:
     return schedule
 
 
-class _Step:
-    """One step on flat lists (Rule 4): ``(k, state, xs[k]) -> (state, y)``, for the scan or the loop."""
-
-    def __init__(self, step: Callable[..., Any], carry: _Tree, xs: list[torch.Tensor], xs_tree: _Tree | None,
-                 index: bool, loop: bool) -> None:
-        self.step, self.carry, self.xs, self.xs_tree = step, carry, xs, xs_tree
-        self.index, self.loop = index, loop
-        self.y: _Tree | None = None  # the structure of y, fixed by step 0
-
-    def x_at(self, k: int, grad: bool = False) -> list[torch.Tensor]:
-        """``xs[k]``, as leaves of their own when ``grad`` and the slice requires grad (Rule 4)."""
-        return [grad_leaf(t[k]) if grad and t.requires_grad else t[k].detach() for t in self.xs]
-
-    def __call__(self, k: int, x: list[torch.Tensor],
-                 xk: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        carry = self.carry.build(x)
-        if self.loop:
-            return flat_state(self.carry.spec, x, self.step(carry)), []
-        xt = self.xs_tree.build(xk) if self.xs_tree is not None else None
-        got = self.step(carry, xt, k) if self.index else self.step(carry, xt)
-        if not isinstance(got, tuple) or len(got) != 2:
-            raise CheckpointError(
-                f"torchckpt: checkpointed_scan's step must return a pair (carry, y), got {type(got).__name__}; return "
-                "(carry, None) when a step has no output.")
-        out = self.carry.tensors(got[0], x)
-        if self.y is None:
-            self.y = _Tree(got[1], "y", "step's output y")
-        return out, self.y.tensors(got[1])
-
-
-class _Tree:
-    """A pytree's tensor leaves as a flat list; its other leaves are held as they are (Rule 4)."""
-
-    def __init__(self, tree: Any, name: str, where: str) -> None:
-        leaves, self.spec = tree_flatten(tree)
-        self.name, self.where = name, where
-        self.pos = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
-        self.rest = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
-        self.like = [leaves[i] for i in self.pos]
-        self.n = len(leaves)
-
-    def build(self, tensors: list[torch.Tensor]) -> Any:
-        leaves: list[Any] = [None] * self.n
-        for i, t in zip(self.pos, tensors):
-            leaves[i] = t
-        for i, v in self.rest:
-            leaves[i] = v
-        return tree_unflatten(leaves, self.spec)
-
-    def tensors(self, tree: Any, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """The tensor leaves of ``tree``, checked against the structure (and shapes, dtypes) this was made from."""
-        leaves, spec = tree_flatten(tree)
-        if spec != self.spec:
-            raise CheckpointError(f"torchckpt: the {self.where} must keep its structure from step to step; took "
-                                  f"{self.spec}, returned {spec}.")
-        for i, v in self.rest:
-            if not _same(leaves[i], v):
-                raise CheckpointError(
-                    f"torchckpt: a non-tensor part of the {self.where} changed ({v!r} became {leaves[i]!r}): it is "
-                    "passed through unchanged, not checkpointed. Make it a tensor, or compute it from the step index "
-                    "(checkpointed_scan(..., index=True) passes it as a Python int).")
-        out = [leaves[i] for i in self.pos]
-        for a, b in zip(like if like is not None else self.like, out):
-            if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
-                raise CheckpointError(
-                    f"torchckpt: the {self.where} must keep its shapes and dtypes from step to step; took "
-                    f"{tuple(a.shape)} {a.dtype}, returned {tuple(getattr(b, 'shape', ()))} "
-                    f"{getattr(b, 'dtype', type(b))}.")
-        return out
-
-
-def _same(a: Any, b: Any) -> bool:
-    if a is b:
-        return True
-    try:
-        return bool(a == b)
-    except Exception:  # noqa: BLE001 - objects whose == is not a truth value are compared by identity
-        return False
-
-
-def _aliases(x: Sequence[torch.Tensor]) -> list[int] | None:
-    """Rule 5: for each position, the first position holding the same tensor object; ``None`` when none repeats."""
-    seen: dict[int, int] = {}
-    pattern = [seen.setdefault(id(v), i) for i, v in enumerate(x)]
-    return pattern if len(seen) < len(x) else None
-
-
-def _firsts(x: Sequence[torch.Tensor]) -> list[bool]:
-    seen: set[int] = set()
-    out = []
-    for v in x:
-        out.append(id(v) not in seen)
-        seen.add(id(v))
-    return out
-
-
-def _detached(x: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    memo: dict[int, torch.Tensor] = {}
-    return [memo.setdefault(id(v), v.detach()) for v in x]
-
-
 class _LoopRun:
     """What the autograd Function carries from forward to backward."""
 
-    def __init__(self, fn: _Step, n_state: int, n_steps: int, schedule: Iterable[Any],
+    def __init__(self, fn: Step, n_state: int, n_steps: int, schedule: Iterable[Any],
                  snaps_factory: Callable[[torch.device], SnapshotStore], slots: int, prefetch: bool,
                  inputs: list[torch.Tensor], swapped: list[torch.Tensor], out1: list[torch.Tensor] | None,
                  through_old: bool) -> None:
@@ -244,7 +144,7 @@ class _LoopRun:
                 continue
             with torch.enable_grad():
                 out, y = self.fn(k, [grad_leaf(v) for v in x], self.fn.x_at(k))
-            x = _detached(out)  # Rule 5: one tensor in two places stays one
+            x = detached(out)  # Rule 5: one tensor in two places stays one
             if not self.backward and y:  # Rule 4: the forward sweep keeps each step's y
                 self.ys[k] = [v.detach() for v in y]
                 self.check_passthrough(y, self.inputs)
@@ -314,7 +214,7 @@ class _LoopRun:
             self.plan.start(self.snaps.calibrate(x, packs=self.first_packs))
             self.first_packs = None
         self.snaps.save(n, tier, x, flush=self.plan.flush(i))
-        pattern = _aliases(x)
+        pattern = aliases(x)
         if pattern is not None:  # Rule 5: restored as one tensor where it was one
             self.alias[n] = pattern
         else:
@@ -366,7 +266,7 @@ class _LoopRun:
         g = self.g + [gy[n] if gy is not None else None for gy in self.gys]  # Rule 4: this step's slice of ys' adjoint
         outs_y = [v for v, gv in zip(out, g) if gv is not None and v.requires_grad]
         gs = [gv for v, gv in zip(out, g) if gv is not None and v.requires_grad]
-        first = _firsts(xin)  # Rule 5: a leaf at two positions is differentiated once, its gradient given to the first
+        first = firsts(xin)  # Rule 5: a leaf at two positions is differentiated once, its gradient given to the first
         wrt = ([v for i, v in enumerate(xin) if v.requires_grad and first[i]] + [v for v in xk if v.requires_grad]
                + [p for p in params if p.requires_grad])
         # Rule 2: each parameter's running sum enters as an output of its own, so autograd adds
@@ -518,8 +418,8 @@ def checkpointed_loop(
     flat, spec = tree_flatten(state)
     if not flat or not all(isinstance(t, torch.Tensor) for t in flat):
         raise TypeError("torchckpt: state must be a tensor or a tuple/list/dict of tensors.")
-    carry = _Tree(state, "state", "state")
-    fn = _Step(step, carry, [], None, index=False, loop=True)
+    carry = Tree(state, "state", "state")
+    fn = Step(step, carry, [], None, index=False, loop=True)
     out, _ = _differentiate("checkpointed_loop", fn, flat, n_steps, schedule, store, slots, prefetch,
                             _given(step, params))
     return tree_unflatten(out, spec)
@@ -583,11 +483,11 @@ def checkpointed_scan(
     """
     check_callable("checkpointed_scan", "step", step)
     check_flag("checkpointed_scan", "index", index)
-    carry = _Tree(init, "carry", "carry")
+    carry = Tree(init, "carry", "carry")
     flat = carry.like
     if not flat:
         raise TypeError("torchckpt: checkpointed_scan(init=...) must hold at least one tensor (the carry).")
-    xs_tree = None if xs is None else _Tree(xs, "xs", "xs")
+    xs_tree = None if xs is None else Tree(xs, "xs", "xs")
     leaves = xs_tree.like if xs_tree is not None else []
     if xs_tree is not None and any(v is not None for _, v in xs_tree.rest):
         raise TypeError("torchckpt: checkpointed_scan(xs=...) must be a tensor or a tuple/list/dict of tensors stacked "
@@ -609,7 +509,7 @@ def checkpointed_scan(
     assert n_steps is not None
     if n_steps < 1:
         raise ValueError("torchckpt: checkpointed_scan needs at least one step; xs has 0 along its first dimension.")
-    fn = _Step(step, carry, leaves, xs_tree, index=index, loop=False)
+    fn = Step(step, carry, leaves, xs_tree, index=index, loop=False)
     out, ys = _differentiate("checkpointed_scan", fn, flat, n_steps, schedule, store, slots, prefetch,
                              _given(step, params))
     assert fn.y is not None
@@ -626,7 +526,7 @@ def _given(step: Any, params: Sequence[torch.Tensor] | None) -> list[torch.Tenso
     return given
 
 
-def _differentiate(name: str, fn: _Step, flat: list[torch.Tensor], n_steps: int, schedule: Any,
+def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, schedule: Any,
                    store: Store | SnapshotStore | None, slots: int, prefetch: bool,
                    given: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """The loop or scan of ``fn`` for ``n_steps``: the last state and the stacked ys (Rules 1-4)."""
@@ -678,7 +578,7 @@ def _differentiate(name: str, fn: _Step, flat: list[torch.Tensor], n_steps: int,
     run = _LoopRun(fn, n, n_steps, schedule, factory, slots, prefetch, inputs, descendants(inputs), out1, through_old)
     run.first_packs = first_packs
     run.owns_snaps = not isinstance(store, SnapshotStore)
-    pattern = _aliases(flat)
+    pattern = aliases(flat)
     uniq = flat
     if pattern is not None:  # Rule 5: one tensor at two positions of the initial state is one input
         firsts = sorted(set(pattern))
@@ -689,7 +589,7 @@ def _differentiate(name: str, fn: _Step, flat: list[torch.Tensor], n_steps: int,
     return list(res[:n]), list(res[n:])
 
 
-def _plain(fn: _Step, x: list[torch.Tensor], k0: int, n_steps: int,
+def _plain(fn: Step, x: list[torch.Tensor], k0: int, n_steps: int,
            ys: list[list[torch.Tensor]]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """Steps ``k0`` to the last with no graph: the last state and the stacked ys."""
     with torch.no_grad():
