@@ -86,6 +86,26 @@ def psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
     return math.inf if mse == 0 else 20 * math.log10(rng / math.sqrt(mse))
 
 
+def profile_run(path: str, fn, untraced_s: float) -> None:
+    """Run ``fn`` under torch.profiler and write where its time went: the ops by device time and by host time,
+    and the host's synchronizations (each makes the host wait for the device: launches stop running ahead)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=acts) as prof:
+        fn()
+    ka = prof.key_averages()
+    dev_us = sum(e.self_device_time_total for e in ka)
+    syncs = [e for e in ka if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
+    with open(path, "w") as f:
+        f.write(f"untraced run {untraced_s:.3f} s; device time of all ops {dev_us / 1e6:.3f} s\n")
+        for e in syncs:
+            f.write(f"sync {e.key}: {e.count} calls, host {e.cpu_time_total / 1e6:.3f} s\n")
+        f.write("\n== by device time\n" + ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+        f.write("\n== by host time\n" + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+    print(f"wrote {path}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", type=int)
@@ -94,6 +114,9 @@ def main() -> int:
     p.add_argument("--budget-slots", type=int, default=6, help="GPU budget in uncompressed snapshots (default 6)")
     p.add_argument("--codecs", default="none,quant8,quant4,quant8a,quant4a,bitcomp:0.001,zfp:8")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
+    p.add_argument("--profile", action="store_true",
+                   help="also run each (d) once more under torch.profiler; write profile_<schedule>_<codec>.txt "
+                        "(where the time goes: kernels, synchronizations)")
     p.add_argument("--out")
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -172,6 +195,8 @@ def main() -> int:
         for name, c in codecs.items():
             t, st, slots = run_codec(sh, c)
             q = psnr(bench.rtm.image, ref)
+            if args.profile:
+                profile_run(os.path.join(out, f"profile_{s}_{name}.txt"), lambda: run_codec(sh, c), t)
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,

@@ -8,6 +8,9 @@ other ranks neither. Three ways to move the overflow off and back, in the same p
   greedy       ``exchange(..., greedy=True)``: the fastest destinations first (the MASCOTS'21 greedy split)
   maxflow      ``exchange(...)``: the min-time max-flow split (NOTE [ Peer spill ])
 
+and, to see whether the two links overlap, the max-flow split's host part alone and its peer part alone (a split
+is as fast as its slower part only if the host copies and the NCCL transfers do not slow each other).
+
 Each split runs its host copies on a CUDA copy stream while ``PeerTier.send_round`` / ``fetch_round`` move the peer
 part (torch.distributed point-to-point, NCCL on GPUs); the time is until both are done, out and back, median of
 ``--reps``. The links are measured first in the same run (pinned copies each way; a timed send between the first
@@ -25,6 +28,7 @@ import argparse
 import os
 import sys
 import time
+from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(1, os.path.dirname(HERE))  # the repo, when torchckpt is not installed
@@ -44,30 +48,42 @@ def sync(cuda: bool) -> None:
         torch.cuda.synchronize()
 
 
-def measure_links(cuda: bool, dev: torch.device, tier: PeerTier, nbytes: int) -> tuple[float, float]:
-    """(host link bytes/s, the slower of its two directions; peer link bytes/s, rank 0 to rank 1), on every rank."""
+def measure_links(cuda: bool, dev: torch.device, tier: PeerTier, nbytes: int,
+                  reps: int = 3) -> tuple[float, float]:
+    """(host link bytes/s, the slower of its two directions; peer link bytes/s, rank 0 to rank 1), on every rank.
+
+    Each figure is the median of ``reps`` timed copies after an untimed one (the first copy into fresh pinned
+    memory and NCCL's first send pay set-up costs: without the warm-up the host link measured 35 GB/s where the
+    8 GiB runs moved 55 GB/s)."""
     buf = torch.empty(nbytes, dtype=torch.uint8, device=dev)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=cuda)
-    sync(cuda)
-    t0 = time.perf_counter()
-    host.copy_(buf, non_blocking=True)
-    sync(cuda)
-    t1 = time.perf_counter()
-    buf.copy_(host, non_blocking=True)
-    sync(cuda)
-    t2 = time.perf_counter()
-    host_bw = nbytes / max(t1 - t0, t2 - t1, 1e-9)
+    med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
+    d2h, h2d = [], []
+    for i in range(reps + 1):
+        sync(cuda)
+        t0 = time.perf_counter()
+        host.copy_(buf, non_blocking=True)
+        sync(cuda)
+        t1 = time.perf_counter()
+        buf.copy_(host, non_blocking=True)
+        sync(cuda)
+        t2 = time.perf_counter()
+        if i:
+            d2h.append(t1 - t0)
+            h2d.append(t2 - t1)
+    host_bw = nbytes / max(med(d2h), med(h2d), 1e-9)
     rank = dist.get_rank()
-    tier.send_round({1: [("probe", buf)]} if rank == 0 else {})  # warm-up (NCCL connects on first use)
-    tier.drop_round({1: ["probe"]} if rank == 0 else {})
-    dist.barrier()
-    sync(cuda)
-    t0 = time.perf_counter()
-    tier.send_round({1: [("probe", buf)]} if rank == 0 else {})
-    sync(cuda)
-    dt = time.perf_counter() - t0
-    tier.drop_round({1: ["probe"]} if rank == 0 else {})
-    peer = torch.tensor([nbytes / max(dt, 1e-9)], dtype=torch.float64, device=dev)  # NCCL: device tensors only
+    times = []
+    for i in range(reps + 1):
+        dist.barrier()
+        sync(cuda)
+        t0 = time.perf_counter()
+        tier.send_round({1: [("probe", buf)]} if rank == 0 else {})
+        sync(cuda)
+        if i:
+            times.append(time.perf_counter() - t0)
+        tier.drop_round({1: ["probe"]} if rank == 0 else {})
+    peer = torch.tensor([nbytes / max(med(times), 1e-9)], dtype=torch.float64, device=dev)  # NCCL: device tensors
     dist.broadcast(peer, 0)  # rank 0's figure: the sender's view of the transfer
     return host_bw, float(peer.item())
 
@@ -169,13 +185,21 @@ def main() -> int:
               for i in range(0, my_over, chunk)]
     plans = {"all_to_host": None, "greedy": exchange(my_over, my_spare, host_bw, peer_row, greedy=True),
              "maxflow": exchange(my_over, my_spare, host_bw, peer_row)}
+    zero = tuple(0.0 for _ in range(world))
+    runs: dict[str, tuple[Any, list[torch.Tensor], float, tuple[float, ...]]] = {
+        name: (plan, chunks, float(my_over) if plan is None else plan.to_host, zero if plan is None else plan.to_peer)
+        for name, plan in plans.items()}
+    # Do the two links overlap? The max-flow split's host part and peer part, each moved alone.
+    mf = plans["maxflow"]
+    host_ix, peer_ix = split(chunks, mf.to_host, mf.to_peer)
+    peer_chunks = [chunks[k] for ks in peer_ix.values() for k in ks]
+    runs["maxflow_host_part_alone"] = (mf, [chunks[k] for k in host_ix], float(my_over), zero)
+    runs["maxflow_peer_part_alone"] = (mf, peer_chunks, 0.0, mf.to_peer)
     rows, results, ok = [], [], True
-    for name, plan in plans.items():
-        to_host = float(my_over) if plan is None else plan.to_host
-        to_peer = tuple(0.0 for _ in range(world)) if plan is None else plan.to_peer
+    for name, (plan, mine, to_host, to_peer) in runs.items():
         outs, backs = [], []
         for _ in range(args.reps):
-            o, b, hb, pb, exact = run(cuda, dev, tier, chunks, to_host, to_peer)
+            o, b, hb, pb, exact = run(cuda, dev, tier, mine, to_host, to_peer)
             outs.append(o)
             backs.append(b)
             ok &= exact
@@ -183,10 +207,16 @@ def main() -> int:
         dist.all_reduce(flags)
         ok = ok and int(flags.item()) == 0
         med = lambda v: sorted(v)[len(v) // 2]  # noqa: E731
-        predicted = (plan.spill.time if plan is not None else
-                     spill_time([float(my_over)] + [0.0] * (world - 1), [[0.0] * world for _ in range(world)],
-                                [host_bw] * world, [[0.0 if i == j else peer_bw for j in range(world)]
-                                                    for i in range(world)]))
+        if "host_part" in name:
+            predicted = hb / host_bw
+        elif "peer_part" in name:
+            predicted = pb / peer_bw
+        elif plan is not None:
+            predicted = plan.spill.time
+        else:
+            predicted = spill_time([float(my_over)] + [0.0] * (world - 1), [[0.0] * world for _ in range(world)],
+                                   [host_bw] * world, [[0.0 if i == j else peer_bw for j in range(world)]
+                                                       for i in range(world)])
         res = {"name": name, "out_s": med(outs), "back_s": med(backs), "host_bytes": hb, "peer_bytes": pb,
                "predicted_s": predicted, "exact": exact}
         results.append(res)
