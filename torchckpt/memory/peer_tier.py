@@ -22,8 +22,9 @@
 # 5. The same calls run NCCL on GPUs: received buffers are allocated on ``device`` (default: the current CUDA
 #    device under NCCL, else CPU) and the transfers run on torch.distributed's own streams; callers set
 #    ``torch.cuda.set_device`` per rank, as NCCL point-to-point requires. The constructor runs one
-#    all-reduce on the group, so a ``batch_isend_irecv`` is never the group's first collective. Wiring the tier into
-#    ``SnapshotStore`` (spilling by the plan, fetching ahead) is a later step.
+#    all-reduce on the group, so a ``batch_isend_irecv`` is never the group's first collective. ``SnapshotStore``
+#    sends its ``Tier.HOST`` snapshots through a tier by the plan and fetches them ahead (``peers=``, NOTE
+#    [ Snapshot store ] Rules 14-19); it agrees on each action with ``gather`` before it enters a round.
 # 6. Under NCCL the rounds' metadata goes over a gloo group of the same ranks, made by the constructor (which is
 #    therefore collective: every rank constructs its tier together). Over NCCL, ``all_gather_object`` reads its
 #    result back with a device-to-host copy, which queues behind the device-to-host copies already issued (a
@@ -114,6 +115,13 @@ class PeerTier:
 
     def _global(self, r: int) -> int:
         return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` (picklable), in group order, over the rounds' metadata group (collective; Rule 6).
+
+        For callers that agree on what each rank does before they enter a round (the snapshot store's peer side).
+        """
+        return self._gather(obj)
 
     def _gather(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

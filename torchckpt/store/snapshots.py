@@ -62,6 +62,27 @@
 #    a snapshot whose write failed keeps its host block and is a HOST snapshot from then on: an
 #    error, never a lost or wrong snapshot. ``stats()`` waits for the jobs under way, so a loop's
 #    own write errors reach it. With a codec the files hold the blobs (Rule 8).
+# 14. With ``peers=`` (a ``PeerSpill``: a ``PeerTier`` and the group's ``SpillPlan``; store/snapshot_peer.py) the use
+#    is SPMD and every rank calls the store's actions in the same order: each save/restore/free of a ``Tier.HOST``
+#    snapshot, prefetch from HOST, and ``close`` first gathers every rank's (count, action, n) on the tier's metadata
+#    group, then every rank enters the rounds some rank needs (send, fetch, drop, in that order; its own part
+#    possibly empty: NOTE [ Peer tier ] Rule 1). Nothing else talks.
+# 15. Ranks whose (count, action, n) differ all raise the same ``torchckpt:`` error and the peer side stops (later
+#    actions raise; ``close`` is local). A rank that skips an action (an error of its own, a GPU-tier save where
+#    others save to HOST) is not seen: the others wait until the process group's timeout; so an exception leaving
+#    a ``with`` block stops the peer side locally.
+# 16. A save that copies off the GPU (``flush=True``, or straight to host) is split, by whole snapshots and from this
+#    rank's plan row and history only: it goes to the peer furthest below its share of the bytes split so far
+#    (``to_peer[j] / overflow``, this save included) among those where this store's copies would stay within
+#    ``to_peer[j]`` bytes (to ``PLAN_SLACK``); else to host. Write-back saves (Rule 6) go to host if evicted.
+# 17. A peer copy is the save's flush: the slot's bytes (with a codec its blob, Rule 8) go in the send round on the
+#    offload stream, whose event is the slot's flush event (Rule 3); a re-save elsewhere drops the old copy.
+# 18. ``prefetch`` fetches a peer snapshot into the slot it takes (on the prefetch stream; the fill is Rule 3's);
+#    with no slot to take, ``restore`` fetches it on demand on the compute stream (so every rank's restore of a
+#    HOST snapshot enters a fetch round when any rank misses). A fetch takes the copy back from its holder: the slot
+#    then holds the only one, as a write-back snapshot flushed to host if evicted (a later restore reads host);
+#    with no slot at all the fetched bytes are copied to a host block.
+# 19. ``free`` of a HOST snapshot drops its peer copy (``drop_round``), ``close`` all left; ``stats()`` counts ``peer_*``.
 """
 from __future__ import annotations
 
@@ -86,6 +107,7 @@ from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
 from torchckpt.store.snapshot_disk import DiskSide
+from torchckpt.store.snapshot_peer import PeerSide, PeerSpill
 from torchckpt.store.stats import SnapshotStats
 
 _ALIGN = 256
@@ -167,7 +189,7 @@ def _check_device(device: object) -> torch.device:
     return dev
 
 
-class SnapshotStore(DiskSide):
+class SnapshotStore(DiskSide, PeerSide):
     """Holds a schedule's snapshots: GPU tier on the device, other tiers via device slots and a host pool.
 
     Args:
@@ -186,6 +208,9 @@ class SnapshotStore(DiskSide):
         disk: where ``Tier.DISK`` snapshots go (NOTE [ Snapshot store ] Rules 11-13): a directory
             (an NVMe path in practice; the store makes a ``DiskTier`` there and closes it), or a
             ``torchckpt.memory.DiskTier``. ``None``: DISK snapshots are held as HOST ones.
+        peers: a ``PeerSpill`` (store/snapshot_peer.py): ``Tier.HOST`` snapshots split between host memory and
+            other ranks' spare memory by the group's plan, every rank calling the store's actions in the same
+            order (NOTE [ Snapshot store ] Rules 14-19). ``None``: host memory only.
 
     The store is a context manager: leaving the ``with`` block (also by an exception) calls ``close()``.
 
@@ -201,7 +226,7 @@ class SnapshotStore(DiskSide):
     def __init__(self, device: str | torch.device | None = None, slots: int | None = None,
                  host: HostPoolBase | None = None, timing: bool = True, codec: Codec | None = None,
                  gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25,
-                 disk: str | os.PathLike[str] | DiskTier | None = None) -> None:
+                 disk: str | os.PathLike[str] | DiskTier | None = None, peers: PeerSpill | None = None) -> None:
         device = _check_device(device)
         if slots is not None and gpu_bytes is not None:
             raise ValueError("torchckpt: SnapshotStore takes slots= or gpu_bytes=, not both; pass one of them.")
@@ -255,10 +280,9 @@ class SnapshotStore(DiskSide):
         self._dirty: set[int] = set()  # in a slot, not on host (write-back)
         self._timings: list[tuple[str, Any, Any]] = []
         self._pending_use: int | None = None
-        self._c: dict[str, Any] = {f.name: 0 for f in dataclasses.fields(SnapshotStats) if f.name != "disk"}
-        for k in ("late_wait_s", "miss_wait_s", "save_wait_s"):
-            self._c[k] = 0.0
+        self._c: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SnapshotStats) if f.name != "disk"}
         self._mover = Mover(device, self.timing, self.host)
+        self._peer_init(peers)  # Rules 14-19
         # Rules 11-13: the disk tier (made last: nothing above can fail and leave its directory behind).
         self._own_disk = disk is not None and not isinstance(disk, DiskTier)
         self.disk: DiskTier | None = disk if disk is None or isinstance(disk, DiskTier) else DiskTier(disk)
@@ -298,10 +322,13 @@ class SnapshotStore(DiskSide):
             size = blob.nbytes if blob is not None else lay.nbytes
             if blob is not None:
                 self._blobs[n] = blob
+            self._peer_begin(n, tier, size, split=flush or not self._rank.can_take())  # Rules 14, 16
             if not self._rank.can_take():  # every slot pinned: straight to host (Rule 4)
-                block = self.host.alloc(size)
                 flat = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._fill_flat(flat, tensors, packs, blob)
+                if self._peer_end(n, flat, None):  # to a peer instead (Rule 17)
+                    return
+                block = self.host.alloc(size)
                 ev = self._to_host(block.tensor, flat)
                 self._on_host[n] = (block, ev)
                 self._write_behind(n)
@@ -320,6 +347,8 @@ class SnapshotStore(DiskSide):
             old = self._on_host.pop(n, None)
             if old is not None:
                 self.host.free(old[0], old[1])
+            if self._peer_end(n, self._slots[s], s):  # sent to a peer: that was its flush (Rule 17)
+                return
             if flush:
                 self._flush(n, s)
             else:
@@ -332,18 +361,21 @@ class SnapshotStore(DiskSide):
                 self._rank.pin(n)
             return
         self._poll()
+        fetched = self._peer_take("prefetch", n, src)  # Rules 14, 18
         if n in self._slot_of:
             self._rank.pin(n)
             return
         on_disk = n not in self._on_host and n in self._on_disk
-        if n not in self._on_host and not on_disk:
+        if n not in self._on_host and not on_disk and fetched is None and n not in self._peer_of:
             raise CheckpointError(f"torchckpt: Prefetch({n}) of a snapshot that was never saved to host.")
         if not self._rank.can_take():
             return  # every slot pinned: the restore will load on demand
         with nvtx_range(f"torchckpt.prefetch {n}"):
             s = self._take_slot(n)
             self._rank.pin(n)
-            if on_disk:  # Rule 12: read ahead; the fill follows once the read has ended
+            if fetched is not None:
+                self._peer_fill(s, n, fetched, on_compute=False)
+            elif on_disk:  # Rule 12: read ahead; the fill follows once the read has ended
                 assert self.disk is not None
                 block = self.host.alloc(self._size(n))
                 self._on_host[n] = (block, None)
@@ -367,6 +399,7 @@ class SnapshotStore(DiskSide):
             self._poll()
             if n in self._reading:
                 self._finish_read(n)  # Rule 12: the restore waits for its prefetch's read
+            fetched = self._peer_take("restore", n, tier)  # Rules 14, 18
             hit = self._rank.use(n)
             if hit:
                 s = self._slot_of[n]
@@ -382,6 +415,8 @@ class SnapshotStore(DiskSide):
                 self._use_ev[s] = None  # the caller's copy comes after: see _after_use
                 self._pending_use = s
                 return views
+            if fetched is not None:
+                return self._peer_restore(n, fetched)
             if n not in self._on_host and n in self._on_disk:
                 self._load(n)  # Rule 12
             if n not in self._on_host:
@@ -411,6 +446,7 @@ class SnapshotStore(DiskSide):
         """Release snapshot ``n`` of ``tier`` (a disk snapshot's file too, Rule 13)."""
         if tier is not Tier.GPU:
             self._poll()
+        self._peer_free(n, tier)  # Rules 14, 19
         self._free(n, tier)
 
     def _free(self, n: int, tier: Tier) -> None:
@@ -456,7 +492,12 @@ class SnapshotStore(DiskSide):
         return SnapshotStats(**self._c, disk=self.disk.stats() if self.disk is not None else None)
 
     def close(self) -> None:
-        """Free every snapshot and the slots (waits for copies in flight); delete the disk files (Rule 13)."""
+        """Free every snapshot and the slots (waits for copies in flight); delete the disk files (Rule 13).
+
+        With ``peers=`` this is collective, as every action is: it drops the store's peer copies (Rule 19); ranks
+        that were not all closing raise after the local part is done.
+        """
+        err = self._peer_close()
         for n in [*self._on_host, *(self._disk_ns - self._on_host.keys())]:
             self._free(n, Tier.HOST)
         self._gpu.clear()
@@ -469,11 +510,15 @@ class SnapshotStore(DiskSide):
             self._arena = None
         if self.disk is not None and self._own_disk:
             self.disk.close()
+        if err is not None:
+            raise err
 
     def __enter__(self) -> SnapshotStore:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if exc[0] is not None:
+            self._peer_abandon()  # Rule 15: the other ranks may not be closing
         self.close()
 
     def device_bytes(self) -> int:

@@ -42,6 +42,10 @@ class Stats:
             NOTE [ Store ] Rule 10); no prefetch plan until every entry is released.
         gpu_peak_bytes: most bytes resident in the GPU cache at once.
         host: the host pool's occupancy.
+        spilled / spilled_bytes: of the entries copied to host, those written to the disk tier
+            instead, the host pool being at its cap (``Store(disk=...)``, NOTE [ Spill to disk ]),
+            and the bytes written (compressed, with a codec).
+        disk: the disk tier's counters since it was made (``Store(disk=...)``), else ``None``.
     """
 
     steps: int = 0
@@ -66,8 +70,11 @@ class Stats:
     plans: int = 0
     plan_divergences: int = 0
     trace_overflows: int = 0
+    spilled: int = 0
+    spilled_bytes: int = 0
     gpu_peak_bytes: int = 0
     host: HostPoolStats | None = None
+    disk: DiskStats | None = None
 
     @property
     def exposed_transfer_s(self) -> float:
@@ -105,6 +112,13 @@ class SnapshotStats:
         raw_bytes / packed_bytes: with a codec, the bytes of the snapshots saved and of their
             compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
             (NOTE [ Snapshot store ] Rule 9).
+        peer_saves / peer_bytes_sent: snapshots (and their bytes) this rank sent to peers instead of host
+            (``SnapshotStore(peers=...)``, NOTE [ Snapshot store ] Rules 14-19; all peer counters 0 without);
+            peer_fetches / peer_bytes_fetched: of them, taken back (at a prefetch, or on demand at a restore,
+            which then also counts as a miss); peer_drops: peer copies dropped unread (freed, saved again
+            elsewhere, closed); peer_held_bytes: bytes of this store's copies its peers hold now.
+        peer_actions: actions agreed with the other ranks (one metadata gather each, Rule 14); peer_rounds:
+            ``PeerTier`` rounds entered (its own part possibly empty); peer_wait_s: host time in both.
         disk: the disk tier's counters (``SnapshotStore(disk=...)``, NOTE [ Snapshot store ] Rule 11),
             else ``None``.
     """
@@ -125,6 +139,15 @@ class SnapshotStats:
     raw_bytes: int = 0
     packed_bytes: int = 0
     slot_grows: int = 0
+    peer_saves: int = 0
+    peer_bytes_sent: int = 0
+    peer_fetches: int = 0
+    peer_bytes_fetched: int = 0
+    peer_drops: int = 0
+    peer_held_bytes: int = 0
+    peer_actions: int = 0
+    peer_rounds: int = 0
+    peer_wait_s: float = 0.0
     disk: DiskStats | None = None
 
     @property

@@ -1,0 +1,32 @@
+"""``SnapshotStore("cuda", peers=...)`` over NCCL, one process per GPU (NOTE [ Snapshot store ] Rules 14-19).
+
+The replay of ``test_snapshot_peer.py`` (Revolve on HOST, rank 0 overflowing into rank 1's spare memory, with the
+max-flow and the greedy plan), each restore compared bit for bit, with the store's host copies and fills held back
+by random device sleeps. Needs 2 GPUs of one host; the rounds' metadata goes over gloo (NOTE [ Peer tier ] Rule 6).
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from test_snapshot_peer import check_replay, run
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(torch.cuda.device_count() < 2 or not dist.is_nccl_available(),
+                       reason="needs 2 CUDA devices and NCCL"),
+]
+
+
+@pytest.mark.parametrize("mode", ["plain", "write-back", "codec"])
+def test_replay_two_gpus_nccl(tmp_path: Any, mode: str) -> None:
+    both = run(2, str(tmp_path), "both", backend="nccl", mode=mode, device="cuda")
+    best, greedy = [res["maxflow"] for res in both], [res["greedy"] for res in both]
+    for results in (best, greedy):
+        check_replay(results, 2)
+        assert results[0]["stats"]["peer_saves"] > 0 and results[1]["stats"]["peer_saves"] == 0
+        assert results[1]["peak_held"] > 0
+    assert best[0]["to_host"] > 0 and greedy[0]["to_host"] == 0
