@@ -25,7 +25,7 @@ background thread, so its first slot is usable after one small mapping.
 #    hold; the memory goes back to the driver once the last view is gone too. Release
 #    synchronizes the device first (as ``cudaFree`` does), so closing while a kernel still
 #    uses the arena is safe; callers on a hot path should still order their streams.
-# 5. Slots are ``slot_stride(slot_bytes)`` apart (256-byte aligned), so ``_Layout.views`` of the
+# 5. Slots are ``slot_stride(slot_bytes)`` apart (256-byte aligned), so ``Layout.views`` (store/snapshot_slots.py) of the
 #    snapshot store can reinterpret a slot as any dtype.
 # 6. Fallback: where VMM is unavailable (no extension, no CUDA, a driver or device without
 #    virtual memory management, or ``device="cpu"``) ``make_device_slots`` takes one

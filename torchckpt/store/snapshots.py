@@ -104,65 +104,19 @@ from torchckpt.store.streams import Mover, nvtx_range
 from torchckpt.schedules.actions import Tier
 from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
-from torchckpt.memory.device_arena import ArenaSlots, DeviceArena, arena_slots
+from torchckpt.memory.device_arena import DeviceArena, arena_slots
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
 from torchckpt.store.snapshot_disk import DiskSide
 from torchckpt.store.snapshot_peer import PeerSide, PeerSpill
+from torchckpt.store.snapshot_slots import ALIGN, Layout, Slots
 from torchckpt.store.stats import SnapshotStats
 
-_ALIGN = 256
 _store_ids = itertools.count()  # names a store's files in a DiskTier it may share (Rule 11)
 
 
 def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
     """What makes a compression of ``tensors`` reusable: the same memory, unchanged since (version)."""
     return tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors)
-
-
-class _Layout:
-    """Shapes and dtypes of a snapshot and where each tensor sits in a flat buffer."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        self.meta = tuple((t.shape, t.dtype) for t in tensors)
-        self.offsets = []
-        off = 0
-        for t in tensors:
-            self.offsets.append(off)
-            off += (t.numel() * t.element_size() + _ALIGN - 1) // _ALIGN * _ALIGN
-        self.nbytes = off
-
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for (shape, dtype), off in zip(self.meta, self.offsets):
-            n = dtype.itemsize * shape.numel()
-            out.append(flat[off : off + n].view(dtype).view(shape))
-        return out
-
-
-class _Slots:
-    """The store's slots: arena slots (Rule 10), each replaceable by a grown buffer (Rule 9)."""
-
-    def __init__(self, slots: ArenaSlots | None = None) -> None:
-        self._arena_slots = slots
-        self._own: dict[int, torch.Tensor] = {}
-
-    def __len__(self) -> int:
-        return len(self._arena_slots) if self._arena_slots is not None else 0
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        t = self._own.get(i)
-        if t is not None:
-            return t
-        assert self._arena_slots is not None
-        return self._arena_slots[i]
-
-    def __setitem__(self, i: int, t: torch.Tensor) -> None:
-        self._own[i] = t
-
-    def release(self) -> None:
-        self._own.clear()
-        if self._arena_slots is not None:
-            self._arena_slots.release()
 
 
 def _check_device(device: object) -> torch.device:
@@ -262,12 +216,12 @@ class SnapshotStore(DiskSide, PeerSide):
         self._slot_bytes = slot_bytes
         self.nslots: int = slots if slots is not None else 0  # 0 until calibrate() (gpu_bytes=)
         self._rank: Cache[int] = Cache(max(self.nslots, 1))
-        self._layout: _Layout | None = None
+        self._layout: Layout | None = None
         self._blobs: dict[int, Blob] = {}  # off-GPU snapshot -> its blob layout (with a codec)
         self._packs: dict[int, list[Packed]] = {}  # GPU-tier snapshots, compressed (with a codec)
         self._warned_grow = False
         self._first: tuple[tuple[tuple[Any, ...], ...], list[Packed]] | None = None  # calibrate's compression
-        self._slots = _Slots()
+        self._slots = Slots()
         self._arena: DeviceArena | None = None
         self._slot_of: dict[int, int] = {}
         self._free_slots: list[int] = []
@@ -504,7 +458,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._packs.clear()
         self._mover.drain()
         self._slots.release()
-        self._slots = _Slots()
+        self._slots = Slots()
         if self._arena is not None:
             self._arena.close()  # the memory goes back once no view of it is left
             self._arena = None
@@ -564,7 +518,7 @@ class SnapshotStore(DiskSide, PeerSide):
             self._first = (_identity(tensors), list(packs))
         if not tensors:
             raise ValueError("torchckpt: a snapshot needs at least one tensor.")
-        lay = _Layout(tensors)
+        lay = Layout(tensors)
         nb = self._slot_bytes
         if nb is None:
             if self.codec is not None:
@@ -573,7 +527,7 @@ class SnapshotStore(DiskSide, PeerSide):
                 nb = int(blob.nbytes * (1.0 + self.slot_margin))
             else:
                 nb = lay.nbytes
-        nb = (nb + _ALIGN - 1) // _ALIGN * _ALIGN
+        nb = (nb + ALIGN - 1) // ALIGN * ALIGN
         if self.codec is None and nb < lay.nbytes:
             raise ValueError(f"torchckpt: slot_bytes={nb} is smaller than one snapshot ({lay.nbytes} bytes) "
                              "and there is no codec; pass slot_bytes=None.")
@@ -584,7 +538,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._slot_bytes = nb
         use_vmm = False if os.environ.get("TORCHCKPT_DEVICE_CACHE", "auto") == "caching" else None
         self._arena, slots = arena_slots(self.device, self.nslots, nb, use_vmm=use_vmm)  # Rule 10
-        self._slots = _Slots(slots)
+        self._slots = Slots(slots)
         self._free_slots = list(range(self.nslots - 1, -1, -1))
         self._flush_ev = [None] * self.nslots
         self._fill_ev = [None] * self.nslots
