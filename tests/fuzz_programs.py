@@ -60,6 +60,14 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    outputs through the store compressed (``Recompute(codec=Identity())``): their twin is that
 #    of ``rec_save_all`` and ``rec_save`` (no store, no codec), compared bit for bit: the identity
 #    codec is lossless.
+# 9. ``rec_parts``, ``rec_parts_store`` and ``rec_parts_save`` recompute each segment in parts
+#    (``Recompute(parts=...)``, NOTE [ Recompute in parts ]): a probe run of the segment (RNG
+#    forked) counts the tensors it saves, N, and the cuts make one to three parts of them. Their
+#    twins are those of ``rec``, ``rec_store`` and ``rec_save``: a recomputation in parts must give
+#    torch's whole recomputation's bits. A program that modifies a saved tensor in place (plain
+#    autograd raises) is not compared with its twin there: a part's recomputation stops at the
+#    part's last saved tensor, before writes a whole recomputation replays, and neither result is
+#    defined.
 """
 
 from __future__ import annotations
@@ -233,6 +241,32 @@ class Pol:
     def __repr__(self) -> str:
         p = type(self.policy).__name__
         return f"Hooks(None)+{p}" if self.ref_hooks else p
+
+
+class Parts:
+    """``checkpoint(fn, *args, policy=dataclasses.replace(policy, parts=cuts))``, the cuts from a probe run
+    (NOTE [ Fuzzer semantics ] Rule 9)."""
+
+    def __init__(self, policy: Recompute) -> None:
+        self.policy = policy
+
+    def call(self, fn: Callable[..., Any], *args: torch.Tensor) -> Any:
+        n = 0
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            nonlocal n
+            n += 1
+            return t
+
+        devices = sorted({a.device.index or 0 for a in args if a.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fn(*args)
+        k = 1 + n % 3  # parts
+        cuts = tuple(sorted({n * j // k for j in range(1, k)} - {0}))
+        return torchckpt.checkpoint(fn, *args, policy=dataclasses.replace(self.policy, parts=cuts))
+
+    def __repr__(self) -> str:
+        return "Recompute(parts)"
 
 
 # A layout: (outer, per-segment runners); the per-segment tuple repeats when shorter.
@@ -469,10 +503,11 @@ class Setting:
     def __repr__(self) -> str:
         return f"Setting({self.structure!r}, {self.store!r})"
 
-    def layout(self, store: torchckpt.Store | None, nseg: int) -> Layout:
-        """(outer, per-segment runners); with ``store=None``, the twin (NOTE [ Fuzzer semantics ] Rule 4)."""
+    def layout(self, store: torchckpt.Store | None, nseg: int, twin: bool | None = None) -> Layout:
+        """(outer, per-segment runners); the twin (NOTE [ Fuzzer semantics ] Rule 4) with ``twin=True``, or by
+        default with ``store=None``."""
         s = store
-        twin = s is None
+        twin = s is None if twin is None else twin
         hooks = Hooks(s)
         off: Any = hooks if twin else Pol(Offload(s))
         rec_store: Any = Pol(Recompute(), ref_hooks=True) if twin else Pol(Recompute(store=s))
@@ -505,6 +540,12 @@ class Setting:
             save = SAVE_OPS if st == "rec_save_codec" else ALL_POSITIONS
             kept = Recompute(save=save) if twin else Recompute(save=save, store=s, codec=Identity())
             return (plain, (Pol(kept),))
+        if st == "rec_parts":  # Rule 9: the twins are torch's whole recomputation's
+            return (plain, (rec if twin else Parts(Recompute()),))
+        if st == "rec_parts_store":
+            return (plain, (rec_store if twin else Parts(Recompute(store=s)),))
+        if st == "rec_parts_save":
+            return (plain, (Pol(Recompute(save=SAVE_OPS)) if twin else Parts(Recompute(save=SAVE_OPS, store=s)),))
         if st == "keep":
             return (plain, (Pol(Keep()),))
         if st == "rec_in_off":  # a Recompute block inside an Offload block
@@ -525,7 +566,8 @@ def default_settings() -> list[Setting]:
             Setting("rec"), Setting("rec_store", "evicted"), Setting("rec_store", "budget"), Setting("keep"),
             Setting("rec_save"), Setting("rec_save", "evicted"), Setting("rec_save", "budget"),
             Setting("rec_save_all"), Setting("rec_save_all", "evicted"),
-            Setting("rec_save_all_codec", "evicted"),
+            Setting("rec_save_all_codec", "evicted"), Setting("rec_parts"), Setting("rec_parts_store", "evicted"),
+            Setting("rec_parts_save", "budget"),
             Setting("rec_in_off", "evicted"), Setting("rec_in_off", "budget"),
             Setting("off_in_rec", "evicted"), Setting("off_in_rec", "resident"), Setting("mixed", "budget"),
             Setting("mixed", "evicted")]
@@ -564,7 +606,7 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
         problems.append(f"plain autograd is not reproducible: {d}")
     twins: dict[str, Outcome] = {_key(PLAIN): plain}
     for s in settings:
-        tl = s.layout(None, nseg)
+        tl = s.layout(None, nseg, twin=True)
         key = _key(tl)
         if key not in twins:
             twins[key] = run(prog, tl, clones, device)
@@ -574,8 +616,10 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
                 for d in compare(plain, twins[key], grad_tol=RECOMPUTE_TOL if recompute else None):
                     problems.append(f"twin of {s!r} ({key}) vs plain autograd: {d}")
         ref = twins[key]
+        if plain.error is not None and s.structure.startswith("rec_parts"):  # Rule 9
+            continue
         store = make_store(s.store, device) if s.store is not None else None
-        layout = s.layout(store, nseg)
+        layout = s.layout(store, nseg, twin=False)
         for step in range(steps if store is not None else 1):
             got = run(prog, layout, clones, device)
             for d in compare(ref, got):

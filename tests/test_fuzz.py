@@ -27,7 +27,9 @@ semantics ]):
   decisions), ``Offload(store, codec=Identity())``, ``Recompute()``,
   ``Recompute(store=store)``, ``Keep()``; ``Recompute(save=...)`` keeping matmul and attention outputs
   (the fused kernels with ``dropout_p=0``, each followed by a dropout now and then) or every op it can, through
-  the store or not, and compressed on the way (``Recompute(codec=Identity())``); nested: a Recompute block inside
+  the store or not, and compressed on the way (``Recompute(codec=Identity())``); ``Recompute(parts=...)`` (one to
+  three parts, alone, with a store, with ``save=``), bit for bit against torch's whole recomputation; nested: a
+  Recompute block inside
   an ``offload()`` region and inside an ``Offload`` block, an Offload block inside a Recompute block; one
   policy per segment. Store configurations (``fuzz_programs.STORES``): resident (64 MiB
   budget), evicted (``gpu_bytes=0``), a budget of a few tensors (some evicted), ``min_bytes``
@@ -73,7 +75,7 @@ import fuzz_programs as fz
 import torchckpt
 from fuzz_programs import Op, Program, Setting
 from torchckpt.codecs import Identity
-from torchckpt.store import selective
+from torchckpt.store import parts, selective
 
 EXAMPLES = int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500"))
 SEED = int(os.environ.get("TORCHCKPT_FUZZ_SEED", "0"))
@@ -207,6 +209,24 @@ def test_fuzzer_catches_a_wrong_rng_replay_around_a_kept_kernel(monkeypatch: pyt
     monkeypatch.setattr(selective._Reusing, "op", bad_op)
     problems = fz.check(prog, settings=[Setting("rec_save")])
     assert any("vs plain autograd: grad of input0" in p for p in problems), problems
+
+
+def test_fuzzer_catches_parts_recomputed_without_the_rng_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recomputation in parts that does not restore the RNG state draws other dropout masks than the forward:
+    reported for every parts setting against torch's whole recomputation."""
+    replay = parts._Frame.replay
+
+    def bad_replay(self, args, kwargs):  # type: ignore[no-untyped-def]
+        self.preserve = False
+        return replay(self, args, kwargs)
+
+    prog = Program(ops=(Op("matmul", 0, 0, 2), Op("dropout", 0, 0, 1), Op("unary", 0, 0, 0)), dtype="float64")
+    settings = [Setting("rec_parts"), Setting("rec_parts_store", "evicted"), Setting("rec_parts_save", "budget")]
+    assert not fz.check(prog, settings=settings)
+    monkeypatch.setattr(parts._Frame, "replay", bad_replay)
+    problems = fz.check(prog, settings=settings)
+    failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
+    assert failing == {repr(s) for s in settings}, problems
 
 
 def test_invalid_program_raises_in_plain_autograd() -> None:

@@ -5,6 +5,7 @@ Each raises at the call that received the value, naming it and what to pass (STY
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 
 _UNITS = {
     "": 1, "b": 1,
@@ -64,3 +65,24 @@ def check_host(owner: str, host: object) -> None:
             "pass host=None for the default pool (pinned when CUDA is available) or e.g. "
             "host=torchckpt.memory.HostPool(capacity_bytes=8 << 30)."
         )
+
+
+def part_bytes(sizes: Sequence[int], cuts: Sequence[int]) -> list[int]:
+    """Bytes of each part of a block recomputed in parts (``Recompute(parts=...)``, NOTE [ Recompute in parts ]
+    Rule 1): ``sizes`` (bytes per saved tensor, in the order the forward saves them) summed between the cuts.
+    Pure Python: the one home of this arithmetic for the store's mechanism and the planner's model.
+
+    Args:
+        sizes: bytes each saved tensor's recomputation materialises (0 for one kept by reference).
+        cuts: the parts' starts after the first, increasing, each below ``len(sizes)``.
+
+    Returns:
+        ``len(cuts) + 1`` byte counts; their largest is what the block holds at once in backward.
+
+    Example::
+
+        >>> part_bytes([4, 0, 8, 8, 2], (2, 4))
+        [4, 16, 2]
+    """
+    edges = [0, *cuts, len(sizes)]
+    return [sum(sizes[a:b]) for a, b in zip(edges, edges[1:])]

@@ -45,6 +45,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.store import Store, default_store
+from torchckpt.store.parts import run_in_parts
 from torchckpt.store.selective import selective_contexts
 
 T = TypeVar("T")
@@ -213,6 +214,11 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     if policy.store is not None:
         ctx = policy.store.hooks(_module_tensors(module))
     with ctx:  # the inputs saved at the boundary go to the store
+        if policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12
+            return run_in_parts(  # type: ignore[no-any-return]
+                fn, args, kwargs, cuts=policy.parts, save=policy.save, store=policy.store, codec=policy.codec,
+                preserve_rng_state=policy.preserve_rng_state, determinism_check=policy.determinism_check,
+                debug=policy.debug, keep=_module_tensors(module))
         extra: dict[str, Any] = {}
         if policy.save is not None:  # NOTE [ Selective recompute ]
             extra["context_fn"] = functools.partial(selective_contexts, policy.save, policy.store, policy.codec)

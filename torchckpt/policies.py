@@ -9,6 +9,7 @@ from typing import Any
 
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
+from torchckpt.store.parts import check_parts
 from torchckpt.store.selective import check_save
 
 _DETERMINISM = ("default", "none")
@@ -45,6 +46,32 @@ class Recompute:
             ``torchckpt.codecs.Codec`` (needs ``save`` and ``store``; the inputs go as the store
             sends them). A lossy codec (e.g. ``TritonQuant``) makes the recomputation start from
             outputs within its stated guarantee, so gradients are within it too, not bit-exact.
+        parts: recompute the block in parts (NOTE [ Recompute in parts ], store/parts.py): cuts
+            ``(c1, ..., ck)``, increasing positions > 0 in the order the block's forward saves
+            tensors for backward (0 first, parameters counted, as ``Offload(tensors=...)``
+            numbers them), split those tensors into the parts ``[0, c1), ..., [ck, N)``. Backward
+            recomputes the block once per part, from the last part back, each time from the
+            block's start until that part's last saved tensor, keeping only that part's tensors
+            and releasing each as backward uses it: the block holds its largest part's bytes at
+            once instead of all it saves, for running its early ops more than once. Cut between the
+            tensors of different ops (``torchckpt.store.parts.PartsStats.nodes``): one op's saved
+            tensors come back together. Every cut must be below the number of tensors the block
+            saves (checked at each forward). Works with
+            ``save``, ``store`` and ``codec`` (kept outputs are handed to every recomputation that
+            runs their op); the same RNG, autocast and determinism guarantees as without parts.
+            The planner (``torchckpt.plan``) chooses them from a profile. Under ``torch.compile``
+            the block is recomputed whole. ``None``: recompute the block whole
+            (``torch.utils.checkpoint``).
+
+    Example::
+
+        >>> import torchckpt
+        >>> x = torch.randn(8, 8, requires_grad=True)
+        >>> f = lambda x: x.exp().tanh().sin()
+        >>> y = torchckpt.checkpoint(f, x, policy=torchckpt.Recompute(parts=(1,)))
+        >>> y.sum().backward()
+        >>> bool(torch.allclose(x.grad, torch.func.grad(lambda x: f(x).sum())(x.detach())))
+        True
     """
 
     store: Store | None = None
@@ -53,10 +80,12 @@ class Recompute:
     debug: bool = False
     save: frozenset[Any] | None = None
     codec: Codec | None = None
+    parts: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         _check_store("Recompute", self.store)
         object.__setattr__(self, "save", check_save("Recompute", self.save))
+        object.__setattr__(self, "parts", check_parts("Recompute", self.parts))
         if self.codec is not None:
             if not isinstance(self.codec, Codec):
                 raise TypeError(

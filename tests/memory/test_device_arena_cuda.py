@@ -10,7 +10,7 @@ import torch
 
 import torchckpt.memory.device_arena as da
 from torchckpt._errors import CheckpointError
-from torchckpt.store.snapshots import _Layout
+from torchckpt.store.snapshot_slots import Layout as _Layout
 
 pytestmark = pytest.mark.cuda
 

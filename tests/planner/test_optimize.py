@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
-from torchckpt.planner.costs import device_bytes, host_bytes
+from torchckpt.planner.costs import balanced_parts, device_bytes, host_bytes, materialised_bytes, part_bytes
 from torchckpt.planner.optimize import PlanError, ladder, search
 
 MiB = 1 << 20
@@ -21,9 +21,12 @@ def chains(draw: st.DrawFn) -> Chain:
     blocks = []
     for i in range(n):
         saved = tuple(draw(st.lists(st.integers(0, 64), min_size=1, max_size=5)))
-        blocks.append(Block(f"b{i}", draw(st.floats(1e-4, 1e-2)), draw(st.floats(1e-4, 2e-2)),
+        fwd = draw(st.floats(1e-4, 1e-2))
+        at = tuple(sorted(draw(st.floats(0, 1)) * fwd for _ in saved)) if draw(st.booleans()) else ()
+        cuts = tuple(c for c in range(1, len(saved)) if draw(st.booleans())) if at else ()
+        blocks.append(Block(f"b{i}", fwd, draw(st.floats(1e-4, 2e-2)),
                             draw(st.integers(0, 8)) * MiB, tuple(s * MiB for s in saved),
-                            bwd_bytes=draw(st.integers(0, 32)) * MiB))
+                            bwd_bytes=draw(st.integers(0, 32)) * MiB, saved_at=at, cuts=cuts))
     codec = draw(st.sampled_from([None, CodecCost("q4", 3.8, 5e11, 5e11, True, "test bound")]))
     link = Link(draw(st.floats(1e9, 1e11)), draw(st.floats(1e9, 1e11)))
     peak_none = draw(st.integers(0, 512)) * MiB + sum(b.saved_bytes for b in blocks)
@@ -75,9 +78,11 @@ def test_keep_everything_peaks_at_the_measured_peak(chain: Chain, extra: int) ->
     assert p.step_s == pytest.approx(chain.other_fwd_s + chain.other_bwd_s + sum(b.fwd_s + b.bwd_s for b in chain.blocks))
 
 
-def _chain(n: int, link: float = 25e9, codec: CodecCost | None = None) -> Chain:
+def _chain(n: int, link: float = 25e9, codec: CodecCost | None = None, parts: bool = False) -> Chain:
     saved = (128 * MiB,) * 4 + (64 * MiB,) * 4 + (32 * MiB,) * 4 + (16 * MiB,) * 4
-    blocks = [Block(f"h.{i}", 3.1e-3, 6.9e-3, 32 * MiB, saved, "blk") for i in range(n)]
+    at = tuple(3.1e-3 * (k + 1) / len(saved) for k in range(len(saved)))
+    blocks = [Block(f"h.{i}", 3.1e-3, 6.9e-3, 32 * MiB, saved, "blk", bwd_bytes=400 * MiB if parts else 0,
+                    saved_at=at if parts else (), cuts=tuple(range(1, len(saved))) if parts else ()) for i in range(n)]
     return Chain.calibrated(blocks, (4 << 30) + sum(b.saved_bytes for b in blocks), 100 * MiB, 2e-3, 4e-3,
                             Link(link, link), codec)
 
@@ -119,7 +124,7 @@ def test_plan_error_names_the_floor() -> None:
 
 
 def test_planning_32_blocks_takes_under_2_seconds() -> None:
-    ch = _chain(32, codec=CodecCost("q4", 3.8, 1e12, 1e12, True, "b"))
+    ch = _chain(32, codec=CodecCost("q4", 3.8, 1e12, 1e12, True, "b"), parts=True)
     t = time.perf_counter()
     found = search(ch)
     dt = time.perf_counter() - t
@@ -198,3 +203,45 @@ def test_op_times_lose_the_timer_gap_not_a_share() -> None:
     assert gap == pytest.approx(timed[1] - got[1]) and 5e-6 < gap < 30e-6
     assert got[0] > 0.97e-3 > timed[0] * 1.1 / 1.325  # proportional scaling would give 0.83 ms
     assert _less_gaps(timed, 2e-3) == timed  # a forward longer than the ops: nothing to take off
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(0, 50), min_size=0, max_size=8), st.integers(1, 4), st.data())
+def test_balanced_parts_is_the_smallest_largest_part(saved: list[int], k: int, data: st.DataObject) -> None:
+    """NOTE [ Step model ] Rule 2c: against every way of cutting ``saved`` into at most ``k`` parts at the allowed
+    positions, with the fewest parts that reach it."""
+    import itertools
+
+    allowed = data.draw(st.none() | st.lists(st.integers(1, max(1, len(saved) - 1)), unique=True))
+    ok = range(1, len(saved)) if allowed is None else sorted(c for c in allowed if 0 < c < len(saved))
+    cuts = balanced_parts(saved, k, allowed)
+    assert list(cuts) == sorted(set(cuts)) and set(cuts) <= set(ok) and len(cuts) < max(k, 1)
+    options = [c for j in range(0, max(1, k)) for c in itertools.combinations(ok, j)]
+    best = min(max(part_bytes(saved, c)) for c in options)
+    assert max(part_bytes(saved, cuts)) == best
+    assert len(cuts) == min(len(c) for c in options if max(part_bytes(saved, c)) == best)
+
+
+def test_recompute_in_parts_holds_one_part_and_pays_the_earlier_parts_forward() -> None:
+    ch = _chain(4, parts=True)
+    b = ch.blocks[0]
+    cuts = balanced_parts(b.saved, 2)
+    assert max(part_bytes(b.saved, cuts)) < b.saved_bytes
+    whole = simulate(ch, [RECOMPUTE] * 4)
+    parts = Decision("recompute", parts=cuts)
+    split = simulate(ch, [parts] * 4)
+    held = max(part_bytes(b.saved, cuts)) + b.input_bytes
+    assert materialised_bytes(b, parts) == max(held, b.saved_bytes - b.bwd_bytes)
+    assert whole.at.startswith("backward") and split.peak_bytes == whole.peak_bytes - (
+        b.saved_bytes - materialised_bytes(b, parts)) < whole.peak_bytes
+    assert split.recompute_s == pytest.approx(whole.recompute_s + 4 * b.saved_at[cuts[0] - 1])
+    assert parts in ladder(b, compress=False) and Decision("recompute", host=True, parts=cuts) in ladder(b, False)
+    found = search(ch)
+    no_parts = dataclasses.replace(ch, blocks=tuple(dataclasses.replace(x, saved_at=()) for x in ch.blocks))
+    assert found.floor < search(no_parts).floor  # parts reach lower
+    plan, _ = found.best(found.floor)
+    assert all(d.parts for d in plan)
+    with pytest.raises(ValueError, match="increasing"):
+        Decision("recompute", parts=(3, 3))
+    with pytest.raises(ValueError, match="only Decision"):
+        Decision("keep", parts=(1,))

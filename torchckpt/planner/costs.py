@@ -25,6 +25,19 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    from its forward to its backward, or go to host with its inputs (``Decision.host``: copied as
 #    an offload is, Rules 1-2, compressed with ``Decision.compress``), and its recomputation takes
 #    its forward time less theirs.
+# 2c. A recomputed block may be recomputed in parts (``Decision.parts``: cuts among its saved
+#    tensors, in the order its forward saves them; ``Recompute(parts=...)``): its backward
+#    materialises one part at a time, so it holds the largest part's bytes (and its inputs and kept
+#    outputs, throughout) instead of all its saved bytes, but the first recomputation runs the whole
+#    forward, whose Python frame may keep every tensor it made alive until it returns (before the
+#    backward's working memory, ``bwd_bytes``, is allocated): the block's peak is the larger of the
+#    two (on an H100 a model that left this out predicted 98.7 MiB where a small GPT stack peaked at
+#    124.2 MiB: most likely its attention's q, k, v and output, which the block's frame still
+#    references while the MLP runs), and the recomputation runs the block's forward once to its end and once more
+#    for each earlier part, from the block's start to that part's last saved tensor
+#    (``Block.saved_at``: the forward's time up to each saved tensor). Cuts fall only between
+#    tensors that two different autograd nodes saved (``Block.cuts``): a node's backward unpacks
+#    everything it saved at once, so a cut inside one node's tensors would hold two parts together.
 # 3. Device memory counts the activations only: tensors kept, inputs of recomputed blocks
 #    (unless they go to host too), offloaded tensors until their copy to host ends, then again
 #    from the start of their copy back to the end of their block's backward; a recomputed block
@@ -51,8 +64,11 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "cache_bytes", "device_bytes", "host_bytes",
-           "kept_bytes", "simulate", "split_bytes"]
+from torchckpt._args import part_bytes
+
+__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
+           "device_bytes", "host_bytes", "kept_bytes", "materialised_bytes", "part_bytes", "recompute_seconds", "replay",
+           "simulate", "split_bytes", "terms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,6 +120,10 @@ class Block:
             started (gradients of its activations, temporaries).
         ops: ``(position, bytes, seconds)`` of the forward's ops a recomputation may keep
             instead of running again (NOTE [ Selective recompute ]).
+        saved_at: for each saved tensor, the forward's time from the block's start to the end of
+            the op that saved it (Rule 2c); ``()``: not measured (no recomputation in parts).
+        cuts: the positions a recomputation in parts may cut at (Rule 2c): where the tensors before and after
+            cannot have been saved by one autograd node (a node's backward unpacks all it saved at once).
     """
 
     name: str
@@ -114,6 +134,8 @@ class Block:
     kind: str = ""
     bwd_bytes: int = 0
     ops: tuple[tuple[int, int, float], ...] = ()
+    saved_at: tuple[float, ...] = ()
+    cuts: tuple[int, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -187,6 +209,9 @@ class Decision:
             stays on the device in between.
         keep: for ``"recompute"``, positions of ops (``Block.ops``) whose outputs are kept from
             the forward (on the device, or on the host with ``host``) instead of being computed again.
+        parts: for ``"recompute"``, cuts among the block's saved tensors (positions in
+            ``Block.saved``, increasing, > 0): its backward recomputes and holds one part at a time
+            (Rule 2c).
     """
 
     mode: str
@@ -194,6 +219,7 @@ class Decision:
     compress: bool = False
     host: bool = False
     keep: tuple[int, ...] = ()
+    parts: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.mode not in ("keep", "recompute", "offload"):
@@ -203,8 +229,10 @@ class Decision:
         if self.compress and not (self.mode == "offload" or (self.host and self.keep)):
             raise ValueError("torchckpt: compress=True takes Decision(mode='offload') or Decision(mode='recompute', "
                              "host=True, keep=...) (the kept outputs are compressed).")
-        if (self.host or self.keep) and self.mode != "recompute":
-            raise ValueError("torchckpt: only Decision(mode='recompute') takes host=True and keep=....")
+        if (self.host or self.keep or self.parts) and self.mode != "recompute":
+            raise ValueError("torchckpt: only Decision(mode='recompute') takes host=True, keep=... and parts=....")
+        if any(not a < b for a, b in zip((0,) + self.parts, self.parts)):
+            raise ValueError(f"torchckpt: Decision(parts=...) takes increasing positions > 0, got {self.parts!r}.")
 
 
 KEEP = Decision("keep")
@@ -237,6 +265,62 @@ def kept_bytes(block: Block, d: Decision) -> int:
     """Bytes of the outputs of the ops ``d`` keeps from a recomputed block's forward (Rule 2b)."""
     chosen = set(d.keep)
     return sum(nb for k, nb, _ in block.ops if k in chosen)
+
+
+def materialised_bytes(block: Block, d: Decision) -> int:
+    """Bytes a recomputed block holds at once in its backward besides its working memory (Rule 2c): all its saved
+    tensors; in parts, the largest part and, besides it, its inputs and kept outputs (held through all its parts;
+    counted apart even where the part holds them too), but no less than its saved bytes less its working memory:
+    the first recomputation runs the whole forward, whose frame may hold every tensor it made until it returns,
+    before the backward's working memory is allocated."""
+    if not d.parts:
+        return block.saved_bytes
+    held = max(part_bytes(block.saved, d.parts)) + block.input_bytes + (kept_bytes(block, d) if d.keep else 0)
+    return max(held, block.saved_bytes - block.bwd_bytes)
+
+
+def recompute_seconds(block: Block, d: Decision) -> float:
+    """The time a recomputed block's recomputation takes (Rules 2b, 2c)."""
+    chosen = set(d.keep)
+    once = max(0.0, block.fwd_s - sum(sec for k, _, sec in block.ops if k in chosen))
+    if not d.parts or len(block.saved_at) != len(block.saved):
+        return once
+    return once + sum(block.saved_at[c - 1] for c in d.parts)
+
+
+def balanced_parts(saved: Sequence[int], k: int, allowed: Sequence[int] | None = None) -> tuple[int, ...]:
+    """Cuts of ``saved`` into at most ``k`` consecutive parts whose largest is smallest (the fewest parts that reach
+    it, then the earliest cuts), cutting only at ``allowed`` positions (``None``: anywhere); ``()`` when no cut
+    makes the largest part smaller than the whole."""
+    n = len(saved)
+    ok = sorted({c for c in (range(1, n) if allowed is None else allowed) if 0 < c < n})
+    k = min(k, len(ok) + 1)
+    if k < 2:
+        return ()
+    pre = [0]
+    for b in saved:
+        pre.append(pre[-1] + b)
+    ends = ok + [n]  # where a part may end
+    inf = float("inf")
+    # best[j][e]: the smallest largest part of saved[:ends[e]] in j parts; cut[j][e] the end index before the last
+    best = [[inf] * len(ends) for _ in range(k + 1)]
+    cut = [[-1] * len(ends) for _ in range(k + 1)]
+    for e, end in enumerate(ends):
+        best[1][e] = pre[end]
+    for j in range(2, k + 1):
+        for e, end in enumerate(ends):
+            for m in range(e):
+                v = max(best[j - 1][m], pre[end] - pre[ends[m]])
+                if v < best[j][e]:
+                    best[j][e], cut[j][e] = v, m
+    last = len(ends) - 1
+    j = min(range(1, k + 1), key=lambda jj: (best[jj][last], jj))
+    out, e = [], last
+    while j > 1:
+        e = cut[j][e]
+        out.append(ends[e])
+        j -= 1
+    return tuple(sorted(out))
 
 
 def host_bytes(block: Block, d: Decision) -> int:
@@ -280,28 +364,43 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
     ``cache=False`` leaves the store's GPU cache out of the memory (Rule 3): what the plan's
     decisions alone free, which the search ranks moves by (NOTE [ Plan search ] Rule 2).
     """
-    blocks = chain.blocks
-    n = len(blocks)
+    n = len(chain.blocks)
     if len(plan) != n:
         raise ValueError(f"torchckpt: a plan needs one decision per block: {n} blocks, {len(plan)} decisions.")
+    return replay(chain, [terms(chain, b, d) for b, d in zip(chain.blocks, plan)], lookahead, cache)
+
+
+Terms = tuple[int, int, int, float, float, int, bool, bool]
+
+
+def terms(chain: Chain, b: Block, d: Decision) -> Terms:
+    """What ``simulate`` needs of one block's decision: (bytes kept on the device, offloaded, over the link,
+    compression time, decompression and recomputation time, bytes its backward materialises, recomputed, with
+    host). The search computes them once per option (NOTE [ Plan search ])."""
     codec = chain.codec
+    kept, off = _split(b, d)
+    wire, extra_f, extra_b = off, 0.0, 0.0
+    rec = d.mode == "recompute"
+    if rec:
+        extra_b = recompute_seconds(b, d)
+    if d.compress and codec is not None:
+        squeezed = kept_bytes(b, d) if rec else off  # Decision.compress
+        wire = off - squeezed + int(squeezed / codec.ratio)
+        extra_f = squeezed / codec.compress
+        extra_b += squeezed / codec.decompress
+    return kept, off, wire, extra_f, extra_b, max(materialised_bytes(b, d), kept) if rec else kept, rec, d.host
+
+
+def replay(chain: Chain, per: Sequence[Terms], lookahead: int = 1, cache: bool = True) -> Prediction:
+    """``simulate`` on each block's ``terms``."""
+    blocks = chain.blocks
+    n = len(blocks)
     d2h_bw, h2d_bw = chain.link.d2h, chain.link.h2d
-    kept = [0] * n  # bytes on the device from the block's forward to its backward
-    off = [0] * n  # bytes offloaded (device-side size)
-    wire = [0] * n  # bytes over the link each way
-    extra_f = [0.0] * n  # compression time in the forward
-    extra_b = [0.0] * n  # decompression / recomputation time in the backward
-    for i, (b, d) in enumerate(zip(blocks, plan)):
-        kept[i], off[i] = device_bytes(b, d), host_bytes(b, d)
-        wire[i] = off[i]
-        if d.mode == "recompute":
-            chosen = set(d.keep)
-            extra_b[i] = max(0.0, b.fwd_s - sum(sec for k, _, sec in b.ops if k in chosen))
-        if d.compress and codec is not None:
-            squeezed = kept_bytes(b, d) if d.mode == "recompute" else off[i]  # Decision.compress
-            wire[i] = off[i] - squeezed + int(squeezed / codec.ratio)
-            extra_f[i] = squeezed / codec.compress
-            extra_b[i] += squeezed / codec.decompress
+    kept = [t[0] for t in per]  # bytes on the device from the block's forward to its backward
+    off = [t[1] for t in per]  # bytes offloaded (device-side size)
+    wire = [t[2] for t in per]  # bytes over the link each way
+    extra_f = [t[3] for t in per]  # compression time in the forward
+    extra_b = [t[4] for t in per]  # decompression / recomputation time in the backward
     base = chain.fixed_bytes + chain.other_saved_bytes
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
@@ -314,7 +413,7 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
     head = 0
     flying = 0  # bytes of copies not yet ended
     stall = 0.0
-    peak, at = base, "forward 0"
+    peak, at = base, 0  # at: the block index, forward (>= 0) or backward (-1 - index)
     for i in range(n):
         t += blocks[i].fwd_s + extra_f[i]
         resident += kept[i]
@@ -334,7 +433,7 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
             head += 1
         mem = base + resident + max(flying, min(room, offloaded))
         if mem > peak:
-            peak, at = mem, f"forward {i}"
+            peak, at = mem, i
     fwd_peak = peak
     # Backward (Rule 2): the work outside the blocks (head, loss) runs first and frees what it saved.
     base = chain.fixed_bytes if chain.bwd_fixed_bytes is None else chain.bwd_fixed_bytes
@@ -342,42 +441,34 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
     h2d_free = 0.0
     ready = [0.0] * n
     issued = [False] * n
-
     issued_bytes = 0  # offloaded bytes on the device again (issued copies back of blocks not yet done)
-
-    def issue(k: int, now: float) -> None:
-        nonlocal h2d_free, issued_bytes
-        if k < 0 or issued[k] or not wire[k]:
-            return
-        issued[k] = True
-        issued_bytes += off[k]
-        start = max(now, h2d_free, d2h[k])
-        h2d_free = ready[k] = start + wire[k] / h2d_bw
-
-    for k in range(n - 1, max(-1, n - 1 - lookahead), -1):
-        issue(k, t)
+    nxt = n - 1  # the next block whose copy back may be issued (they are issued in backward order)
     recompute = 0.0
     for i in range(n - 1, -1, -1):
-        for k in range(i, max(-1, i - lookahead - 1), -1):
-            issue(k, t)
+        while nxt >= 0 and nxt >= i - lookahead:  # at the start of block i + lookahead's backward (Rule 2)
+            if wire[nxt]:
+                issued[nxt] = True
+                issued_bytes += off[nxt]
+                h2d_free = ready[nxt] = max(t, h2d_free, d2h[nxt]) + wire[nxt] / h2d_bw
+            nxt -= 1
         back = max(issued_bytes, min(room, offloaded))
         if wire[i] and ready[i] > t:
             stall += ready[i] - t
             t = ready[i]
-        if plan[i].mode == "recompute":
+        pi = per[i]
+        rec, host, materialised = pi[6], pi[7], pi[5]
+        if rec:
             recompute += extra_b[i]
-            materialised = max(blocks[i].saved_bytes, kept[i])
-        else:
-            materialised = kept[i]
         mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes
-        if plan[i].mode == "recompute" and plan[i].host:
+        if rec and host:
             mem -= min(off[i], back)  # its inputs and kept outputs, back, are part of what it materialises
         if mem > peak:
-            peak, at = mem, f"backward {i}"
+            peak, at = mem, -1 - i
         t += blocks[i].bwd_s + extra_b[i]
         resident -= kept[i]
         offloaded -= off[i]
         if issued[i]:
             issued_bytes -= off[i]
         off[i] = 0
-    return Prediction(peak, t, recompute, stall, sum(wire), sum(wire), at, fwd_peak)
+    where = f"forward {at}" if at >= 0 else f"backward {-1 - at}"
+    return Prediction(peak, t, recompute, stall, sum(wire), sum(wire), where, fwd_peak)

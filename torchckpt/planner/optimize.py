@@ -1,16 +1,20 @@
 """Choosing a decision per block under a byte budget (pure Python, on the model of NOTE [ Step model ]).
 
 # NOTE [ Plan search ]
-# 1. Each block has a ladder of options, ordered by the bytes they leave on the device: keep;
+# 1. Each block has a ladder of options, ordered by the bytes they leave on the device (then by
+#    the bytes its backward holds, ``rung_key``): keep;
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
 #    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]),
 #    on the device or on the host (copied out and back as an offload is, compressed too with a
-#    codec); recompute; recompute with its inputs on the host. Every option is simulated with the
+#    codec); recompute; recompute with its inputs on the host; recompute in two or three parts
+#    (NOTE [ Step model ] Rule 2c), inputs on the device or on the host. Every option is simulated with the
 #    whole chain (``simulate``), so the link's contention and the position of the block
 #    (offloading the last blocks cannot be hidden) are priced, not assumed.
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
 #    to a lower rung) that lowers the predicted peak for the least added time per byte saved,
-#    until no move lowers it. Moves are ranked by the peak without the store's GPU cache (whose
+#    until no move lowers it, then (a plateau: the peak sits at one block's backward and moves to the
+#    next one's when that block moves) the one option taken by every block whose ladder has it, if
+#    that lowers the peak, and on from there. Moves are ranked by the peak without the store's GPU cache (whose
 #    size follows the largest block's offload, so one offload alone seldom lowers the full peak);
 #    every plan on the path is recorded with its full prediction, cache included. The walk runs
 #    once per cap on the bytes one block may send to host (none, a block's inputs, a quarter,
@@ -31,7 +35,8 @@ import heapq
 
 from torchckpt._errors import CheckpointError
 from torchckpt.planner.costs import (
-    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, device_bytes, host_bytes, simulate,
+    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, Terms, balanced_parts, device_bytes,
+    host_bytes, materialised_bytes, replay, terms,
 )
 
 __all__ = ["FAMILIES", "PlanError", "Search", "ladder", "search"]
@@ -41,8 +46,10 @@ class PlanError(CheckpointError, ValueError):
     """No plan meets the budget (the message names the lowest reachable peak)."""
 
 
-def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
+def ladder(block: Block, compress: bool, rungs: int = 4, parts: int = 2) -> list[Decision]:
     """A block's options, from the most device bytes to the fewest (Rule 1).
+
+    ``parts``: recomputation in up to this many parts is offered too (cuts balancing the parts' bytes).
 
     Offload rungs send the block's largest saved tensors, up to about ``1/rungs``, ``2/rungs``, ...
     of its saved bytes, then all of them.
@@ -71,9 +78,24 @@ def ladder(block: Block, compress: bool, rungs: int = 4) -> list[Decision]:
     out.append(RECOMPUTE)
     if block.input_bytes:
         out.append(RECOMPUTE_HOST)
-    top = device_bytes(block, KEEP)
-    rest = [d for d in out[1:] if device_bytes(block, d) < top]  # others could never lower the peak
-    return [KEEP] + sorted(rest, key=lambda d: -device_bytes(block, d))  # stable: recompute-host last
+    if len(block.saved_at) == len(block.saved) and block.cuts:  # in parts, when the profile says where to cut
+        for k in range(2, parts + 1):
+            cuts = balanced_parts(block.saved, k, block.cuts)
+            if cuts and all(cuts != d.parts for d in out):
+                out.append(Decision("recompute", parts=cuts))
+                if block.input_bytes:
+                    out.append(Decision("recompute", host=True, parts=cuts))
+                for d in sel[:3]:  # the ops kept first: the most time per byte (attention), on the host
+                    out.append(dataclasses.replace(d, host=True, parts=cuts))
+    top = rung_key(block, KEEP)
+    rest = [d for d in out[1:] if rung_key(block, d) < top]  # others could never lower the peak
+    return [KEEP] + sorted(rest, key=lambda d: tuple(-v for v in rung_key(block, d)))  # stable: recompute-host last
+
+
+def rung_key(block: Block, d: Decision) -> tuple[int, int]:
+    """How far down a block's ladder ``d`` is (Rule 1): the bytes it leaves on the device between forward and
+    backward, then the bytes its backward holds of its own (a recomputation in parts holds one part)."""
+    return device_bytes(block, d), materialised_bytes(block, d) if d.mode == "recompute" else block.saved_bytes
 
 
 def _selective(block: Block, rungs: int, first: int = 6) -> list[Decision]:
@@ -165,16 +187,18 @@ def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[t
     stale score. When no stale score is left, every move is simulated again before the walk ends.
     """
     blocks = chain.blocks
-    nbytes = [[device_bytes(b, d) for d in opts] for b, opts in zip(blocks, options)]
+    nbytes = [[rung_key(b, d) for d in opts] for b, opts in zip(blocks, options)]
+    table = [[terms(chain, b, d) for d in opts] for b, opts in zip(blocks, options)]  # each option's terms, once
     pos = [0] * len(blocks)
     cur = [opts[0] for opts in options]
-    pred = simulate(chain, cur, lookahead, cache=False)
-    plans = [(tuple(cur), simulate(chain, cur, lookahead))]
+    per = [t[0] for t in table]
+    pred = replay(chain, per, lookahead, cache=False)
+    plans = [(tuple(cur), replay(chain, per, lookahead))]
 
     def score(i: int, j: int) -> tuple[float, int] | None:
-        cur[i] = options[i][j]
-        p = simulate(chain, cur, lookahead, cache=False)
-        cur[i] = options[i][pos[i]]
+        per[i] = table[i][j]
+        p = replay(chain, per, lookahead, cache=False)
+        per[i] = table[i][pos[i]]
         gain = pred.peak_bytes - p.peak_bytes
         return ((p.step_s - pred.step_s) / gain, -p.peak_bytes) if gain > 0 else None
 
@@ -199,9 +223,9 @@ def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[t
         sc = score(i, j)
         if sc is not None and (not heap or sc <= heap[0][:2]):
             pos[i] = j
-            cur[i] = options[i][j]
-            pred = simulate(chain, cur, lookahead, cache=False)
-            plans.append((tuple(cur), simulate(chain, cur, lookahead)))
+            cur[i], per[i] = options[i][j], table[i][j]
+            pred = replay(chain, per, lookahead, cache=False)
+            plans.append((tuple(cur), replay(chain, per, lookahead)))
             for jj in moves(i):
                 s2 = score(i, jj)
                 if s2 is not None:
@@ -210,4 +234,44 @@ def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[t
             heapq.heappush(heap, (sc[0], sc[1], i, j))
         if not heap:
             heap = scan()
+        if not heap:  # a plateau: no one block lowers the peak; move every block that has an option at once
+            group = _group_move(chain, options, nbytes, table, pos, per, pred, lookahead)
+            if group is not None:
+                for i, j in group:
+                    pos[i] = j
+                    cur[i], per[i] = options[i][j], table[i][j]
+                pred = replay(chain, per, lookahead, cache=False)
+                plans.append((tuple(cur), replay(chain, per, lookahead)))
+                heap = scan()
     return plans
+
+
+def _group_move(chain: Chain, options: list[list[Decision]], nbytes: list[list[tuple[int, int]]],
+                table: list[list[Terms]], pos: list[int], per: list[Terms], pred: Prediction,
+                lookahead: int) -> list[tuple[int, int]] | None:
+    """Rule 2's move off a plateau: one option taken by every block whose ladder has it further down, the one that
+    lowers the peak for the least added time per byte; ``None`` if none lowers it."""
+    best: tuple[tuple[float, int], list[tuple[int, int]]] | None = None
+    seen: set[Decision] = set()
+    for i0 in range(len(options)):
+        for d in options[i0][pos[i0] + 1:]:
+            if d in seen:
+                continue
+            seen.add(d)
+            moves = []
+            for i, opts in enumerate(options):
+                j = next((j for j in range(pos[i] + 1, len(opts)) if opts[j] == d), None)
+                if j is not None and nbytes[i][j] < nbytes[i][pos[i]]:
+                    moves.append((i, j))
+            if len(moves) < 2:
+                continue
+            trial = list(per)
+            for i, j in moves:
+                trial[i] = table[i][j]
+            p = replay(chain, trial, lookahead, cache=False)
+            gain = pred.peak_bytes - p.peak_bytes
+            if gain > 0:
+                sc = ((p.step_s - pred.step_s) / gain, -p.peak_bytes)
+                if best is None or sc < best[0]:
+                    best = (sc, moves)
+    return None if best is None else best[1]

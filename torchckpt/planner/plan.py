@@ -2,7 +2,8 @@
 
 # NOTE [ Applying a plan ]
 # 1. ``Plan.apply(model)`` wraps each planned block with the policy its decision names, through
-#    ``torchckpt.checkpoint(block, policy=...)``: ``Recompute()``, or ``Offload(store, codec,
+#    ``torchckpt.checkpoint(block, policy=...)``: ``Recompute()`` (``Recompute(save=..., parts=...)``
+#    for kept ops and a recomputation in parts), or ``Offload(store, codec,
 #    tensors=positions)`` for an offload, where ``positions`` are the block's saved tensors (by
 #    the order its forward saves them, NOTE [ Profiling step ] Rule 2) the plan sends to host; kept
 #    blocks are left as they are. ``Applied.remove()`` puts the blocks' forwards back.
@@ -41,7 +42,9 @@ from torch import nn
 from torchckpt._args import parse_bytes
 from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
-from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, cache_bytes, split_bytes
+from torchckpt.planner.costs import (
+    CodecCost, Decision, Link, Prediction, cache_bytes, part_bytes, recompute_seconds, split_bytes,
+)
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.chain import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
@@ -75,6 +78,9 @@ class BlockPlan:
         keep_bytes: bytes of the kept ops' outputs.
         keep_names: the kept ops, by name.
         keep_s: the kept ops' measured time (what the recomputation saves).
+        parts: (``"recompute"``) cuts among the saved tensors: the block is recomputed in parts, one held
+            at a time (``Recompute(parts=...)``, NOTE [ Step model ] Rule 2c).
+        parts_s: the time the recomputation of the earlier parts adds (each reruns the forward to its end).
     """
 
     name: str
@@ -90,6 +96,8 @@ class BlockPlan:
     keep_bytes: int = 0
     keep_names: tuple[str, ...] = ()
     keep_s: float = 0.0
+    parts: tuple[int, ...] = ()
+    parts_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -175,9 +183,11 @@ class Plan:
                 cost = f"{moved / d2h * 1e3:8.2f}"
                 pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             elif b.mode == "recompute":
-                what, cost, pre = "recompute", f"{max(0.0, b.fwd_s - b.keep_s) * 1e3:8.2f}", "-"
+                what, cost, pre = "recompute", f"{(max(0.0, b.fwd_s - b.keep_s) + b.parts_s) * 1e3:8.2f}", "-"
                 if b.keep_ops:
                     what = f"recompute, keep {len(b.keep_ops)} ops"
+                if b.parts:
+                    what = f"recompute in {len(b.parts) + 1} parts"
                 if b.host:
                     what += (", on host" + (" compressed" if b.compress else "")) if b.keep_ops else ", inputs host"
                     pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
@@ -190,6 +200,10 @@ class Plan:
                 lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs{' on the host' if b.host else ''}"
                              f"{(' compressed' + (' (lossy)' if self.lossy else '')) if b.compress else ''} "
                              f"instead of recomputing them ({b.keep_s * 1e3:.2f} ms): {names}")
+            if b.parts:
+                sizes = part_bytes([t.nbytes for t in b.tensors], b.parts)
+                lines.append(f"    parts cut before saved tensors {', '.join(map(str, b.parts))}: "
+                             f"{', '.join(f'{x / 2**20:.1f}' for x in sizes)} MiB, one held at a time")
             if b.mode == "offload":
                 for k in b.offload:
                     t = b.tensors[k]
@@ -212,7 +226,7 @@ class Plan:
         if d.pop("format", None) != _FORMAT:
             raise ValueError(f"torchckpt: this plan was written in another format; plan the model again (format {_FORMAT}).")
         blocks = tuple(BlockPlan(**{**b, "offload": tuple(b["offload"]), "keep_ops": tuple(b["keep_ops"]),
-                                    "keep_names": tuple(b.get("keep_names", ())),
+                                    "keep_names": tuple(b.get("keep_names", ())), "parts": tuple(b.get("parts", ())),
                                     "tensors": tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
                        for b in d.pop("blocks"))
         return Plan(blocks=blocks, **{**d, "link": tuple(d["link"])})
@@ -256,7 +270,8 @@ class Plan:
                 continue
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
             policy: Any = Recompute(store=store if b.host else None, save=frozenset(b.keep_ops) if b.keep_ops else None,
-                                    codec=codec if b.compress else None) if b.mode == "recompute" else (
+                                    codec=codec if b.compress else None,
+                                    parts=b.parts or None) if b.mode == "recompute" else (
                 Offload(store, codec if b.compress else None, tensors=frozenset(b.offload), expect=len(b.tensors)))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))
@@ -482,11 +497,14 @@ class _Planned:
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
           link: Link, codec: Any) -> Plan:
+    chain_blocks = prof.blocks()
     blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host, d.keep, prof.saved[i],
                              prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
                              keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)),
                              keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)),
-                             keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)))
+                             keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)),
+                             parts=d.parts, parts_s=recompute_seconds(chain_blocks[i], d) - recompute_seconds(
+                                 chain_blocks[i], dataclasses.replace(d, parts=())) if d.parts else 0.0)
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,

@@ -35,7 +35,11 @@
 #    of a Llama layer summed to 13% more than its forward, those of the GPT block to 4-40% more,
 #    by machine), about the same for every op, so it weighs on small ops and hardly on a matmul.
 #    The costs the optimiser reads are the op times less one gap each (none below zero), the gap
-#    chosen so that they sum to the block's forward time of the profiling step.
+#    chosen so that they sum to the block's forward time of the profiling step. The same forward
+#    records, for each tensor a block saves, how many of the block's ops had run when it was saved
+#    (``Profile.saved_after``), so the time up to each saved tensor is known: what recomputing a
+#    block's first parts costs (NOTE [ Step model ] Rule 2c). A forward that saves another number of
+#    tensors than the profiled step leaves it unknown, and the block is not offered in parts.
 # 6. When the plain step does not fit on the device (``torch.cuda.OutOfMemoryError``), the step
 #    runs with every block under ``torch.utils.checkpoint`` instead, recording what is saved outside
 #    the blocks and each block's inputs; then each block runs alone on its inputs, forward and
@@ -123,6 +127,7 @@ class Profile:
     device: str
     by_blocks: bool = False
     bwd_start_bytes: tuple[int, ...] = ()
+    saved_after: tuple[tuple[int, ...], ...] = ()
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -133,6 +138,7 @@ class Profile:
         d = json.loads(text)
         d["saved"] = tuple(tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b) for b in d["saved"])
         d["ops"] = tuple(tuple(OpCost(**o) for o in b) for b in d["ops"])
+        d["saved_after"] = tuple(tuple(b) for b in d.get("saved_after", ()))
         fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
         return Profile(**fields)
 
@@ -141,8 +147,19 @@ class Profile:
         for i, name in enumerate(self.names):
             secs = _less_gaps([o.seconds for o in self.ops[i]], self.fwd_s[i])  # Rule 5
             ops = tuple((o.position, o.nbytes, t) for o, t in zip(self.ops[i], secs) if o.nbytes > 0)
+            after = self.saved_after[i] if i < len(self.saved_after) else ()
+            at: tuple[float, ...] = ()
+            cuts: tuple[int, ...] = ()
+            if len(after) == len(self.saved[i]) and [o.position for o in self.ops[i]] == list(range(len(secs))):
+                cum = [0.0]
+                for t in secs:
+                    cum.append(cum[-1] + t)
+                at = tuple(cum[min(a, len(secs))] for a in after)  # Rule 5: the time up to each saved tensor
+                # A node saves its inputs before its op runs (count k) and its outputs after (k + 1): tensors two
+                # counts apart or more were saved by different nodes (NOTE [ Step model ] Rule 2c).
+                cuts = tuple(c for c in range(1, len(after)) if after[c] >= after[c - 1] + 2)
             out.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
-                             tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops))
+                             tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts))
         return out
 
     def chain(self, link: Link, codec: CodecCost | None = None) -> Chain:
@@ -380,7 +397,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         bwd.append(clock.between(start, end) if start is not None and end is not None else 0.0)
     fwd_total = clock.between(t0, rec.fwd_end)  # type: ignore[attr-defined]
     step_s = clock.between(t0, t1)
-    ops = _op_costs(model, chain, args, kwargs, clock)
+    ops, after = _op_costs(model, chain, args, kwargs, clock)
     return Profile(
         names=tuple(nm for nm, _ in chain), kinds=tuple(block_kind(m) for _, m in chain),
         saved=tuple(tuple(s) for s in rec.saved), input_bytes=tuple(rec.inputs),
@@ -389,6 +406,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         step_s=step_s, peak_none=int(peak), device=str(device),
         bwd_start_bytes=tuple(b - start_bytes for b in rec.bwd_start) if clock.cuda and all(
             s is not None for s in rec.grad_at_out) else (),
+        saved_after=after,
     )
 
 
@@ -432,6 +450,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         p.grad = None
     per: list[_Recorder] = []
     ops: list[tuple[OpCost, ...]] = []
+    after: list[tuple[int, ...]] = []
     try:
         for i, (name, mod) in enumerate(chain):
             got = inputs[i]
@@ -455,6 +474,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
                 mod(*a, **kw)
             clock.sync()
             ops.append(tuple(OpCost(k, nm, nb, clock.between(x, y)) for k, nm, nb, x, y in timer.raw[0]))
+            after.append(tuple(timer.packs[0]))
             per.append(r)
             inputs[i] = None
     finally:
@@ -478,7 +498,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         fwd_s=tuple(fwd), bwd_s=tuple(bwd), bwd_bytes=tuple(r.bwd_bytes[0] for r in per), ops=tuple(ops),
         other_saved_bytes=rec.other, other_fwd_s=max(0.0, fwd_total - sum(fwd)),
         other_bwd_s=max(0.0, step_s - fwd_total - sum(fwd) - sum(bwd)), step_s=step_s, peak_none=int(peak),
-        device=str(device), by_blocks=True,
+        device=str(device), by_blocks=True, saved_after=tuple(after),
     )
 
 
@@ -504,6 +524,21 @@ class _OpTimer(OpCounter):
         self.clock = clock
         self.current: int | None = None
         self.raw: list[list[tuple[int, str, int, Any, Any]]] = [[] for _ in range(n)]
+        self.packs: list[list[int]] = [[] for _ in range(n)]  # per block: ops dispatched as each tensor was saved
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if self.current is not None:
+            self.packs[self.current].append(self.k)
+        return t
+
+    def __enter__(self) -> _OpTimer:
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._hooks.__enter__()
+        return super().__enter__()  # type: ignore[no-any-return]
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
 
     def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         i = self.current
@@ -522,8 +557,9 @@ class _OpTimer(OpCounter):
 
 
 def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tuple[Any, ...],
-              kwargs: dict[str, Any], clock: Clock) -> tuple[tuple[OpCost, ...], ...]:
-    """One more forward, each block's aten ops timed (Rule 5); the graph is dropped, nothing is differentiated."""
+              kwargs: dict[str, Any], clock: Clock) -> tuple[tuple[tuple[OpCost, ...], ...], tuple[tuple[int, ...], ...]]:
+    """One more forward, each block's aten ops timed (Rule 5), and how many ops each block had run as each of its
+    saved tensors was saved; the graph is dropped, nothing is differentiated."""
     timer = _OpTimer(len(chain), clock)
     undo = []
 
@@ -544,7 +580,8 @@ def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tu
         for u in undo:
             u()
     clock.sync()
-    return tuple(tuple(OpCost(k, name, nb, clock.between(a, b)) for k, name, nb, a, b in ops) for ops in timer.raw)
+    return (tuple(tuple(OpCost(k, name, nb, clock.between(a, b)) for k, name, nb, a, b in ops) for ops in timer.raw),
+            tuple(tuple(p) for p in timer.packs))
 
 
 def _cpu_peak(model: nn.Module, rec: _Recorder) -> int:

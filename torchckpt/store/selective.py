@@ -29,7 +29,8 @@
 #    output modified in place after the forward (an ``empty_like`` that ``bernoulli_`` fills, say)
 #    raises, naming the op, with autograd's own check (NOTE [ Saved tensor identity ] Rule 1):
 #    it could not stand in for the op. Each kept output is handed back once: a second backward
-#    through the block raises, as torch SAC does.
+#    through the block raises, as torch SAC does. (A block recomputed in parts hands it back to
+#    each recomputation that passes through its op: NOTE [ Recompute in parts ] Rule 7.)
 # 4. A write that bumps no version counter escapes Rule 3: ATen's RNN cells split a matmul's output
 #    with ``unsafe_chunk`` and write the pieces in place. So the forward's mode watches every op
 #    that writes an argument (its schema says so): a write into the storage of a kept output
@@ -189,9 +190,13 @@ class _Reusing(OpCounter):
         assert self.store is not None
         return self.store.unpack(h)
 
+    def take(self, k: int) -> tuple[Any, Any]:
+        """The op and kept outputs of position ``k``, handed back once (Rule 3)."""
+        return self.cache.pop(k)  # type: ignore[no-any-return]
+
     def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         if k in self.cache:
-            op, kept = self.cache.pop(k)
+            op, kept = self.take(k)
             try:
                 return tree_map(self.get, kept)
             except RuntimeError as e:
