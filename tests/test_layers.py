@@ -1,8 +1,8 @@
 """The package's layers: imports point down only, and no module imports another package's private names.
 
 Layers, top to bottom (docs/architecture.md): the public entry points (``torchckpt``, ``api``,
-``policies``, ``demo``, ``env``) over ``adjoint`` over ``store`` over ``memory`` and ``codecs`` over
-``schedules`` and ``_native``, with ``_errors``/``_args`` at the bottom. ``schedules`` imports no torch.
+``policies``, ``demo``, ``env``) over ``adjoint`` over ``store`` over ``memory``, ``codecs`` and ``distributed``
+over ``schedules`` and ``_native``, with ``_errors``/``_args`` at the bottom. ``schedules`` imports no torch.
 """
 from __future__ import annotations
 
@@ -22,9 +22,10 @@ ALLOWED: dict[str, set[str]] = {
     "_native": {"_errors"},
     "schedules": {"_errors"},
     "codecs": {"_errors", "_native"},
-    "memory": {"_errors", "_native"},
-    "store": {"_errors", "_args", "_native", "codecs", "memory", "schedules"},
-    "adjoint": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "store"},
+    "memory": {"_errors", "_native", "schedules"},  # schedules' Tier names the tiers a bandwidth belongs to
+    "distributed": {"_errors", "schedules"},
+    "store": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "distributed"},
+    "adjoint": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "store", "distributed"},
     "policies": {"_errors", "codecs", "store"},
     "api": {"_errors", "_args", "policies", "store"},
     "planner": {"_errors", "_args", "api", "codecs", "policies", "store"},

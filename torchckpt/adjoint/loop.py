@@ -381,14 +381,16 @@ def checkpointed_loop(
             or ``Auto()`` (the default): Revolve over as many snapshots as ``store``'s budgets
             hold (with a ``Store(codec=...)``, counted at the compressed size of the initial state
             plus ``Auto.margin``: compression buys snapshots, hence less recomputation);
-            ``Auto(kind=Uniform)``: a ``Uniform`` schedule sized the same way. (``"auto"`` and the
+            with a disk tier (``store``'s ``disk=``) and GPU and host short, ``Multistage`` over GPU,
+            host and disk, the busiest slots on the fastest tier by measured bandwidth (NOTE [ Auto
+            schedule ]); ``Auto(kind=Uniform)``: a ``Uniform`` schedule sized the same way. (``"auto"`` and the
             classes ``Revolve``/``Uniform`` still mean ``Auto()``/``Auto(kind=...)``, with a
             ``DeprecationWarning``.)
         store: where the snapshots go. A ``SnapshotStore`` is used as it is (its device, slots,
-            host pool and codec; ``Auto`` then keeps every snapshot on the host tier behind its
+            host pool, codec and disk tier; ``Auto`` then keeps every snapshot off the GPU, behind its
             slots); the loop frees its snapshots and leaves the store open for the next loop. A
-            ``Store`` lends its device, GPU budget, host pool and codec to a snapshot store of
-            ``slots`` slots made for the loop (``None``: the default store).
+            ``Store`` lends its device, GPU budget, host pool, codec and disk tier to a snapshot
+            store of ``slots`` slots made for the loop (``None``: the default store).
         slots: GPU cache slots in front of host snapshots (>= 1).
         prefetch: prefetch host snapshots ahead of their restores.
         params: tensors ``step`` uses that need gradients, in addition to those found (the
@@ -541,7 +543,9 @@ def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, 
         nbytes, first_packs = schedule.estimate(flat, store.codec)
         # A SnapshotStore's GPU memory is all slots: Auto keeps every snapshot on the host tier behind them.
         gpu = store.cache.capacity if isinstance(store, Store) else 0
-        schedule = schedule.resolve(n_steps, nbytes, gpu, store.host.capacity_bytes, slots)
+        # NOTE [ Auto schedule ]: with the store's disk tier, Multistage over GPU, host and disk when the first two are short.
+        schedule = schedule.resolve(n_steps, nbytes, gpu, store.host.capacity_bytes, slots, disk=store.disk,
+                                    host=store.host, device=store.device)
     if isinstance(schedule, type):
         raise TypeError(
             f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), Auto() or Auto(kind=...); "
@@ -562,7 +566,7 @@ def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, 
     def factory(device: torch.device) -> SnapshotStore:
         if isinstance(st, SnapshotStore):
             return st  # the caller's: it keeps it (and closes it)
-        return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec)
+        return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec, disk=st.disk)
 
     if not torch.is_grad_enabled():
         return _plain(fn, list(flat), 0, n_steps, [])  # nothing to differentiate: no snapshots at all

@@ -54,9 +54,13 @@
 #    without ``torch.no_grad()`` keeps the previous output alive into the next forward) never
 #    release everything; the trace then stops growing at ``_trace_limit()`` records, the plan
 #    is dropped, and recording resumes once every entry has been released.
+# 11. With ``disk=``, an entry the host pool has no room for under its cap goes to a file
+#    instead, written behind, read back at its load (ahead of it on the plan), deleted when the
+#    entry dies or at ``close()``: NOTE [ Spill to disk ] (store/saved_disk.py).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Iterable
@@ -71,8 +75,9 @@ from torchckpt.codecs.base import Codec
 from torchckpt.store.streams import Mover, nvtx_range
 from torchckpt.codecs.blob import Blob
 from torchckpt.schedules.cache import Cache
-from torchckpt.memory import HostBlock, HostPoolBase, make_host_pool
+from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
 from torchckpt.schedules.trace import PACK, RELEASE, UNPACK, TracePrefetch, prefetch_from_trace
+from torchckpt.store.saved_disk import DiskSpill
 from torchckpt.store.identity import Coverage, Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
 from torchckpt.store.stats import Stats
 
@@ -85,13 +90,13 @@ def _in_backward() -> bool:
 
 
 _TRACE_MIN = 1 << 16  # Rule 10: records a step may hold at least before the trace stops
-_STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes")]
+_STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes", "disk")]
 
 
 class _Entry:
     __slots__ = (
         "id", "nbytes", "gpu", "base_off", "host", "d2h", "h2d", "h2d_stream",
-        "prefetched", "refs", "key", "codec", "dtype", "blob", "version", "root", "cover",
+        "prefetched", "refs", "key", "codec", "dtype", "blob", "version", "root", "cover", "disk",
     )
 
     def __init__(self, eid: int, nbytes: int, gpu: torch.Tensor, base_off: int, key: Any, version: Version,
@@ -113,6 +118,7 @@ class _Entry:
         self.version = version  # NOTE [ Saved tensor identity ] Rule 1
         self.root = root  # weak reference to the view family's root (Rule 2a), or None
         self.cover: Coverage | None = None  # what later saves may share it (Rule 2b)
+        self.disk: Any = None  # its file's key on the disk tier, once spilled (Rule 11)
 
 
 class _Handle:
@@ -164,8 +170,8 @@ def _store_from_config(config: dict[str, Any]) -> Store:
     return Store(**config)
 
 
-class Store:
-    """A GPU cache backed by a host pool, fed by autograd's saved-tensor hooks.
+class Store(DiskSpill):
+    """A GPU cache backed by a host pool (and a disk tier), fed by autograd's saved-tensor hooks.
 
     Args:
         device: the device whose tensors are offloaded (``"cuda"``, ``"cuda:1"``, or ``"cpu"``
@@ -182,6 +188,10 @@ class Store:
         codec: a ``torchckpt.codecs.Codec`` that compresses what crosses to host memory
             (NOTE [ Store ] Rule 9), and the snapshots of adjoint loops run with this store.
             A lossy codec changes gradients within its guarantee. ``None``: no compression.
+        disk: a directory (the store makes a ``torchckpt.memory.DiskTier`` there and closes it in
+            ``close()``) or a ``DiskTier``: tensors the host pool has no room for under its cap go
+            to files there (NOTE [ Spill to disk ]), and adjoint loops run with this store may keep
+            snapshots there (``Auto``). ``None``: host memory only.
 
     Example::
 
@@ -203,9 +213,11 @@ class Store:
         prefetch: bool = True,
         timing: bool = True,
         codec: Codec | None = None,
+        disk: str | os.PathLike[str] | DiskTier | None = None,
     ) -> None:
         self._config = dict(device=device, gpu_bytes=gpu_bytes, host=host, min_bytes=min_bytes, prefetch=prefetch,
-                            timing=timing, codec=codec)
+                            timing=timing, codec=codec,
+                            disk=os.path.dirname(disk.root) if isinstance(disk, DiskTier) else disk)
         check_flag("Store", "prefetch", prefetch)
         check_flag("Store", "timing", timing)
         check_host("Store", host)
@@ -262,6 +274,7 @@ class Store:
         self._timings: list[tuple[str, Any, Any]] = []
         self._c: dict[str, Any] = dict.fromkeys(_STAT_FIELDS, 0)
         self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
+        self._disk_init(disk)  # Rule 11 (made last: nothing above can fail and leave its directory behind)
 
     # -- public --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> Store:
@@ -311,7 +324,7 @@ class Store:
             c = dict(self._c)
             if self._live == 0 and (self._trace or not self._tracing):  # the step has ended; no pack has closed it yet
                 c["steps"] += 1
-            return Stats(**c, gpu_peak_bytes=self.cache.peak, host=self.host.stats())
+            return Stats(**c, gpu_peak_bytes=self.cache.peak, host=self.host.stats(), disk=self._disk_stats())
 
     def reset_stats(self) -> None:
         """Zero the counters (the plan and the pools are kept)."""
@@ -346,6 +359,7 @@ class Store:
         span = int(extent) * es
         whole = 2 * span >= storage.nbytes()
         with self._lock, nvtx_range("torchckpt.pack"):
+            self._poll_disk(raise_errors=True)  # Rule 11
             if self._live == 0 and (self._trace or not self._tracing):
                 self._finish_step()
             if codec is not None and not codec.supports(t.dtype):
@@ -393,6 +407,7 @@ class Store:
         e.version.check()
         c = self._c
         with self._lock, nvtx_range("torchckpt.unpack"):
+            self._poll_disk(raise_errors=True)  # Rule 11
             pos = self._record(UNPACK, e.id, 0)
             if e.gpu is not None:
                 if e.id in self.cache:
@@ -451,27 +466,34 @@ class Store:
         return n
 
     def _write(self, e: _Entry) -> None:
-        """Start the entry's device-to-host copy (its GPU copy must be present)."""
+        """Start the entry's device-to-host copy (its GPU copy must be present); to disk past the pool's cap."""
         assert e.gpu is not None
+        alloc = self._alloc_for(e)  # Rule 11: a host block, or a staging buffer for the disk
         if e.codec is not None:
-            e.host, e.blob, e.d2h = self._mover.to_host_packed(e.codec, e.gpu.view(e.dtype), self.host.alloc)
+            e.host, e.blob, e.d2h = self._mover.to_host_packed(e.codec, e.gpu.view(e.dtype), alloc)
             self._c["compressed"] += 1
             self._c["compressed_bytes"] += e.blob.nbytes
         else:
-            e.host = self.host.alloc(e.nbytes)
+            e.host = alloc(e.nbytes)
             e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)
+        if e.disk is not None:
+            self._spill(e)
         self._c["offloaded"] += 1
         self._c["offloaded_bytes"] += e.nbytes
 
     def _load(self, e: _Entry) -> torch.Tensor:
-        if e.host is None:
+        if e.disk is not None:
+            src = self._disk_source(e)  # Rule 11
+        elif e.host is None:
             raise internal_error(f"entry {e.id} has neither a GPU nor a host copy")
+        else:
+            src = e.host.tensor
         if e.codec is not None and e.blob is not None:
-            buf, ev, stream = self._mover.to_device_packed(e.codec, e.blob, e.host.tensor, e.nbytes, e.dtype, e.d2h)
+            buf, ev, stream = self._mover.to_device_packed(e.codec, e.blob, src, e.nbytes, e.dtype, e.d2h)
             e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
-            self._c["loaded_bytes"] += e.host.tensor.numel()
+            self._c["loaded_bytes"] += src.numel()
             return buf
-        buf, ev, stream = self._mover.to_device(e.host.tensor, e.nbytes, e.d2h)
+        buf, ev, stream = self._mover.to_device(src, e.nbytes, e.d2h)
         e.gpu, e.base_off, e.h2d, e.h2d_stream = buf, 0, ev, stream
         self._c["loaded_bytes"] += e.nbytes
         return buf
@@ -480,6 +502,8 @@ class Store:
         plan = self._plan
         if plan is None:
             return
+        if self.disk is not None:
+            self._read_ahead(pos)  # Rule 11
         for j in plan.actions.get(pos, ()):
             if j < 0:  # make room for the next prefetch (NOTE [ Prefetch from a recorded trace ] Rule 3)
                 v = self._entries.get(~j)
@@ -519,7 +543,7 @@ class Store:
     def _evict(self, e: _Entry) -> None:
         """Drop the GPU copy of ``e`` (already out of the cache's ranking), writing it first if needed."""
         c = self._c
-        if e.host is None:  # not written yet (Rule 3; the plan did not foresee this eviction)
+        if e.host is None and e.disk is None:  # not written yet (Rule 3; the plan did not foresee this eviction)
             self._write(e)
         if e.d2h is not None and not e.d2h.query():
             c["eviction_waits"] += 1
@@ -550,6 +574,9 @@ class Store:
             if e.host is not None:
                 self.host.free(e.host, last)
                 e.host = None
+            if e.disk is not None:
+                self._poll_disk(raise_errors=False)
+                self._forget_disk(e)  # Rule 11
             self._entries.pop(e.id, None)
             if e.key is not None and self._by_storage.get(e.key, (None,))[0] is e:
                 del self._by_storage[e.key]

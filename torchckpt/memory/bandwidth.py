@@ -1,0 +1,151 @@
+"""The snapshot tiers' bandwidths, measured once per process: the host link by a copy, the disk by its files.
+
+What ``Auto`` ranks the tiers by (the autotuner of a multilayer buffer system, MLBS: layers ranked
+by measured bandwidth; NOTE [ Multi-tier Revolve ] Rule 4, schedules/multistage.py).
+
+# NOTE [ Tier bandwidths ]
+# 1. A tier's bandwidth is the rate of a snapshot's round trip from the device through it and
+#    back, 2 / (1/out + 1/in) bytes per second. The host tier's is a device-to-host copy into a
+#    host buffer (pinned when the store's host pool pins; not taken from the pool, whose cap
+#    stays the store's) and the copy back.
+#    A disk snapshot passes through host memory on its way to its file (NOTE [ Snapshot store ]
+#    Rule 11), so the disk tier's time per byte is the host link's plus the files' (written and
+#    read back by ``DiskTier.measure_bandwidth``): 1/disk = 1/host + 1/file. Measured so, the
+#    disk never ranks above the host tier of the same store; given rates (``Auto(bandwidths=...)``)
+#    can say otherwise.
+# 2. Measured once per process and key: the host link per (device, pinned or not), the disk per
+#    file system (the ``st_dev`` of the tier's directory), each with one snapshot's bytes clamped
+#    to [1 MiB, 64 MiB]. A later call with another size reuses the first figure.
+# 3. On CUDA the copies run on a side stream, timed by events after one warm-up copy; on the CPU
+#    (the simulated store) they are memory copies timed by the host clock. With buffered I/O the
+#    files' read may come from the page cache and overstate the disk (``DiskTier.direct``).
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import torch
+
+from torchckpt.memory.disk import DiskTier
+from torchckpt.memory.host_pool import HostPoolBase
+from torchckpt.schedules.actions import Tier
+
+__all__ = ["disk_file_bandwidth", "host_link_bandwidth", "tier_bandwidths"]
+
+_MIN, _MAX = 1 << 20, 64 << 20
+_lock = threading.Lock()
+_host: dict[tuple[str, int | None, bool], float] = {}
+_disk: dict[int, float] = {}
+
+
+def _size(nbytes: int) -> int:
+    return min(max(int(nbytes), _MIN), _MAX)
+
+
+def _round_trip(out_bps: float, in_bps: float) -> float:
+    return 2.0 / (1.0 / out_bps + 1.0 / in_bps)
+
+
+def host_link_bandwidth(device: torch.device, pool: HostPoolBase, nbytes: int = _MAX) -> float:
+    """Round-trip bytes/s of a copy from ``device`` to host memory and back (Rules 1-3; cached).
+
+    Args:
+        device: the store's device (``cpu`` simulates: memory copies).
+        pool: the store's host pool: the host buffer is pinned when the pool pins.
+        nbytes: bytes per copy (clamped to [1 MiB, 64 MiB]).
+
+    Returns:
+        Bytes per second.
+
+    Example::
+
+        >>> from torchckpt.memory import HostPool
+        >>> host_link_bandwidth(torch.device("cpu"), HostPool(chunk_bytes=1 << 20, pin=False), 1 << 20) > 0
+        True
+    """
+    n = _size(nbytes)
+    pinned = bool(pool.pin) and device.type == "cuda"
+    key = (device.type, device.index, pinned)
+    with _lock:
+        if key in _host:
+            return _host[key]
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)  # not from the pool: its cap stays for the store
+    src = torch.zeros(n, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            ev[0].record(stream)
+            dst.copy_(src, non_blocking=True)
+            ev[1].record(stream)
+            src.copy_(dst, non_blocking=True)
+            ev[2].record(stream)
+        ev[2].synchronize()
+        d2h = n / max(ev[0].elapsed_time(ev[1]) * 1e-3, 1e-9)
+        h2d = n / max(ev[1].elapsed_time(ev[2]) * 1e-3, 1e-9)
+    else:
+        dst.copy_(src)  # warm-up (touches the pages)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        t1 = time.perf_counter()
+        src.copy_(dst)
+        t2 = time.perf_counter()
+        d2h, h2d = n / max(t1 - t0, 1e-9), n / max(t2 - t1, 1e-9)
+    with _lock:
+        return _host.setdefault(key, _round_trip(d2h, h2d))
+
+
+def disk_file_bandwidth(disk: DiskTier, nbytes: int = _MAX) -> float:
+    """Round-trip bytes/s of ``disk``'s files: ``measure_bandwidth``, cached per file system (Rules 1-3).
+
+    Args:
+        disk: the disk tier.
+        nbytes: bytes written and read back (clamped to [1 MiB, 64 MiB]).
+
+    Returns:
+        Bytes per second.
+
+    Example::
+
+        >>> import tempfile
+        >>> with DiskTier(tempfile.mkdtemp(), direct=False) as tier:
+        ...     disk_file_bandwidth(tier, 1 << 20) > 0
+        True
+    """
+    key = os.stat(disk.root).st_dev
+    with _lock:
+        if key in _disk:
+            return _disk[key]
+    w, r = disk.measure_bandwidth(_size(nbytes))
+    with _lock:
+        return _disk.setdefault(key, _round_trip(w, r))
+
+
+def tier_bandwidths(device: torch.device, pool: HostPoolBase, disk: DiskTier, nbytes: int) -> dict[Tier, float]:
+    """``{Tier.HOST: host, Tier.DISK: disk}`` round-trip bytes/s as NOTE [ Tier bandwidths ] Rule 1 defines them.
+
+    Args:
+        device: the store's device.
+        pool: its host pool.
+        disk: its disk tier.
+        nbytes: one snapshot's bytes (the size measured, clamped).
+
+    Returns:
+        Bytes per second per off-GPU tier (measured once per process, Rule 2).
+
+    Example::
+
+        >>> import tempfile
+        >>> from torchckpt.memory import HostPool
+        >>> with DiskTier(tempfile.mkdtemp(), direct=False) as tier:
+        ...     bw = tier_bandwidths(torch.device("cpu"), HostPool(chunk_bytes=1 << 20, pin=False), tier, 1 << 20)
+        >>> bw[Tier.HOST] > bw[Tier.DISK] > 0
+        True
+    """
+    host = host_link_bandwidth(device, pool, nbytes)
+    files = disk_file_bandwidth(disk, nbytes)
+    return {Tier.HOST: host, Tier.DISK: 1.0 / (1.0 / host + 1.0 / files)}
