@@ -408,3 +408,36 @@ def _fits_local(planner, budget: int) -> bool:  # noqa: ANN001
     except PlanError:
         return False
     return True
+
+
+def test_blocks_that_write_their_buffers_are_never_recomputed() -> None:
+    """NOTE [ Profiling step ] Rule 7: batch norm's running statistics would be updated again by a recomputation, so
+    such blocks get keep and offload only, and a plan at the lowest budget keeps the statistics of plain autograd."""
+    import copy
+
+    from torchckpt.planner.optimize import ladder
+    from torchckpt.planner.plan import _Planned
+
+    torch.manual_seed(4)
+    base = nn.Sequential(nn.Linear(D, D), *[BNBlk() for _ in range(4)], nn.Linear(D, 2))
+    x = torch.randn(64, D)
+    planner = _Planned.prepare(copy.deepcopy(base), (x,), {}, None, None, lambda y: y.square().mean(), None)
+    assert planner.prof.writes_buffers == (True,) * 4
+    for b in planner.prof.blocks():
+        assert not b.recomputable and all(d.mode != "recompute" for d in ladder(b, compress=False))
+    low = planner.plan(planner.found.floor)
+    assert all(b.mode != "recompute" for b in low.blocks) and any(b.mode == "offload" for b in low.blocks)
+    plain, planned = copy.deepcopy(base), copy.deepcopy(base)
+    a = low.apply(planned)
+    try:
+        torch.manual_seed(7)
+        plain(x).square().mean().backward()
+        torch.manual_seed(7)
+        planned(x).square().mean().backward()
+    finally:
+        a.remove()
+    for (n, b), c in zip(plain.named_buffers(), planned.buffers()):
+        assert torch.equal(b, c), n
+    eval_only = copy.deepcopy(base).eval()  # in eval mode nothing is written: recomputation is offered again
+    prof = _Planned.prepare(eval_only, (x,), {}, None, None, lambda y: y.square().mean(), None).prof
+    assert prof.writes_buffers == (False,) * 4

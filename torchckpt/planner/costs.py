@@ -124,6 +124,8 @@ class Block:
             the op that saved it (Rule 2c); ``()``: not measured (no recomputation in parts).
         cuts: the positions a recomputation in parts may cut at (Rule 2c): where the tensors before and after
             cannot have been saved by one autograd node (a node's backward unpacks all it saved at once).
+        recomputable: ``False`` for a block whose forward writes its buffers (NOTE [ Profiling step ] Rule 7):
+            its options are keep and offload only.
     """
 
     name: str
@@ -136,6 +138,7 @@ class Block:
     ops: tuple[tuple[int, int, float], ...] = ()
     saved_at: tuple[float, ...] = ()
     cuts: tuple[int, ...] = ()
+    recomputable: bool = True
 
     @property
     def saved_bytes(self) -> int:

@@ -6,8 +6,10 @@
 #    offload its largest saved tensors, more of them on each rung (compressed too, with a codec);
 #    recompute keeping the ops that save the most time per byte (NOTE [ Selective recompute ]),
 #    on the device or on the host (copied out and back as an offload is, compressed too with a
-#    codec); recompute; recompute with its inputs on the host; recompute in two or three parts
-#    (NOTE [ Step model ] Rule 2c), inputs on the device or on the host. Every option is simulated with the
+#    codec); recompute; recompute with its inputs on the host; recompute in two parts
+#    (NOTE [ Step model ] Rule 2c), inputs on the device or on the host (not with kept outputs on
+#    the host: on an H200 such a plan found none of them prefetched, 131 ms of exposed copies a
+#    step where the model predicted none). Every option is simulated with the
 #    whole chain (``simulate``), so the link's contention and the position of the block
 #    (offloading the last blocks cannot be hidden) are priced, not assumed.
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
@@ -85,8 +87,8 @@ def ladder(block: Block, compress: bool, rungs: int = 4, parts: int = 2) -> list
                 out.append(Decision("recompute", parts=cuts))
                 if block.input_bytes:
                     out.append(Decision("recompute", host=True, parts=cuts))
-                for d in sel[:3]:  # the ops kept first: the most time per byte (attention), on the host
-                    out.append(dataclasses.replace(d, host=True, parts=cuts))
+    if not block.recomputable:  # NOTE [ Profiling step ] Rule 7
+        out = [d for d in out if d.mode != "recompute"]
     top = rung_key(block, KEEP)
     rest = [d for d in out[1:] if rung_key(block, d) < top]  # others could never lower the peak
     return [KEEP] + sorted(rest, key=lambda d: tuple(-v for v in rung_key(block, d)))  # stable: recompute-host last

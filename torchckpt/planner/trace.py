@@ -46,6 +46,10 @@
 #    backward, and is recorded as in Rules 2-3 and 5 (``profile_blocks``). The chain is then
 #    calibrated on that step's peak, with every block recomputed (``Chain.calibrated_on``), and
 #    the no-checkpointing figures are predictions.
+# 7. A block whose forward writes its own buffers (batch norm's running statistics in training
+#    mode: the buffer's version moves during the profiled forward) is never offered recomputation:
+#    a recomputation would write them a second time, so the step would not compute what plain
+#    autograd computes (``torch.utils.checkpoint`` has the same effect; the planner avoids it).
 """
 from __future__ import annotations
 
@@ -128,6 +132,7 @@ class Profile:
     by_blocks: bool = False
     bwd_start_bytes: tuple[int, ...] = ()
     saved_after: tuple[tuple[int, ...], ...] = ()
+    writes_buffers: tuple[bool, ...] = ()
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -158,8 +163,10 @@ class Profile:
                 # A node saves its inputs before its op runs (count k) and its outputs after (k + 1): tensors two
                 # counts apart or more were saved by different nodes (NOTE [ Step model ] Rule 2c).
                 cuts = tuple(c for c in range(1, len(after)) if after[c] >= after[c - 1] + 2)
+            fixed = i < len(self.writes_buffers) and self.writes_buffers[i]  # Rule 7: never recomputed
             out.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
-                             tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts))
+                             tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
+                             recomputable=not fixed))
         return out
 
     def chain(self, link: Link, codec: CodecCost | None = None) -> Chain:
@@ -229,6 +236,7 @@ class _Recorder:
         self.peak = 0  # the step's peak, carried over the resets below
         self.keep_sample = False
         self.sample: torch.Tensor | None = None
+        self.writes_buffers = [False] * len(blocks)  # Rule 7: blocks whose forward writes their buffers
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -264,12 +272,16 @@ class _Recorder:
         if x is not None:
             x.register_hook(lambda g: self._at(self.grad_at_in, i))
         outer, self.current = self.current, i
+        bufs = list(self.blocks[i][1].buffers()) if i < len(self.blocks) else []
+        versions = [b._version for b in bufs]
         start = self.clock.mark()
         try:
             yield
         finally:
             self.fwd[i] = (start, self.clock.mark())
             self.current = outer
+            if any(b._version != v for b, v in zip(bufs, versions)):  # Rule 7
+                self.writes_buffers[i] = True
 
     def output(self, i: int, out: Any) -> None:
         y = _first_grad_tensor(out)
@@ -406,7 +418,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         step_s=step_s, peak_none=int(peak), device=str(device),
         bwd_start_bytes=tuple(b - start_bytes for b in rec.bwd_start) if clock.cuda and all(
             s is not None for s in rec.grad_at_out) else (),
-        saved_after=after,
+        saved_after=after, writes_buffers=tuple(rec.writes_buffers),
     )
 
 
@@ -499,6 +511,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         other_saved_bytes=rec.other, other_fwd_s=max(0.0, fwd_total - sum(fwd)),
         other_bwd_s=max(0.0, step_s - fwd_total - sum(fwd) - sum(bwd)), step_s=step_s, peak_none=int(peak),
         device=str(device), by_blocks=True, saved_after=tuple(after),
+        writes_buffers=tuple(r.writes_buffers[0] for r in per),
     )
 
 

@@ -18,7 +18,10 @@
 #    the recomputation must make them from the recomputed input, which later ops may write), or
 #    draws from the RNG: the recomputation restores the RNG state at the block's start and draws
 #    again, so skipping one random op would shift what every later one draws (dropout masks
-#    that differ from the forward's). An op whose schema is seeded only for a ``dropout_p``
+#    that differ from the forward's). Nor an op that makes uninitialised memory (``empty``,
+#    ``empty_like``, ...: meant to be written, free to make again; on CUDA, ``nn.GRU`` in float64
+#    wrote one such output past Rule 4's watch, a CheckpointError the fuzzer found), nor one whose
+#    outputs hold no element. An op whose schema is seeded only for a ``dropout_p``
 #    argument (the attention kernels) draws nothing when it is 0, and is kept then (a CUDA test
 #    checks that the generator does not move). So only ops that return new memory are kept (matmuls,
 #    attention, normalisations, pointwise ops). Their outputs are detached
@@ -26,7 +29,7 @@
 #    (``Store.pack``: the same identity and version rules as any saved tensor; compressed with
 #    ``Recompute(codec=...)``) or, without a store, held with their version.
 # 3. The recomputation returns the kept outputs, unpacked, in place of running the op. A kept
-#    output modified in place after the forward (an ``empty_like`` that ``bernoulli_`` fills, say)
+#    output modified in place after the forward (a matmul's output that code after the block scales in place)
 #    raises, naming the op, with autograd's own check (NOTE [ Saved tensor identity ] Rule 1):
 #    it could not stand in for the op. Each kept output is handed back once: a second backward
 #    through the block raises, as torch SAC does. (A block recomputed in parts hands it back to
@@ -74,11 +77,20 @@ def check_save(owner: str, save: object) -> Save | None:
     return frozenset(items or ())
 
 
+_UNINITIALISED = frozenset(  # Rule 2: their outputs are memory meant to be written, and cost nothing to make again
+    getattr(torch.ops.aten, name).default if name != "empty" else torch.ops.aten.empty.memory_format
+    for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
+
+
 def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     """Whether a call's outputs may stand in for running ``func`` again (Rule 2): it writes no argument, draws
-    nothing from the RNG, and returns only new memory (no view, no output sharing an input's storage)."""
-    if func._schema.is_mutable or (torch.Tag.nondeterministic_seeded in getattr(func, "tags", ())
-                                   and not _no_dropout(func, args, kwargs)):
+    nothing from the RNG, makes no uninitialised memory, and returns only new memory (no view, no output sharing
+    an input's storage), some of it."""
+    if func in _UNINITIALISED or func._schema.is_mutable or (
+            torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not _no_dropout(func, args, kwargs)):
+        return False
+    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    if not any(t.numel() for t in outs):  # nothing to keep; zero-size storages share the null address
         return False
     if any(r.alias_info is not None for r in func._schema.returns):
         return False
