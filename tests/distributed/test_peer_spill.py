@@ -8,8 +8,8 @@ import traceback
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
+from spawn_ranks import spawn_ranks
 from torchckpt._errors import CheckpointError
 from torchckpt.distributed import DEFAULT_PEER_BANDWIDTH, exchange
 from torchckpt.memory import PeerTier
@@ -96,25 +96,7 @@ def _worker(rank: int, n: int, tmp: str) -> None:
 
 
 def _run(n: int, tmp: str) -> list[dict]:
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, n, tmp)) for r in range(n)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
-    out = []
-    for r in range(n):
-        with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
-            res = pickle.load(f)
-        assert "traceback" not in res, f"rank {r}:\n{res['traceback']}"
-        out.append(res)
-    return out
+    return spawn_ranks(_worker, n, tmp, timeout_s=JOIN_TIMEOUT_S)
 
 
 @pytest.mark.parametrize("n", [2, 3])

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from ckpt_models import assert_bits_equal, replay_snapshots, small_pool
+from spawn_ranks import spawn_ranks
 from torchckpt import CheckpointError, SnapshotStore, checkpointed_loop, checkpointed_scan
 from torchckpt.codecs import Identity
 from torchckpt.distributed import SpillPlan, exchange
@@ -263,25 +263,20 @@ def _worker(rank: int, world: int, tmp: str, backend: str, scenario: str, kwargs
 
 def run(world: int, tmp: str, scenario: str, backend: str = "gloo", **kwargs: Any) -> list[dict[str, Any]]:
     """Spawn ``world`` ranks running ``scenario``; their results, or the first rank's traceback."""
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, world, tmp, backend, scenario, kwargs)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(JOIN_TIMEOUT_S)
-    hung = [r for r, p in enumerate(procs) if p.is_alive()]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert not hung, f"ranks {hung} hung"
-    out = []
-    for r in range(world):
-        with open(os.path.join(tmp, f"rank{r}.pkl"), "rb") as f:
-            res = pickle.load(f)
-        assert "traceback" not in res, f"rank {r}:\n{res['traceback']}"
-        out.append(res)
-    return out
+    return spawn_ranks(_worker, world, tmp, backend, scenario, kwargs, timeout_s=JOIN_TIMEOUT_S)
+
+
+def check_both_plans(both: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Two ranks' replays under the max-flow and the greedy plan, rank 0 overflowing into rank 1: each checked as
+    ``check_replay`` does; returns (max-flow results, greedy results)."""
+    best, greedy = [res["maxflow"] for res in both], [res["greedy"] for res in both]
+    for results in (best, greedy):
+        check_replay(results, 2)
+        assert results[0]["stats"]["peer_saves"] > 0 and results[1]["stats"]["peer_saves"] == 0
+        assert results[1]["peak_held"] > 0
+    # the min-time plan keeps part of the overflow on rank 0's own host link; greedy sends it all to the faster peer
+    assert best[0]["to_host"] > 0 and greedy[0]["to_host"] == 0
+    return best, greedy
 
 
 def check_replay(results: list[dict[str, Any]], world: int) -> None:
@@ -313,14 +308,7 @@ def check_replay(results: list[dict[str, Any]], world: int) -> None:
 @pytest.mark.parametrize("mode", ["plain", "write-back", "codec"])
 def test_replay_two_ranks_maxflow_and_greedy(tmp_path: Any, mode: str) -> None:
     """Rank 0 overflows, rank 1 lends: Revolve on HOST, restored bit for bit, with both plans."""
-    both = run(2, str(tmp_path), "both", mode=mode)
-    best, greedy = [res["maxflow"] for res in both], [res["greedy"] for res in both]
-    for results in (best, greedy):
-        check_replay(results, 2)
-        assert results[0]["stats"]["peer_saves"] > 0 and results[1]["stats"]["peer_saves"] == 0
-        assert results[1]["peak_held"] > 0
-    # the min-time plan keeps part of the overflow on rank 0's own host link; greedy sends it all to the faster peer
-    assert best[0]["to_host"] > 0 and greedy[0]["to_host"] == 0
+    best, greedy = check_both_plans(run(2, str(tmp_path), "both", mode=mode))
     assert greedy[0]["stats"]["peer_saves"] >= best[0]["stats"]["peer_saves"]
     if mode == "plain":
         assert best[0]["stats"]["misses"] > 0 and best[0]["stats"]["peer_fetches"] > 0  # fetched on demand

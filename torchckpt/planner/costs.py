@@ -67,8 +67,8 @@ from collections.abc import Sequence
 from torchckpt._args import part_bytes
 
 __all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
-           "device_bytes", "host_bytes", "kept_bytes", "materialised_bytes", "part_bytes", "recompute_seconds", "replay",
-           "simulate", "split_bytes", "terms"]
+           "device_bytes", "host_bytes", "kept_bytes", "materialised_bytes", "part_bytes", "parts_seconds",
+           "recompute_seconds", "replay", "simulate", "split_bytes", "terms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,13 +282,17 @@ def materialised_bytes(block: Block, d: Decision) -> int:
     return max(held, block.saved_bytes - block.bwd_bytes)
 
 
+def parts_seconds(block: Block, d: Decision) -> float:
+    """What recomputing in parts adds: the forward again up to each earlier part's last saved tensor (Rule 2c)."""
+    if not d.parts or len(block.saved_at) != len(block.saved):
+        return 0.0
+    return sum(block.saved_at[c - 1] for c in d.parts)
+
+
 def recompute_seconds(block: Block, d: Decision) -> float:
     """The time a recomputed block's recomputation takes (Rules 2b, 2c)."""
     chosen = set(d.keep)
-    once = max(0.0, block.fwd_s - sum(sec for k, _, sec in block.ops if k in chosen))
-    if not d.parts or len(block.saved_at) != len(block.saved):
-        return once
-    return once + sum(block.saved_at[c - 1] for c in d.parts)
+    return max(0.0, block.fwd_s - sum(sec for k, _, sec in block.ops if k in chosen)) + parts_seconds(block, d)
 
 
 def balanced_parts(saved: Sequence[int], k: int, allowed: Sequence[int] | None = None) -> tuple[int, ...]:

@@ -43,7 +43,7 @@ from torchckpt._args import parse_bytes
 from torchckpt.api import checkpoint
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import (
-    CodecCost, Decision, Link, Prediction, cache_bytes, part_bytes, recompute_seconds, split_bytes,
+    CodecCost, Decision, Link, Prediction, cache_bytes, part_bytes, parts_seconds, split_bytes,
 )
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.chain import find_blocks
@@ -497,14 +497,13 @@ class _Planned:
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
           link: Link, codec: Any) -> Plan:
-    chain_blocks = prof.blocks()
+    chain_blocks = prof.blocks() if any(d.parts for d in decisions) else []
     blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host, d.keep, prof.saved[i],
                              prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
                              keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)),
                              keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)),
                              keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)),
-                             parts=d.parts, parts_s=recompute_seconds(chain_blocks[i], d) - recompute_seconds(
-                                 chain_blocks[i], dataclasses.replace(d, parts=())) if d.parts else 0.0)
+                             parts=d.parts, parts_s=parts_seconds(chain_blocks[i], d) if d.parts else 0.0)
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,

@@ -95,7 +95,7 @@ def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     if any(r.alias_info is not None for r in func._schema.returns):
         return False
     ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
-    return all(t.untyped_storage().data_ptr() not in ins for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor))
+    return all(t.untyped_storage().data_ptr() not in ins for t in outs)
 
 
 def _no_dropout(func: Any, args: Any, kwargs: Any) -> bool:
