@@ -10,7 +10,7 @@ The public names are below; everything else stays importable from its module
 from torchckpt import codecs, planner, schedules
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint import Auto, checkpointed_loop, checkpointed_scan, run_schedule
-from torchckpt.api import checkpoint, default_store, offload
+from torchckpt.api import checkpoint, checkpoint_chain, default_store, offload
 from torchckpt.planner import auto, plan
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.store import SnapshotStore, Store
@@ -28,6 +28,7 @@ __all__ = [
     "Store",
     "auto",
     "checkpoint",
+    "checkpoint_chain",
     "checkpointed_loop",
     "checkpointed_scan",
     "codecs",

@@ -1,4 +1,4 @@
-"""User-facing entry points: ``checkpoint`` (decorator, wrapper, call), ``run`` and ``offload``.
+"""User-facing entry points: ``checkpoint`` (decorator, wrapper, call), ``checkpoint_chain``, ``run`` and ``offload``.
 
 # NOTE [ checkpoint forms ]
 ``checkpoint(target, *args, policy=None, **kwargs)`` picks its form from ``target`` alone, and
@@ -36,7 +36,7 @@ import inspect
 import types
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar, overload
 
 import torch
@@ -44,7 +44,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from torchckpt.policies import Keep, Offload, Policy, Recompute
+from torchckpt.schedules import Schedule
 from torchckpt.store import Store, default_store
+from torchckpt.store.chain import Chain, ChainStats
 from torchckpt.store.parts import run_in_parts
 from torchckpt.store.selective import selective_contexts
 
@@ -305,6 +307,127 @@ def _wrap_instance(module: nn.Module, policy: Policy) -> nn.Module:
         inner = current.inner
     object.__setattr__(module, "forward", _InstanceForward(module, policy, inner))
     return module
+
+
+class _ChainForward(_InstanceForward):
+    """The ``forward`` of block ``index`` of a ``checkpoint_chain`` (NOTE [ Chain of blocks ] in store/chain.py)."""
+
+    def __init__(self, module: nn.Module, policy: Recompute, inner: Callable[..., Any] | None, chain: Chain,
+                 index: int) -> None:
+        super().__init__(module, policy, inner)
+        self.chain, self.index = chain, index
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        fn = self.inner if self.inner is not None else functools.partial(_unwrapped(type(self.module).forward), self.module)
+        policy = self.policy
+        assert isinstance(policy, Recompute)
+        return self.chain.call(self.index, fn, args, kwargs,
+                               lambda: run(policy, fn, *args, module=self.module, **kwargs), policy.preserve_rng_state)
+
+    def __repr__(self) -> str:
+        return f"<forward of {type(self.module).__name__}, block {self.index} of a checkpoint_chain under {self.policy!r}>"
+
+
+class ChainCheckpoint:
+    """A chain of blocks under ``checkpoint_chain``; ``remove()`` puts their forwards back.
+
+    Attributes:
+        blocks: the blocks, in order.
+        schedule: the schedule the chain follows.
+    """
+
+    def __init__(self, blocks: list[nn.Module], chain: Chain, undo: list[Any]) -> None:
+        self.blocks = blocks
+        self.schedule = chain.schedule
+        self._chain = chain
+        self._undo = undo
+
+    @property
+    def stats(self) -> ChainStats:
+        """What the chain did over its steps: advances run again, the most states held."""
+        return self._chain.stats
+
+    def remove(self) -> None:
+        """Put every block's forward back as it was before ``checkpoint_chain``."""
+        for mod, prev in reversed(self._undo):
+            if prev is None:
+                mod.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(mod, "forward", prev)
+        self._undo = []
+
+    def __repr__(self) -> str:
+        return f"ChainCheckpoint({len(self.blocks)} blocks, {self.schedule!r})"
+
+
+def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, *, schedule: Schedule | None = None,
+                     policy: Recompute | Sequence[Recompute] | None = None) -> ChainCheckpoint:
+    """Recompute every block of a chain and keep only some of their inputs: Revolve over the blocks.
+
+    ``checkpoint(block, policy=Recompute())`` on each block keeps every block's input until its
+    backward; here only ``snapshots`` inputs stay (block 0's included, as Revolve counts them) and the
+    last block's, and backward rebuilds the others by running the blocks again from the nearest one,
+    in the order of Griewank and Walther's Revolve, which runs the fewest blocks again for that
+    many snapshots (``optimal_forward_steps(n, snapshots) - (n - 1)`` for ``n`` blocks: Revolve's count
+    less its forward sweep, which is the model's own calls). The
+    blocks must form a chain: called in order once per step, each taking the previous block's
+    first output, unchanged, as its first positional argument (HF, timm and ``nn.Sequential``
+    layer stacks do); a step that does not keeps its inputs from there on, with a warning
+    (NOTE [ Chain of blocks ] in ``store/chain.py``). Gradients are those of plain autograd, bit
+    for bit, for deterministic blocks.
+
+    Args:
+        blocks: the modules of the chain, in forward order.
+        snapshots: how many block inputs to keep (>= 1); the schedule is ``Revolve(len(blocks), snapshots)``.
+        schedule: instead of ``snapshots``, any ``torchckpt.schedules`` schedule over ``len(blocks)`` steps
+            with its snapshots on ``Tier.GPU`` (e.g. ``WeightedRevolve`` for blocks of unequal cost and size).
+        policy: the ``Recompute`` each block runs under (or one per block), without a store: ``save=`` and
+            ``parts=`` work as for one block. Default ``Recompute()``.
+
+    Returns:
+        A ``ChainCheckpoint``: ``remove()`` undoes it, ``stats`` counts what was run again.
+
+    Example::
+
+        >>> import torchckpt
+        >>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh()) for _ in range(6)])
+        >>> chain = torchckpt.checkpoint_chain(list(blocks), snapshots=2)
+        >>> blocks(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        >>> chain.stats.advances  # blocks run again: Revolve's optimum less the 5 steps of the forward sweep
+        3
+        >>> torchckpt.schedules.optimal_forward_steps(6, 2) - 5
+        3
+        >>> chain.remove()
+    """
+    mods = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)) else None
+    if mods is None or not mods or not all(isinstance(m, nn.Module) for m in mods):
+        raise TypeError(f"torchckpt: checkpoint_chain(blocks, ...) expects a non-empty list of nn.Module blocks in "
+                        f"forward order, got {type(blocks).__name__}; pass e.g. list(model.layers).")
+    if len({id(m) for m in mods}) != len(mods):
+        raise ValueError("torchckpt: checkpoint_chain(blocks, ...) got a module twice; a chain runs each block once a "
+                         "step: pass each block once.")
+    policies = list(policy) if isinstance(policy, Sequence) else [policy if policy is not None else Recompute()] * len(mods)
+    if len(policies) != len(mods):
+        raise ValueError(f"torchckpt: checkpoint_chain got {len(mods)} blocks and {len(policies)} policies; pass one "
+                         "Recompute or one per block.")
+    for p in policies:
+        if not isinstance(p, Recompute) or p.store is not None:
+            raise TypeError(f"torchckpt: checkpoint_chain(policy=...) takes Recompute() without a store (the chain keeps "
+                            f"its inputs on the device by its schedule), got {p!r}.")
+    for k, m in enumerate(mods):
+        if isinstance(m.__dict__.get("forward"), _InstanceForward):
+            raise ValueError(f"torchckpt: block {k} of checkpoint_chain is already checkpointed "
+                             f"({m.__dict__['forward']!r}); remove that first (ChainCheckpoint.remove(), Applied.remove()).")
+    if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 1):
+        raise ValueError(f"torchckpt: checkpoint_chain(snapshots=...) takes an int >= 1 (block inputs kept, block 0's "
+                         f"included), got {snapshots!r}.")
+    chain = Chain(len(mods), snapshots, schedule)
+    undo: list[Any] = []
+    for k, (m, p) in enumerate(zip(mods, policies)):
+        prev = m.__dict__.get("forward")
+        undo.append((m, prev))
+        object.__setattr__(m, "forward", _ChainForward(m, p, prev, chain, k))
+    return ChainCheckpoint(mods, chain, undo)
 
 
 def _wrap_function(fn: Callable[..., T], policy: Policy) -> Callable[..., T]:

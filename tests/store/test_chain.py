@@ -1,0 +1,300 @@
+"""checkpoint_chain: Revolve over a chain of blocks (NOTE [ Chain of blocks ] in torchckpt/store/chain.py).
+
+Every case compares with plain autograd bit for bit, and counts what the chain ran again against the schedule's
+optimum."""
+from __future__ import annotations
+
+import copy
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+import torchckpt
+from torchckpt.schedules import Revolve, Tier, Uniform, optimal_forward_steps
+from zoo_models import ZOO, available, deterministic_cuda, to
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.lin, self.norm, self.drop = nn.Linear(d, d), nn.LayerNorm(d), nn.Dropout(p)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, *, scale: float = 1.0) -> torch.Tensor:
+        h = self.drop(torch.nn.functional.gelu(self.lin(self.norm(x))))
+        if bias is not None:
+            h = h + bias
+        return x + scale * h
+
+
+class Stack(nn.Module):
+    def __init__(self, n: int, d: int = 16, p: float = 0.1) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d, p) for _ in range(n))
+        self.bias = nn.Parameter(torch.randn(d) * 0.1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x, self.bias * 2, scale=0.5)
+        return x
+
+
+def _step(model: nn.Module, x: torch.Tensor, seed: int = 1) -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+    torch.manual_seed(seed)
+    x = x.detach().clone().requires_grad_()
+    out = model(x)
+    out.pow(2).sum().backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    assert x.grad is not None
+    return out.detach(), grads, x.grad
+
+
+def _same(a: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor], b: tuple[torch.Tensor, list[torch.Tensor],
+          torch.Tensor]) -> bool:
+    return torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and all(torch.equal(u, v) for u, v in zip(a[1], b[1]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("n,s", [(1, 1), (2, 1), (3, 2), (7, 1), (7, 3), (12, 2), (12, 5), (16, 16)])
+def test_bit_exact_and_optimal(device: str, n: int, s: int) -> None:
+    torch.manual_seed(0)
+    model = Stack(n).to(device)
+    x = torch.randn(4, 16, device=device)
+    ref = _step(model, x)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=s)
+    for _ in range(2):  # a second step starts afresh
+        assert _same(_step(model, x), ref)
+    s = min(s, n)
+    # Revolve's count includes the forward sweep's n - 1 steps, which the model's own calls are (NOTE [ Schedule
+    # actions ] Rule 2); what the chain runs again is the rest.
+    assert chain.stats.advances == 2 * (optimal_forward_steps(n, s) - (n - 1))
+    assert chain.stats.steps == 2 and chain.stats.handed == 2 * n
+    assert chain.stats.peak_states == (min(s, n - 1) + 1 if n > 1 else 1)  # the snapshots and the current state
+    chain.remove()
+    assert "forward" not in model.blocks[0].__dict__
+    assert _same(_step(model, x), ref)
+
+
+def test_fewer_inputs_held_than_per_block_recompute() -> None:
+    torch.manual_seed(0)
+    n, s = 10, 3
+    model = Stack(n, d=64, p=0.0)
+    x = torch.randn(32, 64)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=s)
+    _step(model, x)
+    assert chain.stats.peak_state_bytes == (s + 1) * x.nbytes
+
+
+def test_schedule_argument_and_uniform() -> None:
+    torch.manual_seed(0)
+    model = Stack(9)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(9, 3))
+    assert _same(_step(model, x), ref)
+    chain.remove()
+    with pytest.raises(ValueError, match="torchckpt: checkpoint_chain got 9 blocks and a schedule over 8 steps"):
+        torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(8, 3))
+    with pytest.raises(ValueError, match="torchckpt: checkpoint_chain keeps its snapshots on the device"):
+        torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(9, 3, tier=Tier.HOST))
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Uniform(9, 3))
+    assert _same(_step(model, x), ref)
+    chain.remove()
+
+
+def test_policies_in_the_chain() -> None:
+    torch.manual_seed(0)
+    model = Stack(6)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    for policy in (torchckpt.Recompute(parts=(2,)), torchckpt.Recompute(save={torch.ops.aten.addmm.default})):
+        chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2, policy=policy)
+        assert _same(_step(model, x), ref), policy
+        chain.remove()
+
+
+def test_autocast_cpu() -> None:
+    torch.manual_seed(0)
+    model = Stack(6)
+    x = torch.randn(4, 16)
+
+    def run() -> tuple[torch.Tensor, list[torch.Tensor], torch.Tensor]:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return _step(model, x)
+
+    ref = run()
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    assert _same(run(), ref)
+    assert chain.stats.advances > 0
+    chain.remove()
+
+
+class Broken(Stack):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for k, b in enumerate(self.blocks):
+            x = b(x, self.bias)
+            if k == 3:
+                x = x * 1.5  # not the block's output: the chain breaks here
+        return x
+
+
+def test_a_step_that_leaves_the_chain_warns_and_is_exact() -> None:
+    torch.manual_seed(0)
+    model = Broken(8)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    with pytest.warns(RuntimeWarning, match="at block 4, the block's first tensor argument is not the previous"):
+        assert _same(_step(model, x), ref)
+    assert chain.stats.broken == 1
+    chain.remove()
+
+
+def test_out_of_order_and_partial_steps() -> None:
+    torch.manual_seed(0)
+    model = Stack(6, p=0.0)
+    blocks = list(model.blocks)
+    x = torch.randn(4, 16, requires_grad=True)
+    chain = torchckpt.checkpoint_chain(blocks, snapshots=2)
+    # a step that stops after block 3 (backward before the last block ran): rebuilt from the nearest state
+    h = x
+    for b in blocks[:4]:
+        h = b(h)
+    (g,) = torch.autograd.grad(h.sum(), x)
+    chain.remove()
+    h = x
+    for b in blocks[:4]:
+        h = b(h)
+    (want,) = torch.autograd.grad(h.sum(), x)
+    assert torch.equal(g, want)
+    chain = torchckpt.checkpoint_chain(blocks, snapshots=2)
+    with pytest.warns(RuntimeWarning, match="block 2 was called where block 1 was expected"):
+        h = blocks[2](blocks[0](x))
+    (g,) = torch.autograd.grad(h.sum(), x)
+    chain.remove()
+    (want,) = torch.autograd.grad(blocks[2](blocks[0](x)).sum(), x)
+    assert torch.equal(g, want)
+
+
+def test_gradient_accumulation_two_forwards_then_backward() -> None:
+    torch.manual_seed(0)
+    model = Stack(7, p=0.2)
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+
+    def two() -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        loss = model(x1).pow(2).sum() + model(x2).sin().sum()
+        loss.backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    ref = two()
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=3)
+    assert all(torch.equal(u, v) for u, v in zip(two(), ref))
+    assert chain.stats.steps == 2
+    chain.remove()
+
+
+def test_no_grad_and_eval_steps_are_left_alone() -> None:
+    model = Stack(5)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    with torch.no_grad():
+        model(torch.randn(2, 16))
+    assert chain.stats.steps == 0
+    chain.remove()
+
+
+def test_second_backward_raises() -> None:
+    torch.manual_seed(0)
+    model = Stack(6, p=0.0)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    loss = model(torch.randn(2, 16, requires_grad=True)).sum()
+    loss.backward(retain_graph=True)
+    with pytest.raises(torchckpt.CheckpointError, match="torchckpt: checkpoint_chain rebuilt block"):
+        loss.backward()
+    chain.remove()
+
+
+def test_bad_arguments() -> None:
+    model = Stack(3)
+    blocks = list(model.blocks)
+    with pytest.raises(TypeError, match="torchckpt: checkpoint_chain needs snapshots"):
+        torchckpt.checkpoint_chain(blocks)
+    with pytest.raises(TypeError, match="torchckpt: checkpoint_chain takes snapshots=... or schedule"):
+        torchckpt.checkpoint_chain(blocks, 2, schedule=Revolve(3, 2))
+    with pytest.raises(ValueError, match="torchckpt: checkpoint_chain\\(snapshots=...\\) takes an int >= 1"):
+        torchckpt.checkpoint_chain(blocks, snapshots=0)
+    with pytest.raises(TypeError, match="torchckpt: checkpoint_chain\\(blocks, ...\\) expects a non-empty list"):
+        torchckpt.checkpoint_chain(model, snapshots=2)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="got a module twice"):
+        torchckpt.checkpoint_chain([blocks[0], blocks[0]], snapshots=1)
+    with pytest.raises(TypeError, match="takes Recompute\\(\\) without a store"):
+        torchckpt.checkpoint_chain(blocks, snapshots=2, policy=torchckpt.Offload(torchckpt.Store(device="cpu")))
+    with pytest.raises(ValueError, match="1 policies"):
+        torchckpt.checkpoint_chain(blocks, snapshots=2, policy=[torchckpt.Recompute()])
+    chain = torchckpt.checkpoint_chain(blocks, snapshots=2)
+    with pytest.raises(ValueError, match="already checkpointed"):
+        torchckpt.checkpoint_chain(blocks, snapshots=2)
+    chain.remove()
+    torchckpt.checkpoint(blocks[1], policy=torchckpt.Recompute())
+    with pytest.raises(ValueError, match="block 1 of checkpoint_chain is already checkpointed"):
+        torchckpt.checkpoint_chain(blocks, snapshots=2)
+
+
+CHAIN_ZOO = [z.name for z in ZOO if not z.name.startswith("ode")]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", CHAIN_ZOO)
+def test_zoo_models_bit_exact(name: str, device: str) -> None:
+    """Models we did not write (transformers, timm, torchvision), their own blocks under a chain of 2 snapshots."""
+    z = next(z for z in ZOO if z.name == name)
+    if not available(z):
+        pytest.skip(f"{z.package} is not installed")
+    model, batch = z.build()
+    model = model.to(device).train(z.train)
+    batch = to(batch, device)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def grads() -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        if device == "cuda":
+            torch.cuda.manual_seed_all(0)
+        return list(torch.autograd.grad(z.loss(model, batch, False), params, allow_unused=True, materialize_grads=True))
+
+    with deterministic_cuda() if device == "cuda" else warnings.catch_warnings():
+        ref = grads()
+        if not all(torch.equal(u, v) for u, v in zip(ref, grads())):
+            pytest.skip(f"plain autograd is not reproducible for {name} on {device}")
+        blocks = z.blocks(model)
+        chain = torchckpt.checkpoint_chain(blocks, snapshots=2)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", RuntimeWarning)  # stages with a downsampling between blocks break it
+                for _ in range(2):
+                    got = grads()
+                    bad = [k for k, (u, v) in enumerate(zip(ref, got)) if not torch.equal(u, v)]
+                    assert not bad, f"{name}: gradients {bad} differ"
+        finally:
+            chain.remove()
+    if name in ("gpt2", "llama", "bert", "vit", "resnet18"):  # their blocks form one chain
+        assert chain.stats.broken == 0 and chain.stats.steps == 2, (name, chain.stats)
+        if len(blocks) > 2:
+            assert chain.stats.advances > 0
+
+
+def test_deepcopy_of_stack_is_independent() -> None:
+    torch.manual_seed(0)
+    model = Stack(4)
+    x = torch.randn(2, 16)
+    ref = _step(model, x)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    twin = copy.deepcopy(model)
+    assert _same(_step(twin, x), ref)
+    assert chain.stats.steps == 0 and twin.blocks[0].forward.chain.stats.steps == 1
+    chain.remove()
