@@ -11,6 +11,8 @@ from hypothesis import strategies as st
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
 from torchckpt.planner.costs import balanced_parts, device_bytes, host_bytes, materialised_bytes, part_bytes
 from torchckpt.planner.optimize import PlanError, ladder, search
+from torchckpt.planner.rebuild import states
+from torchckpt.schedules import optimal_forward_steps
 
 MiB = 1 << 20
 
@@ -245,3 +247,47 @@ def test_recompute_in_parts_holds_one_part_and_pays_the_earlier_parts_forward() 
         Decision("recompute", parts=(3, 3))
     with pytest.raises(ValueError, match="only Decision"):
         Decision("keep", parts=(1,))
+
+
+def test_revolve_over_the_chain_reaches_below_keeping_every_input_on_the_device() -> None:
+    """NOTE [ Plan search ] Rule 6, NOTE [ Step model ] Rule 5."""
+    n, fwd = 16, 3.1e-3
+    ch = _chain(n, parts=True)
+    found = search(ch)
+    revolve = [(d, p) for d, p in found.plans if d[0].revolve]
+    assert revolve and all(len({x.revolve for x in d}) == 1 and all(x.mode == "recompute" for x in d) for d, _ in revolve)
+    local = [p.peak_bytes for d, p in found.plans
+             if not d[0].revolve and not any(host_bytes(b, x) for b, x in zip(ch.blocks, d))]
+    assert min(p.peak_bytes for _, p in revolve) < min(local)
+    assert found.best(min(p.peak_bytes for _, p in revolve), "local")[0][0].revolve  # only Revolve fits there
+    whole = sorted((d[0].revolve, p) for d, p in revolve if not d[0].parts)
+    assert [p.peak_bytes for _, p in whole] == sorted(p.peak_bytes for _, p in whole)  # more snapshots, more memory
+    assert [p.step_s for _, p in whole] == sorted((p.step_s for _, p in whole), reverse=True)  # and never slower
+    for memory, p in whole:
+        s = memory // (32 * MiB)
+        again = optimal_forward_steps(n, s) - (n - 1)  # Revolve's count less its forward sweep (the model's calls)
+        assert p.recompute_s == pytest.approx(n * fwd + again * fwd)
+    with pytest.raises(ValueError, match="every block of a plan has the same"):
+        simulate(ch, [Decision("recompute", revolve=32 * MiB)] + [Decision("recompute", revolve=64 * MiB)] * (n - 1))
+    with pytest.raises(ValueError, match="revolve=...\\) takes Decision\\(mode='recompute'\\) without host"):
+        Decision("recompute", host=True, revolve=MiB)
+
+
+def test_revolve_states_follow_the_schedule() -> None:
+    st_ = states([1.0] * 8, [10] * 8, 30)  # Revolve(8, 3)
+    assert st_.advances == optimal_forward_steps(8, 3) - 7
+    assert sum(st_.extra_s) == st_.advances
+    assert max(st_.fwd) == 40  # three snapshots and the last block's input
+    assert all(b <= 30 for b in st_.bwd)
+
+
+def test_revolve_over_blocks_of_unequal_inputs_uses_the_weighted_schedule() -> None:
+    from torchckpt.planner.rebuild import schedule
+    from torchckpt.schedules import WeightedRevolve
+
+    sizes = [10, 40, 10, 40, 10, 40, 10, 40]
+    sched = schedule([1.0] * 8, sizes, 60)
+    assert isinstance(sched, WeightedRevolve) and sched.peak_bytes <= 60
+    st_ = states([1.0] * 8, sizes, 60)
+    assert st_.advances == sched.forward_steps - 7
+    assert all(b <= 60 for b in st_.bwd)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy
+import io
 
 import pytest
 import torch
@@ -12,6 +13,8 @@ from torchckpt import Offload
 from torchckpt.planner import Decision, Link, Plan, PlanError, find_blocks, plan, plans, profile
 from torchckpt.planner.plan import _make
 from torchckpt.planner.costs import Prediction
+from torchckpt.planner.rebuild import states
+from torchckpt.schedules import optimal_forward_steps
 
 D = 64
 
@@ -441,3 +444,30 @@ def test_blocks_that_write_their_buffers_are_never_recomputed() -> None:
     eval_only = copy.deepcopy(base).eval()  # in eval mode nothing is written: recomputation is offered again
     prof = _Planned.prepare(eval_only, (x,), {}, None, None, lambda y: y.square().mean(), None).prof
     assert prof.writes_buffers == (False,) * 4
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_a_plan_with_revolve_over_the_chain_is_exact_and_runs_what_the_model_counts(p: float) -> None:
+    """NOTE [ Applying a plan ] Rule 1: every block through checkpoint_chain, Revolve's schedule as planned."""
+    torch.manual_seed(1)
+    m = Net(7, p)
+    x = torch.randn(16, D)
+    ref = _grads(m, x)
+    prof = profile(m, (x,), {})
+    size = prof.input_bytes[0]
+    pl = _forced(m, x, [Decision("recompute", revolve=2 * size)] * 7)
+    assert pl.revolve == 2 * size and repr(pl.schedule()) == "Revolve(n_steps=7, snapshots=2, tier=Tier.GPU)"
+    assert "Revolve(n_steps=7, snapshots=2" in pl.explain(file=io.StringIO())
+    assert all(b.device_bytes == 0 for b in pl.blocks)  # the inputs are the chain's to keep
+    assert Plan.from_json(pl.to_json()) == pl
+    applied = pl.apply(m)
+    try:
+        got = _grads(m, x)
+        assert applied.chain is not None
+        st_ = states(prof.fwd_s, prof.input_bytes, 2 * size)
+        assert applied.chain.stats.advances == st_.advances == optimal_forward_steps(7, 2) - 6
+        assert applied.chain.stats.peak_state_bytes == max(st_.fwd)
+    finally:
+        applied.remove()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all("forward" not in blk.__dict__ for blk in m.h)

@@ -298,3 +298,29 @@ def test_deepcopy_of_stack_is_independent() -> None:
     assert _same(_step(twin, x), ref)
     assert chain.stats.steps == 0 and twin.blocks[0].forward.chain.stats.steps == 1
     chain.remove()
+
+
+class Widen(nn.Module):
+    def __init__(self, d_in: int, d_out: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d_in, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.lin(x))
+
+
+def test_weighted_revolve_for_blocks_of_unequal_size() -> None:
+    """A chain whose states alternate between two widths, under the rotor-style schedule over their sizes."""
+    from torchckpt.schedules import WeightedRevolve
+
+    torch.manual_seed(0)
+    dims = [16, 64, 16, 64, 16, 64, 16, 64, 16]
+    model = nn.Sequential(*[Widen(a, b) for a, b in zip(dims, dims[1:])])
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    sizes = [4 * d * 4 for d in dims[:-1]]
+    sched = WeightedRevolve([1.0] * len(sizes), sizes, sizes[0] + 2 * min(sizes))
+    chain = torchckpt.checkpoint_chain(list(model), schedule=sched)
+    assert _same(_step(model, x), ref)
+    assert chain.stats.advances == sched.forward_steps - (len(sizes) - 1)
+    chain.remove()

@@ -58,6 +58,11 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    allocated as each block's backward began, the backward gets its own ``bwd_fixed_bytes``: the
 #    most of those allocations less the saved bytes of the blocks not yet through backward, and
 #    ``fixed_bytes`` calibrates the forward's peak alone.
+# 5. A plan whose blocks carry ``Decision.revolve`` recomputes every block and keeps only the inputs
+#    Revolve over the chain keeps (NOTE [ Revolve over the chain ] in rebuild.py): those inputs are not
+#    in the blocks' kept bytes; the states it holds are added at every sample of both sweeps, and the
+#    blocks it runs again before a block's backward add their forward time there (and their inputs
+#    to the memory while they run).
 """
 from __future__ import annotations
 
@@ -65,8 +70,10 @@ import dataclasses
 from collections.abc import Sequence
 
 from torchckpt._args import part_bytes
+from torchckpt.planner.rebuild import States, states
 
 __all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
+           "chain_states",
            "device_bytes", "host_bytes", "kept_bytes", "materialised_bytes", "part_bytes", "parts_seconds",
            "recompute_seconds", "replay", "simulate", "split_bytes", "terms"]
 
@@ -215,6 +222,8 @@ class Decision:
         parts: for ``"recompute"``, cuts among the block's saved tensors (positions in
             ``Block.saved``, increasing, > 0): its backward recomputes and holds one part at a time
             (Rule 2c).
+        revolve: for ``"recompute"`` on the device, > 0: the block's input is kept or rebuilt by Revolve over
+            the chain whose snapshots hold at most this many bytes (Rule 5); every block of the plan has it.
     """
 
     mode: str
@@ -223,6 +232,7 @@ class Decision:
     host: bool = False
     keep: tuple[int, ...] = ()
     parts: tuple[int, ...] = ()
+    revolve: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in ("keep", "recompute", "offload"):
@@ -234,6 +244,8 @@ class Decision:
                              "host=True, keep=...) (the kept outputs are compressed).")
         if (self.host or self.keep or self.parts) and self.mode != "recompute":
             raise ValueError("torchckpt: only Decision(mode='recompute') takes host=True, keep=... and parts=....")
+        if self.revolve and (self.mode != "recompute" or self.host):
+            raise ValueError("torchckpt: Decision(revolve=...) takes Decision(mode='recompute') without host=True.")
         if any(not a < b for a, b in zip((0,) + self.parts, self.parts)):
             raise ValueError(f"torchckpt: Decision(parts=...) takes increasing positions > 0, got {self.parts!r}.")
 
@@ -243,12 +255,16 @@ RECOMPUTE = Decision("recompute")
 RECOMPUTE_HOST = Decision("recompute", host=True)
 
 
-def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, kept: int) -> tuple[int, int]:
+def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, kept: int,
+                chained: bool = False) -> tuple[int, int]:
     """(bytes left on the device, bytes sent to host before compression) between a block's forward and backward,
     for a decision's ``mode`` and ``host``: its saved bytes, the offloaded ones, its inputs' and its kept ops'
-    (Rules 2b, 3). The one home of this arithmetic for the model and for ``BlockPlan``."""
+    (Rules 2b, 3); ``chained``: its input is Revolve's to keep (Rule 5). The one home of this arithmetic for the
+    model and for ``BlockPlan``."""
     if mode == "keep":
         return saved, 0
+    if mode == "recompute" and chained:
+        return kept, 0
     if mode == "recompute":
         return (0, inputs + kept) if host else (inputs + kept, 0)
     return saved - offloaded, offloaded
@@ -256,7 +272,7 @@ def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, 
 
 def _split(block: Block, d: Decision) -> tuple[int, int]:
     return split_bytes(d.mode, d.host, block.saved_bytes, sum(block.saved[k] for k in d.offload), block.input_bytes,
-                       kept_bytes(block, d) if d.keep else 0)
+                       kept_bytes(block, d) if d.keep else 0, bool(d.revolve))
 
 
 def device_bytes(block: Block, d: Decision) -> int:
@@ -374,7 +390,15 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
     n = len(chain.blocks)
     if len(plan) != n:
         raise ValueError(f"torchckpt: a plan needs one decision per block: {n} blocks, {len(plan)} decisions.")
-    return replay(chain, [terms(chain, b, d) for b, d in zip(chain.blocks, plan)], lookahead, cache)
+    if len({d.revolve for d in plan}) > 1:
+        raise ValueError("torchckpt: Decision(revolve=...) is the chain's: every block of a plan has the same (Rule 5).")
+    return replay(chain, [terms(chain, b, d) for b, d in zip(chain.blocks, plan)], lookahead, cache,
+                  chain_states(chain, plan[0].revolve) if n and plan[0].revolve else None)
+
+
+def chain_states(chain: Chain, memory: int) -> States:
+    """What Revolve over ``chain``'s blocks with ``memory`` bytes of snapshots holds and runs again (Rule 5)."""
+    return states([b.fwd_s for b in chain.blocks], [b.input_bytes for b in chain.blocks], memory)
 
 
 Terms = tuple[int, int, int, float, float, int, bool, bool]
@@ -398,8 +422,9 @@ def terms(chain: Chain, b: Block, d: Decision) -> Terms:
     return kept, off, wire, extra_f, extra_b, max(materialised_bytes(b, d), kept) if rec else kept, rec, d.host
 
 
-def replay(chain: Chain, per: Sequence[Terms], lookahead: int = 1, cache: bool = True) -> Prediction:
-    """``simulate`` on each block's ``terms``."""
+def replay(chain: Chain, per: Sequence[Terms], lookahead: int = 1, cache: bool = True,
+           revolve: States | None = None) -> Prediction:
+    """``simulate`` on each block's ``terms`` (and, for a plan with Revolve over the chain, its ``chain_states``)."""
     blocks = chain.blocks
     n = len(blocks)
     d2h_bw, h2d_bw = chain.link.d2h, chain.link.h2d
@@ -438,7 +463,7 @@ def replay(chain: Chain, per: Sequence[Terms], lookahead: int = 1, cache: bool =
                 t = queue[head][0]
             flying -= queue[head][1]
             head += 1
-        mem = base + resident + max(flying, min(room, offloaded))
+        mem = base + resident + max(flying, min(room, offloaded)) + (revolve.fwd[i] if revolve else 0)
         if mem > peak:
             peak, at = mem, i
     fwd_peak = peak
@@ -466,7 +491,13 @@ def replay(chain: Chain, per: Sequence[Terms], lookahead: int = 1, cache: bool =
         rec, host, materialised = pi[6], pi[7], pi[5]
         if rec:
             recompute += extra_b[i]
-        mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes
+        if revolve is not None:  # Rule 5: the blocks run again to rebuild this block's input, then the states held
+            mem = base + resident + back + revolve.rebuild[i]
+            if mem > peak:
+                peak, at = mem, -1 - i
+            t += revolve.extra_s[i]
+            recompute += revolve.extra_s[i]
+        mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes + (revolve.bwd[i] if revolve else 0)
         if rec and host:
             mem -= min(off[i], back)  # its inputs and kept outputs, back, are part of what it materialises
         if mem > peak:

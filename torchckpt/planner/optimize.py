@@ -29,6 +29,11 @@
 # 4. A budget under the floor raises ``PlanError`` naming the floor.
 # 5. ``best(budget, family)`` answers within a family of plans (``FAMILIES``: any; no compression;
 #    nothing over the host link), for the race of NOTE [ Applying a plan ] Rule 5.
+# 6. Revolve over the chain (NOTE [ Revolve over the chain ] in rebuild.py) is a plan of its own, not a rung:
+#    every block recomputed (whole, or in parts where every block's ladder has them) with each amount of
+#    snapshot memory from one input to all but two, each recorded with its prediction beside the walks'
+#    plans. It can reach below the floor of keeping every block's input where nothing may cross the host link,
+#    and Rule 3 picks it only where it is the fastest plan that fits.
 """
 from __future__ import annotations
 
@@ -37,8 +42,8 @@ import heapq
 
 from torchckpt._errors import CheckpointError
 from torchckpt.planner.costs import (
-    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, Terms, balanced_parts, device_bytes,
-    host_bytes, materialised_bytes, replay, terms,
+    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, Terms, balanced_parts, chain_states,
+    device_bytes, host_bytes, materialised_bytes, replay, terms,
 )
 
 __all__ = ["FAMILIES", "PlanError", "Search", "ladder", "search"]
@@ -178,7 +183,37 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
             if d not in seen:
                 seen.add(d)
                 plans.append((d, p))
+    for d, p in _revolve_plans(chain, options, lookahead):
+        if d not in seen:
+            seen.add(d)
+            plans.append((d, p))
     return Search(chain, tuple(plans))
+
+
+def _revolve_plans(chain: Chain, options: list[list[Decision]],
+                   lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
+    """Rule 6: every block recomputed (whole, or in its parts when every block has them) under Revolve over the
+    chain, for each number of inputs its snapshots may hold."""
+    blocks = chain.blocks
+    n = len(blocks)
+    if n < 3 or not all(b.recomputable and b.input_bytes > 0 for b in blocks):
+        return []
+    sizes = [b.input_bytes for b in blocks]
+    if min(sizes) == max(sizes):
+        memories = [k * sizes[0] for k in range(1, n - 1)]
+    else:
+        lo, hi = sizes[0], sum(sizes[:-1])
+        memories = sorted({lo + (hi - lo) * k // (n - 2) for k in range(n - 2)})
+    firsts = [next((d for d in opts if d.parts and not d.host and not d.keep), RECOMPUTE) for opts in options]
+    variants = [[RECOMPUTE] * n] + ([firsts] if all(d.parts for d in firsts) else [])
+    out = []
+    for m in memories:
+        revolve = chain_states(chain, m)
+        for v in variants:
+            plan = tuple(dataclasses.replace(d, revolve=m) for d in v)
+            per = [terms(chain, b, d) for b, d in zip(blocks, plan)]
+            out.append((plan, replay(chain, per, lookahead, True, revolve)))
+    return out
 
 
 def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:

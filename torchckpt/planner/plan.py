@@ -6,7 +6,9 @@
 #    for kept ops and a recomputation in parts), or ``Offload(store, codec,
 #    tensors=positions)`` for an offload, where ``positions`` are the block's saved tensors (by
 #    the order its forward saves them, NOTE [ Profiling step ] Rule 2) the plan sends to host; kept
-#    blocks are left as they are. ``Applied.remove()`` puts the blocks' forwards back.
+#    blocks are left as they are. A plan with Revolve over the chain (``Plan.revolve``, NOTE [ Revolve over
+#    the chain ]) recomputes every block through ``torchckpt.checkpoint_chain(blocks, schedule=plan.schedule(),
+#    policy=[Recompute(save=..., parts=...) per block])``. ``Applied.remove()`` puts the blocks' forwards back.
 # 2. Offloads (and what blocks recomputed with ``host`` keep, their inputs and kept ops' outputs,
 #    through ``Recompute(store=...)``) go through one ``Store`` made for the plan unless one is passed,
 #    whose GPU cache holds two blocks' offloaded bytes, the block whose backward runs and the next
@@ -40,12 +42,14 @@ import torch
 from torch import nn
 
 from torchckpt._args import parse_bytes
-from torchckpt.api import checkpoint
+from torchckpt.api import ChainCheckpoint, checkpoint, checkpoint_chain
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import (
     CodecCost, Decision, Link, Prediction, cache_bytes, part_bytes, parts_seconds, split_bytes,
 )
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
+from torchckpt.planner.rebuild import schedule as revolve_schedule
+from torchckpt.planner.rebuild import states
 from torchckpt.planner.chain import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, profile, profile_blocks
@@ -81,6 +85,9 @@ class BlockPlan:
         parts: (``"recompute"``) cuts among the saved tensors: the block is recomputed in parts, one held
             at a time (``Recompute(parts=...)``, NOTE [ Step model ] Rule 2c).
         parts_s: the time the recomputation of the earlier parts adds (each reruns the forward to its end).
+        revolve: (``"recompute"``) > 0: the block's input is kept or rebuilt by Revolve over the chain, whose
+            snapshots hold at most this many bytes (``torchckpt.checkpoint_chain``; NOTE [ Revolve over the chain ]).
+        revolve_s: the forward time of the blocks Revolve runs again right before this block's backward.
     """
 
     name: str
@@ -98,6 +105,8 @@ class BlockPlan:
     keep_s: float = 0.0
     parts: tuple[int, ...] = ()
     parts_s: float = 0.0
+    revolve: int = 0
+    revolve_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -115,7 +124,7 @@ class BlockPlan:
 
     def _split(self) -> tuple[int, int]:
         return split_bytes(self.mode, self.host, self.saved_bytes, sum(self.tensors[k].nbytes for k in self.offload),
-                           self.input_bytes, self.keep_bytes)
+                           self.input_bytes, self.keep_bytes, bool(self.revolve))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -173,6 +182,11 @@ class Plan:
         ]
         if self.codec is not None:
             lines.append(f"codec {self.codec}: " + (f"LOSSY, {self.bound}" if self.lossy else "lossless"))
+        if self.revolve:
+            sched = self.schedule()
+            again = sum(b.revolve_s for b in self.blocks)
+            lines.append(f"block inputs: {sched!r} over the chain (checkpoint_chain): snapshots hold at most "
+                         f"{size(self.revolve)}, the others are rebuilt by running blocks again ({again * 1e3:.1f} ms)")
         lines.append(f"{'block':<28} {'decision':<30} {'saved MiB':>9} {'on device':>9} {'cost ms':>8}  prefetch")
         d2h = self.link[0]
         for i, b in enumerate(self.blocks):
@@ -191,6 +205,9 @@ class Plan:
                 if b.host:
                     what += (", on host" + (" compressed" if b.compress else "")) if b.keep_ops else ", inputs host"
                     pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
+                if b.revolve:
+                    what += ", input by Revolve"
+                    cost = f"{(b.fwd_s + b.parts_s + b.revolve_s) * 1e3:8.2f}"
             else:
                 what, cost, pre = "keep", f"{0:8.2f}", "-"
             lines.append(f"{b.name:<28} {what:<30} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
@@ -212,6 +229,17 @@ class Plan:
         text = "\n".join(lines)
         print(text, file=file)
         return text
+
+    @property
+    def revolve(self) -> int:
+        """Bytes the snapshots of Revolve over the chain may hold (0: every recomputed block keeps its input)."""
+        return self.blocks[0].revolve if self.blocks else 0
+
+    def schedule(self) -> Any:
+        """The schedule Revolve over the chain follows (NOTE [ Revolve over the chain ] Rule 2), or ``None``."""
+        if not self.revolve:
+            return None
+        return revolve_schedule([b.fwd_s for b in self.blocks], [b.input_bytes for b in self.blocks], self.revolve)
 
     def to_json(self) -> str:
         """The plan as JSON (``Plan.from_json`` reads it back)."""
@@ -265,6 +293,11 @@ class Plan:
             dev = first.device if first is not None else torch.device(self.device)
             store = Store(device=dev, gpu_bytes=cache_bytes([b.host_bytes for b in self.blocks]), min_bytes=0)
         undo = []
+        if self.revolve:  # NOTE [ Revolve over the chain ]: every block recomputed, inputs by the schedule
+            chain = checkpoint_chain(mods, schedule=self.schedule(), policy=[
+                Recompute(save=frozenset(b.keep_ops) if b.keep_ops else None, parts=b.parts or None)
+                for b in self.blocks])
+            return Applied(self, store, [], chain)
         for b, mod in zip(self.blocks, mods):
             if b.mode == "keep":
                 continue
@@ -281,12 +314,17 @@ class Plan:
 class Applied:
     """A plan in force on a model; ``remove()`` puts the blocks back as they were."""
 
-    def __init__(self, plan: Plan, store: Store | None, undo: list[tuple[nn.Module, bool, Any]]) -> None:
+    def __init__(self, plan: Plan, store: Store | None, undo: list[tuple[nn.Module, bool, Any]],
+                 chain: ChainCheckpoint | None = None) -> None:
         self.plan = plan
         self.store = store
         self._undo = undo
+        self.chain = chain
 
     def remove(self) -> None:
+        if self.chain is not None:
+            self.chain.remove()
+            self.chain = None
         for mod, had, prev in reversed(self._undo):
             if had:
                 object.__setattr__(mod, "forward", prev)
@@ -498,12 +536,15 @@ class _Planned:
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
           link: Link, codec: Any) -> Plan:
     chain_blocks = prof.blocks() if any(d.parts for d in decisions) else []
+    again = states(prof.fwd_s, prof.input_bytes, decisions[0].revolve).extra_s if decisions and decisions[0].revolve \
+        else [0.0] * len(decisions)
     blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host, d.keep, prof.saved[i],
                              prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
                              keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)),
                              keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)),
                              keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)),
-                             parts=d.parts, parts_s=parts_seconds(chain_blocks[i], d) if d.parts else 0.0)
+                             parts=d.parts, parts_s=parts_seconds(chain_blocks[i], d) if d.parts else 0.0,
+                             revolve=d.revolve, revolve_s=again[i])
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,

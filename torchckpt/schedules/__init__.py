@@ -32,6 +32,7 @@ from torchckpt.schedules.schedule import Schedule
 from torchckpt.schedules.simulate import SimResult, simulate
 from torchckpt.schedules.spill import Spill, greedy_spill, plan_spill, spill_time
 from torchckpt.schedules.uniform import Uniform
+from torchckpt.schedules.weighted import WeightedRevolve
 from torchckpt.schedules.zcut import ZCut, zcut_cost
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "Spill",
     "Tier",
     "Uniform",
+    "WeightedRevolve",
     "ZCut",
     "flush_positions",
     "greedy_spill",
