@@ -218,6 +218,12 @@ def main() -> None:
         b, x, use_reentrant=False, context_fn=functools.partial(create_selective_checkpoint_contexts, sac_policy))))
     rec_save = torchckpt.Recompute(save=frozenset(SAVE))  # the same selection through torchckpt's own dispatch mode
     run("rec_save", "rec_save", lambda: wrap(lambda i, b, x: torchckpt.api.run(rec_save, b, x, module=b)))
+    if not bench.llama:  # Revolve over the chain (checkpoint_chain): s of the block inputs kept, nothing to host
+        for snaps in (2, 4, 8):
+            def chain(snaps: int = snaps) -> Callable[[], None]:
+                return torchckpt.checkpoint_chain(list(m.blocks), snapshots=snaps).remove
+
+            run(f"chain_s{snaps}", "chain", chain, {"snapshots": snaps})
     store_all = torchckpt.Store(bench.dev, gpu_bytes=0, min_bytes=0)
     run("offload_all", "offload_all",
         lambda: wrap(lambda i, b, x: torchckpt.api.run(torchckpt.Offload(store_all), b, x, module=b)))
@@ -262,7 +268,8 @@ def main() -> None:
                      "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
                      "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
                                    + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
-                                   + ("+host" if bp.host else "") for bp in pl.blocks]}
+                                   + ("+host" if bp.host else "") + ("+revolve" if bp.revolve else "")
+                                   for bp in pl.blocks]}
 
             def setup(pl: Any = pl, codec: Any = codec, extra: dict[str, Any] = extra) -> Callable[[], None]:
                 applied = pl.apply(m, codec=codec)

@@ -15,7 +15,7 @@ import torchckpt
 from torchckpt.schedules import Revolve, Tier, Uniform, optimal_forward_steps
 from zoo_models import ZOO, available, deterministic_cuda, to
 
-DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 
 
 class Block(nn.Module):
@@ -323,4 +323,26 @@ def test_weighted_revolve_for_blocks_of_unequal_size() -> None:
     chain = torchckpt.checkpoint_chain(list(model), schedule=sched)
     assert _same(_step(model, x), ref)
     assert chain.stats.advances == sched.forward_steps - (len(sizes) - 1)
+    chain.remove()
+
+
+def test_the_forward_holds_no_block_input_but_its_snapshots() -> None:
+    """Rule 2: autograd keeps the pack hook alive with every tensor saved under it; the hook must not keep the state
+    (it did: every block input stayed alive, and the chain freed no memory on an H200)."""
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model = Stack(8, p=0.0)
+    seen: list[weakref.ReferenceType[torch.Tensor]] = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: seen.append(weakref.ref(a[0]))) for b in model.blocks]
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    x = torch.randn(4, 16, requires_grad=True)
+    out = model(x).sum()
+    gc.collect()
+    alive = [k for k, r in enumerate(seen) if r() is not None]
+    assert alive == [0], alive  # the caller's x; the chain holds detached aliases of the snapshots only
+    out.backward()
+    for h in hooks:
+        h.remove()
     chain.remove()

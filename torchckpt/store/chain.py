@@ -19,7 +19,9 @@ blocks of unequal cost and size.
 #    Rule 1), so after the forward it holds the saved states and the last block's. Each call records what
 #    running the block again needs: its function, its other arguments (tensors detached, keeping their
 #    ``requires_grad``), the CPU RNG state and those of its tensors' devices (unless the policy's
-#    ``preserve_rng_state`` is off), the autocast state, the state's shape, dtype and device.
+#    ``preserve_rng_state`` is off), the autocast state, the state's shape, dtype and device. Autograd keeps
+#    the pack hook alive with every tensor saved under it, so the hook reaches the state through a box
+#    emptied when the block returns: nothing else of the forward holds the state.
 # 3. Backward: unpacking block i's token runs the schedule's actions after ``EndForward`` up to
 #    ``Adjoint(i)``: ``Restore`` makes a snapshot current, ``Advance(a, b)`` runs blocks a..b-1 on it as the
 #    forward ran them (grad enabled, the state requiring grad as it did, under a saved-tensor hook that keeps
@@ -48,7 +50,7 @@ import contextlib
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -137,6 +139,10 @@ class _Token:
 
     def __repr__(self) -> str:
         return f"<state of chain block {self.i}>"
+
+
+def _unpack(x: Any) -> torch.Tensor:
+    return x.step.unpack(x) if isinstance(x, _Token) else x
 
 
 class _Step:
@@ -353,18 +359,18 @@ class Chain:
         step.current = (i, state.detach())
         step.note_held()
         tok = _Token(step, i)
+        box: list[torch.Tensor] = [state]  # Rule 2: every tensor saved under the hooks keeps ``pack`` alive,
+        del state  # so ``pack`` reaches the state through ``box``, emptied once the block returns
 
         def pack(t: torch.Tensor) -> Any:
-            if t is state:
+            if box and t is box[0]:
                 tok.packs += 1
                 return tok
             return t
 
-        def unpack(x: Any) -> torch.Tensor:
-            return x.step.unpack(x) if isinstance(x, _Token) else x
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        with torch.autograd.graph.saved_tensors_hooks(pack, _unpack):
             out = body()
+        box.clear()
         first = _first_tensor(out)
         step.next = i + 1
         step.last = weakref.ref(first) if first is not None else None
