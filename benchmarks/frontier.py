@@ -141,6 +141,8 @@ def main() -> None:
     p.add_argument("--shape", default=None, help="D,H,S,B,L (default 2048,16,2048,8,16 on CUDA, 64,4,32,2,6 on CPU)")
     p.add_argument("--budgets", default=None, help="GiB, lossless plans (default 1.2,2.3,3.5,5,7,9,12,14)")
     p.add_argument("--q4-budgets", default=None, help="GiB, plans with TritonQuant(bits=4) (default 1.2,2.3,5; CUDA)")
+    p.add_argument("--local-budgets", default=None,
+                   help="GiB, lossless plans with nothing over the host link (default 1.2,1.5,2.3 on CUDA)")
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--compile", action="store_true", help="also torch.compile with activation_memory_budget")
     p.add_argument("--only", default="", help="run only methods whose name starts with one of these")
@@ -151,6 +153,8 @@ def main() -> None:
     budgets = [float(v) for v in (args.budgets or ("1.2,2.3,3.5,5,7,9,12,14" if cuda else "0.002,0.004,0.006")).split(",")]
     q4 = [float(v) for v in (args.q4_budgets if args.q4_budgets is not None else ("1.2,2.3,5" if cuda else "")).split(",")
           if v]
+    local = [float(v) for v in (args.local_budgets if args.local_budgets is not None else
+                                ("1.2,1.5,2.3" if cuda else "")).split(",") if v]
     out = out_dir(args.out)
     only = [o for o in args.only.split(",") if o]
     bench = Bench(args)
@@ -228,10 +232,10 @@ def main() -> None:
     run("offload_all", "offload_all",
         lambda: wrap(lambda i, b, x: torchckpt.api.run(torchckpt.Offload(store_all), b, x, module=b)))
 
-    for codec_name, bl in (("", budgets), ("q4", q4)):
+    for codec_name, bl in (("", budgets), ("q4", q4), ("local", local)):
         if not bl or (only and not any(o.startswith("plan") for o in only)):
             continue
-        codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name else None
+        codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name == "q4" else None
         t0 = time.perf_counter()
         try:
             planned = _Planned.prepare(m, (bench.x,), bench.kwargs, codec, None, None, None)
@@ -241,8 +245,9 @@ def main() -> None:
                            "profile": json.loads(planned.prof.to_json())}, f)
             found = {}
             for b in bl:
-                try:
-                    found[int(b * GiB)] = planned.plan(int(b * GiB))
+                try:  # local: the best plan with nothing over the host link (Revolve over the chain where needed)
+                    found[int(b * GiB)] = planned._verified(int(b * GiB), "local")[0] if codec_name == "local" \
+                        else planned.plan(int(b * GiB))
                 except PlanError:
                     pass
         except Exception as e:  # noqa: BLE001

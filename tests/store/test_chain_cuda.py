@@ -42,17 +42,19 @@ def _stack(n: int, d: int, dtype: torch.dtype) -> nn.Sequential:
 
 
 def _step(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
+    """Gradients, and the bytes the forward leaves allocated for the backward (what the blocks' inputs are part of:
+    the step's peak itself comes late in the backward of a model this small, where the parameters' gradients are)."""
     torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     start = torch.cuda.memory_allocated()
     torch.manual_seed(5)
     torch.cuda.manual_seed(5)
-    model(x).float().square().mean().backward()
+    loss = model(x).float().square().mean()
     torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - start
+    held = torch.cuda.memory_allocated() - start
+    loss.backward()
     grads = [p.grad.clone() for p in model.parameters()]
     model.zero_grad(set_to_none=True)
-    return grads, peak
+    return grads, held
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -65,16 +67,16 @@ def test_gpt_stack_exact_and_holds_fewer_inputs(dtype: torch.dtype) -> None:
         for blk in model:
             torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
         _step(model, x)
-        per_block, per_block_peak = _step(model, x)
+        per_block, per_block_held = _step(model, x)
         for blk in model:
             blk.__dict__.pop("forward")
         chain = torchckpt.checkpoint_chain(list(model), snapshots=s)
         _step(model, x)
-        got, chain_peak = _step(model, x)
+        got, chain_held = _step(model, x)
         chain.remove()
     assert all(torch.equal(a, b) for a, b in zip(plain, per_block))
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
     assert chain.stats.advances == 2 * (optimal_forward_steps(n, s) - (n - 1))
     # per-block recomputation holds all n inputs at the end of the forward; the chain s + 1 of them
     freed = (n - s - 1) * x.nbytes
-    assert per_block_peak - chain_peak >= 0.8 * freed, (per_block_peak, chain_peak, freed)
+    assert abs(per_block_held - chain_held - freed) <= freed // 8, (per_block_held, chain_held, freed)
