@@ -1,6 +1,6 @@
 """Streaming prefetch and write-back planning against planning over a whole list, on the CPU.
 
-Claim: the executor's planned stream (``torchckpt.adjoint.execute.Planned``: a write-back pass at the
+Claim: the executor's planned stream (``torchckpt.schedules.planned.Planned``: a write-back pass at the
 first Save, then ``PrefetchStream`` as actions are read) holds memory that does not grow with the
 schedule, for a small CPU cost per action. Baseline, in the same process: what the executor did
 before, the schedule's actions as a list, ``plan_prefetch`` into a tuple and ``plan_flushes`` into a
@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from common import out_dir, pyplot, save_figure
-from torchckpt.adjoint.execute import Planned
+from torchckpt.schedules.planned import Planned
 from torchckpt.schedules import Action, PackedSchedule, Revolve, Save, Tier, plan_flushes, plan_prefetch
 
 SLOTS = 3

@@ -45,7 +45,7 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.schedules import Schedule
-from torchckpt.store import Store, default_store
+from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
 from torchckpt.store.chain import Chain, ChainStats
 from torchckpt.store.parts import run_in_parts
 from torchckpt.store.selective import selective_contexts
@@ -321,6 +321,8 @@ class _ChainForward(_InstanceForward):
         fn = self.inner if self.inner is not None else functools.partial(_unwrapped(type(self.module).forward), self.module)
         policy = self.policy
         assert isinstance(policy, Recompute)
+        if torch.compiler.is_compiling() or _hooks_refused() is not None:  # as run() does: the block alone
+            return run(policy, fn, *args, module=self.module, **kwargs)
         return self.chain.call(self.index, fn, args, kwargs,
                                lambda: run(policy, fn, *args, module=self.module, **kwargs), policy.preserve_rng_state)
 
@@ -347,6 +349,11 @@ class ChainCheckpoint:
         """What the chain did over its steps: advances run again, the most states held."""
         return self._chain.stats
 
+    def snapshot_stats(self) -> SnapshotStats | None:
+        """The ``SnapshotStore``'s counters (host saves, restores, prefetches, hits): the store passed, else the
+        latest step's own; ``None`` when no step kept a snapshot off the GPU."""
+        return self._chain.snapshot_stats()
+
     def remove(self) -> None:
         """Put every block's forward back as it was before ``checkpoint_chain``."""
         for mod, prev in reversed(self._undo):
@@ -361,7 +368,8 @@ class ChainCheckpoint:
 
 
 def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, *, schedule: Schedule | None = None,
-                     policy: Recompute | Sequence[Recompute] | None = None) -> ChainCheckpoint:
+                     policy: Recompute | Sequence[Recompute] | None = None,
+                     store: SnapshotStore | None = None) -> ChainCheckpoint:
     """Recompute every block of a chain and keep only some of their inputs: Revolve over the blocks.
 
     ``checkpoint(block, policy=Recompute())`` on each block keeps every block's input until its
@@ -376,16 +384,30 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
     (NOTE [ Chain of blocks ] in ``store/chain.py``). Gradients are those of plain autograd, bit
     for bit, for deterministic blocks.
 
+    A schedule may keep snapshots in host memory or on disk (``Tier.HOST``/``Tier.DISK``:
+    ``Multistage(n, gpu_slots=1, host_slots=3)``, ``Revolve(n, s, tier=Tier.HOST)``): those go through a
+    ``SnapshotStore``, copied to host behind the computation and prefetched back ahead of their restores
+    as the schedule says (exact prefetch, NOTE [ Prefetch setup ]), so the device holds only the GPU-tier
+    snapshots, the current state and the store's slots. Every block's input must then have one shape
+    and dtype (NOTE [ Chain of blocks ] Rule 8).
+
     Args:
         blocks: the modules of the chain, in forward order.
         snapshots: how many block inputs to keep (>= 1); the schedule is ``Revolve(len(blocks), snapshots)``.
         schedule: instead of ``snapshots``, any ``torchckpt.schedules`` schedule over ``len(blocks)`` steps
-            with its snapshots on ``Tier.GPU`` (e.g. ``WeightedRevolve`` for blocks of unequal cost and size).
+            (e.g. ``WeightedRevolve`` for blocks of unequal cost and size, ``Multistage`` for snapshots on the
+            GPU and in host memory); its forward sweep must only save and advance, as Revolve's does.
         policy: the ``Recompute`` each block runs under (or one per block), without a store: ``save=`` and
             ``parts=`` work as for one block. Default ``Recompute()``.
+        store: the ``torchckpt.store.SnapshotStore`` for the schedule's off-GPU snapshots (its slots, host
+            pool, codec, ``disk=`` directory for ``Tier.DISK``); the chain frees its snapshots after each
+            backward and leaves it open. ``None``: each step makes one of 2 slots on the inputs' device
+            (with the default store's host pool; ``Tier.DISK`` snapshots then stay in host memory) and closes
+            it after its backward.
 
     Returns:
-        A ``ChainCheckpoint``: ``remove()`` undoes it, ``stats`` counts what was run again.
+        A ``ChainCheckpoint``: ``remove()`` undoes it, ``stats`` counts what was run again,
+        ``snapshot_stats()`` what the snapshot store did.
 
     Example::
 
@@ -397,6 +419,12 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
         3
         >>> torchckpt.schedules.optimal_forward_steps(6, 2) - 5
         3
+        >>> chain.remove()
+        >>> from torchckpt.schedules import Multistage  # one snapshot on the device, two in host memory
+        >>> chain = torchckpt.checkpoint_chain(list(blocks), schedule=Multistage(6, gpu_slots=1, host_slots=2))
+        >>> blocks(torch.randn(4, 8, requires_grad=True)).sum().backward()
+        >>> chain.stats.host_saves, chain.snapshot_stats().misses
+        (2, 0)
         >>> chain.remove()
     """
     mods = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)) else None
@@ -413,7 +441,8 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
     for p in policies:
         if not isinstance(p, Recompute) or p.store is not None:
             raise TypeError(f"torchckpt: checkpoint_chain(policy=...) takes Recompute() without a store (the chain keeps "
-                            f"its inputs on the device by its schedule), got {p!r}.")
+                            f"its inputs by its schedule; pass store=SnapshotStore(...) for snapshots off the GPU), "
+                            f"got {p!r}.")
     for k, m in enumerate(mods):
         if isinstance(m.__dict__.get("forward"), _InstanceForward):
             raise ValueError(f"torchckpt: block {k} of checkpoint_chain is already checkpointed "
@@ -421,7 +450,7 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
     if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 1):
         raise ValueError(f"torchckpt: checkpoint_chain(snapshots=...) takes an int >= 1 (block inputs kept, block 0's "
                          f"included), got {snapshots!r}.")
-    chain = Chain(len(mods), snapshots, schedule)
+    chain = Chain(len(mods), snapshots, schedule, store)
     undo: list[Any] = []
     for k, (m, p) in enumerate(zip(mods, policies)):
         prev = m.__dict__.get("forward")

@@ -1,6 +1,6 @@
 """Prefetch and write-back planning stream: the same plan as a whole-list replay, in memory that does
-not grow with the schedule (NOTE [ Prefetch setup ], NOTE [ Write-back ] Rule 3, NOTE [ Adjoint executor ]
-Rule 3)."""
+not grow with the schedule (NOTE [ Prefetch setup ], NOTE [ Write-back ] Rule 3, NOTE [ Planned stream ]
+Rule 2)."""
 from __future__ import annotations
 
 import bisect
@@ -9,7 +9,7 @@ import tracemalloc
 
 import pytest
 
-from torchckpt.adjoint.execute import Planned
+from torchckpt.schedules.planned import Planned
 from torchckpt.schedules import (
     Action,
     Free,
@@ -161,7 +161,7 @@ def _planning_peak(n_steps: int) -> tuple[int, int]:
 
 
 def test_planning_memory_does_not_grow_like_the_schedule() -> None:
-    """NOTE [ Adjoint executor ] Rule 3: beyond one bit per action, memory is the live snapshots and the slots.
+    """NOTE [ Planned stream ] Rule 2: beyond one bit per action, memory is the live snapshots and the slots.
 
     A list of the planned actions (what was built before) costs over 50 bytes per action (an 8-byte
     pointer plus a shared or fresh action object); the stream keeps one bit per action for the

@@ -12,7 +12,10 @@ import torch
 from torch import nn
 
 import torchckpt
-from torchckpt.schedules import Revolve, Tier, Uniform, optimal_forward_steps
+from torchckpt.memory import HostPool
+from torchckpt.schedules import Multistage, Revolve, Tier, Uniform, optimal_forward_steps, plan_prefetch
+from torchckpt.store import SnapshotStore
+from torchckpt.store.chain import SLOTS
 from zoo_models import ZOO, available, deterministic_cuda, to
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
@@ -99,8 +102,11 @@ def test_schedule_argument_and_uniform() -> None:
     chain.remove()
     with pytest.raises(ValueError, match="torchckpt: checkpoint_chain got 9 blocks and a schedule over 8 steps"):
         torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(8, 3))
-    with pytest.raises(ValueError, match="torchckpt: checkpoint_chain keeps its snapshots on the device"):
-        torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(9, 3, tier=Tier.HOST))
+    with pytest.raises(ValueError, match="torchckpt: checkpoint_chain\\(store=...\\) holds snapshots kept off the GPU"):
+        torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(9, 3), store=SnapshotStore("cpu"))
+    with pytest.raises(TypeError, match="torchckpt: checkpoint_chain\\(store=...\\) expects a torchckpt.store.Snapshot"):
+        torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(9, 3, tier=Tier.HOST),
+                                   store=torchckpt.Store("cpu"))  # type: ignore[arg-type]
     chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Uniform(9, 3))
     assert _same(_step(model, x), ref)
     chain.remove()
@@ -346,3 +352,243 @@ def test_the_forward_holds_no_block_input_but_its_snapshots() -> None:
     for h in hooks:
         h.remove()
     chain.remove()
+
+
+# -- snapshots in host memory and on disk (NOTE [ Chain of blocks ] Rules 8, 9) -------------------------------------
+
+
+def _host_schedule(kind: str, n: int, s: int) -> tuple[Revolve | Multistage, int]:
+    """The schedule, and how many snapshots Revolve's count is for."""
+    if kind == "revolve":
+        return Revolve(n, s, tier=Tier.HOST), s
+    return Multistage(n, gpu_slots=1, host_slots=s), s + 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["revolve", "multistage"])
+@pytest.mark.parametrize("n,s", [(2, 1), (5, 2), (9, 2), (12, 3), (20, 4)])
+def test_host_snapshots_bit_exact_and_optimal(kind: str, n: int, s: int, device: str) -> None:
+    torch.manual_seed(0)
+    model = Stack(n, p=0.2).to(device)
+    x = torch.randn(4, 16, device=device)
+    ref = _step(model, x)
+    sched, total = _host_schedule(kind, n, s)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=sched)
+    for _ in range(2):  # two steps in a row, each with a store of its own
+        assert _same(_step(model, x), ref)
+    assert chain.stats.advances == 2 * (optimal_forward_steps(n, min(total, n)) - (n - 1))
+    assert chain.stats.steps == 2 and chain.stats.handed == 2 * n
+    st = chain.snapshot_stats()  # the last step's store
+    off = sum(isinstance(a, torchckpt.schedules.Save) and a.tier is Tier.HOST for a in sched)
+    restores = sum(isinstance(a, torchckpt.schedules.Restore) and a.tier is Tier.HOST for a in sched)
+    if off == 0:  # Multistage(2, ...) needs its GPU slot only: no store
+        assert st is None and chain.stats.host_saves == 0
+        return
+    assert st is not None
+    assert st.host_saves == off and chain.stats.host_saves == 2 * off
+    assert chain.stats.host_restores == 2 * restores
+    # exact prefetch: every restore from host hits a slot, and every copy the plan makes is a prefetch hit
+    assert st.misses == 0 and st.hits == restores, st
+    copies = plan_prefetch(sched, SLOTS).copies
+    assert st.prefetches == st.prefetch_hits == copies, (st, copies)
+    assert chain.stats.peak_host_states <= s
+    chain.remove()
+
+
+def test_host_snapshots_prefetch_copies_on_a_long_chain() -> None:
+    """With more host snapshots than slots, the plan copies snapshots back ahead of their restores."""
+    torch.manual_seed(0)
+    n = 24
+    model = Stack(n, p=0.1)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    sched = Multistage(n, gpu_slots=1, host_slots=4)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=sched)
+    assert _same(_step(model, x), ref)
+    st = chain.snapshot_stats()
+    assert st is not None and st.prefetch_hits > 0 and st.misses == 0, st
+    assert st.bytes_to_host > 0 and st.bytes_to_device > 0
+    chain.remove()
+
+
+def test_host_snapshots_hold_less_on_the_device() -> None:
+    """Device memory: the current state and the store's slots; the snapshots are in host memory."""
+    torch.manual_seed(0)
+    n, s = 10, 3
+    model = Stack(n, d=64, p=0.0)
+    x = torch.randn(32, 64)  # 8 KiB: a whole number of slot alignments
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(n, s, tier=Tier.HOST))
+    _step(model, x)
+    assert chain.stats.peak_states == 1
+    assert chain.stats.peak_state_bytes == (1 + SLOTS) * x.nbytes
+    assert chain.stats.peak_host_states == s and chain.stats.peak_host_bytes == s * x.nbytes
+    chain.remove()
+
+
+def test_a_store_passed_is_used_and_left_open(tmp_path: object) -> None:
+    torch.manual_seed(0)
+    n = 9
+    model = Stack(n, p=0.2)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    pool = HostPool(chunk_bytes=1 << 20, pin=False)
+    with SnapshotStore("cpu", slots=1, host=pool) as store:  # one slot: snapshots go to host and come back
+        chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Multistage(n, gpu_slots=1, host_slots=2),
+                                           store=store)
+        for _ in range(2):
+            assert _same(_step(model, x), ref)
+            assert pool.stats().in_use_bytes == 0  # the step freed its snapshots after its backward
+        st = store.stats()
+        assert chain.snapshot_stats() == st
+        assert st.host_saves == chain.stats.host_saves > 0 and st.misses == 0 and st.bytes_to_host > 0
+        chain.remove()
+
+
+@pytest.mark.parametrize("sched", [Revolve(10, 3, tier=Tier.DISK), Multistage(10, gpu_slots=1, host_slots=1,
+                                                                              disk_slots=2)], ids=["revolve", "multi"])
+def test_disk_snapshots(tmp_path: object, sched: Revolve | Multistage) -> None:
+    import pathlib
+
+    torch.manual_seed(0)
+    model = Stack(10, p=0.2)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=sched)  # no disk: held in host memory
+    assert _same(_step(model, x), ref)
+    chain.remove()
+    with SnapshotStore("cpu", slots=2, disk=tmp_path) as store:  # type: ignore[arg-type]
+        chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=sched, store=store)
+        for _ in range(2):
+            assert _same(_step(model, x), ref)
+            assert not [f for f in pathlib.Path(str(tmp_path)).rglob("*") if f.is_file()]  # the step freed them
+        st = store.stats()
+        assert st.disk is not None and st.disk.writes > 0 and st.disk.reads > 0, st
+        assert st.misses == 0
+        chain.remove()
+
+
+def test_host_snapshots_gradient_accumulation() -> None:
+    """Two forwards, then one backward: two steps alive at once, in stores of their own or in one store passed."""
+    torch.manual_seed(0)
+    model = Stack(7, p=0.2)
+    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
+
+    def two() -> list[torch.Tensor]:
+        torch.manual_seed(3)
+        loss = model(x1).pow(2).sum() + model(x2).sin().sum()
+        loss.backward()
+        out = [p.grad.clone() for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        return out
+
+    ref = two()
+    for store in (None, SnapshotStore("cpu", slots=2)):
+        chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(7, 2, tier=Tier.HOST), store=store)
+        assert all(torch.equal(u, v) for u, v in zip(two(), ref))
+        assert chain.stats.steps == 2 and chain.stats.host_restores > 0
+        chain.remove()
+
+
+def test_host_snapshots_broken_and_partial_steps() -> None:
+    torch.manual_seed(0)
+    model = Broken(8)
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Multistage(8, gpu_slots=1, host_slots=2))
+    with pytest.warns(RuntimeWarning, match="at block 4"):
+        assert _same(_step(model, x), ref)
+    chain.remove()
+    model = Stack(8, p=0.0)
+    blocks = list(model.blocks)
+    x = torch.randn(4, 16, requires_grad=True)
+    chain = torchckpt.checkpoint_chain(blocks, schedule=Revolve(8, 2, tier=Tier.HOST))
+    h = x
+    for b in blocks[:6]:  # backward before the last block: rebuilt from the snapshots in the store
+        h = b(h)
+    (g,) = torch.autograd.grad(h.sum(), x)
+    assert chain.stats.host_restores > 0
+    chain.remove()
+    h = x
+    for b in blocks[:6]:
+        h = b(h)
+    (want,) = torch.autograd.grad(h.sum(), x)
+    assert torch.equal(g, want)
+
+
+def test_host_snapshots_freed_without_a_backward() -> None:
+    """Rule 9: a step dropped before its backward frees its snapshots when it is collected."""
+    import gc
+
+    torch.manual_seed(0)
+    model = Stack(6, p=0.0)
+    pool = HostPool(chunk_bytes=1 << 20, pin=False)
+    store = SnapshotStore("cpu", slots=1, host=pool)  # one slot for three snapshots: two go to host
+    chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(6, 3, tier=Tier.HOST), store=store)
+    out = model(torch.randn(4, 16, requires_grad=True))
+    assert pool.stats().in_use_bytes > 0
+    del out
+    gc.collect()
+    assert pool.stats().in_use_bytes == 0
+    chain.remove()
+    store.close()
+
+
+def test_host_snapshots_need_one_layout() -> None:
+    torch.manual_seed(0)
+    dims = [16, 64, 16, 64, 16]
+    model = nn.Sequential(*[Widen(a, b) for a, b in zip(dims, dims[1:])])
+    chain = torchckpt.checkpoint_chain(list(model), schedule=Multistage(4, gpu_slots=1, host_slots=1))
+    with pytest.raises(torchckpt.CheckpointError, match="torchckpt: checkpoint_chain keeps snapshots off the GPU in a "
+                       "SnapshotStore, which holds states of one shape, dtype and device"):
+        model(torch.randn(4, 16, requires_grad=True))
+    chain.remove()
+
+
+class Transposing(nn.Module):
+    """A block whose output has the strides of a transpose (the same shape)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x + torch.tanh(self.lin(x))).t().contiguous().t()
+
+
+def test_restored_states_keep_their_strides() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(*[Transposing(16) for _ in range(8)])
+    seen: list[tuple[int, tuple[int, ...]]] = []
+    hooks = [b.register_forward_pre_hook(lambda m, a, k=k: seen.append((k, a[0].stride())))
+             for k, b in enumerate(model)]
+    x = torch.randn(4, 16)
+    ref = _step(model, x)
+    forward = dict(seen)
+    seen.clear()
+    chain = torchckpt.checkpoint_chain(list(model), schedule=Revolve(8, 2, tier=Tier.HOST))
+    assert _same(_step(model, x), ref)
+    assert all(forward[k] == st for k, st in seen), seen
+    assert chain.stats.host_restores > 0
+    for h in hooks:
+        h.remove()
+    chain.remove()
+
+
+def test_inside_torch_func_grad_the_blocks_run_as_run_does() -> None:
+    """Saved-tensor hooks are refused inside torch.func transforms: the blocks then run as run() runs them (Keep,
+    with its warning), and the values and gradients are plain autograd's."""
+    torch.manual_seed(0)
+    model = Stack(4, p=0.0)
+    x = torch.randn(2, 16)
+    params = dict(model.named_parameters())
+
+    def loss(p: dict[str, torch.Tensor]) -> torch.Tensor:
+        return torch.func.functional_call(model, p, (x,)).square().sum()
+
+    want = torch.func.grad(loss)(params)
+    chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
+    with pytest.warns(UserWarning, match="runs as Keep\\(\\) inside torch.func"):
+        got = torch.func.grad(loss)(params)
+    chain.remove()
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert chain.stats.steps == 0

@@ -8,7 +8,8 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torchckpt
-from torchckpt.schedules import optimal_forward_steps
+from torchckpt.schedules import Multistage, optimal_forward_steps
+from torchckpt.store.chain import SLOTS
 
 pytestmark = pytest.mark.cuda
 
@@ -80,3 +81,38 @@ def test_gpt_stack_exact_and_holds_fewer_inputs(dtype: torch.dtype) -> None:
     # per-block recomputation holds all n inputs at the end of the forward; the chain s + 1 of them
     freed = (n - s - 1) * x.nbytes
     assert abs(per_block_held - chain_held - freed) <= freed // 8, (per_block_held, chain_held, freed)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpt_stack_host_snapshots(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Multistage with one GPU slot and three host slots (NOTE [ Chain of blocks ] Rule 8): exact gradients, fewer
+    inputs left on the device than per-block recomputation, and host snapshots prefetched back ahead of their
+    restores."""
+    monkeypatch.setenv("TORCHCKPT_DEVICE_CACHE", "caching")  # the store's slots in memory_allocated(), not an arena
+    n, d = 12, 256
+    sched = Multistage(n, gpu_slots=1, host_slots=3)
+    model = _stack(n, d, dtype)
+    x = torch.randn(8, 512, d, device="cuda", dtype=dtype)
+    with sdpa_kernel(SDPBackend.MATH):
+        plain, _ = _step(model, x)
+        for blk in model:
+            torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+        _step(model, x)
+        per_block, per_block_held = _step(model, x)
+        for blk in model:
+            blk.__dict__.pop("forward")
+        chain = torchckpt.checkpoint_chain(list(model), schedule=sched)
+        _step(model, x)
+        got, chain_held = _step(model, x)
+        chain.remove()
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(plain, per_block))
+    assert all(torch.equal(a, b) for a, b in zip(plain, got))
+    assert chain.stats.advances == 2 * (optimal_forward_steps(n, 4) - (n - 1))
+    st = chain.snapshot_stats()
+    assert st is not None and st.host_saves > 0
+    assert st.prefetch_hits > 0, f"prefetch hits {st.prefetch_hits}, misses {st.misses}: {st}"
+    # the forward leaves the GPU snapshot, the current state and the store's slots: per-block recomputation all n
+    assert chain_held < per_block_held, (chain_held, per_block_held)
+    freed = (n - 2 - SLOTS) * x.nbytes
+    assert abs(per_block_held - chain_held - freed) <= freed // 8, (per_block_held, chain_held, freed, st.misses)

@@ -68,10 +68,10 @@ from torchckpt.codecs.base import Packed
 from torchckpt.adjoint.captures import (
     Age, Swap, descendants, exits, grad_leaf, node_mark, owned_nodes, probe, unfound,
 )
-from torchckpt.adjoint.execute import Planned
 from torchckpt.adjoint.step import Step, Tree, aliases, detached, firsts
 from torchckpt.adjoint.execute import run as execute_all
 from torchckpt.schedules import Adjoint, Restore, Revolve, Tier, Uniform
+from torchckpt.schedules.planned import Planned
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
 

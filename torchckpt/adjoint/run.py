@@ -14,9 +14,10 @@ import torch
 from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint.args import check_actions, check_callable, check_slots, check_store
-from torchckpt.adjoint.execute import Planned, Progress, run
+from torchckpt.adjoint.execute import Progress, run
 from torchckpt.memory import HostPool, shared_host_pool  # noqa: F401  (HostPool: run_schedule's example)
 from torchckpt.schedules import Restore, Tier
+from torchckpt.schedules.planned import Planned
 from torchckpt.store import SnapshotStats, SnapshotStore, Store
 
 __all__ = ["run_schedule"]

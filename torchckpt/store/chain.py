@@ -1,8 +1,9 @@
 """Revolve over a chain of blocks: the blocks' inputs rebuilt in backward from a few snapshots (issue 13).
 
 ``Recompute()`` on every block of a chain keeps every block's input on the device until its backward.
-``torchckpt.checkpoint_chain`` keeps only the inputs a schedule saves (``Revolve(n, s)``: s of them) and
-rebuilds the others in backward by running the blocks again from the nearest one, as a time-stepping
+``torchckpt.checkpoint_chain`` keeps only the inputs a schedule saves (``Revolve(n, s)``: s of them), on the
+device or, for a schedule with ``Tier.HOST``/``Tier.DISK`` snapshots (``Multistage``), in a ``SnapshotStore``,
+and rebuilds the others in backward by running the blocks again from the nearest one, as a time-stepping
 adjoint does (NOTE [ Schedule actions ]): the blocks are the steps, their inputs the states. Griewank and
 Walther's Revolve for equal blocks; ``schedules.WeightedRevolve`` (a rotor-style dynamic program) for
 blocks of unequal cost and size.
@@ -14,18 +15,23 @@ blocks of unequal cost and size.
 #    since (same version). Each block runs under its ``Recompute`` policy (without a store); the chain's
 #    saved-tensor hooks, around it, see what the policy's checkpoint saves of the block's inputs.
 # 2. Forward: the state is packed as a *token* naming (step, block); the other tensors pass by reference.
-#    The schedule's forward sweep (its actions up to ``EndForward``) says which states it saves: the step
-#    keeps those (detached), and the latest block's state as the current state (NOTE [ Schedule actions ]
-#    Rule 1), so after the forward it holds the saved states and the last block's. Each call records what
-#    running the block again needs: its function, its other arguments (tensors detached, keeping their
-#    ``requires_grad``), the CPU RNG state and those of its tensors' devices (unless the policy's
-#    ``preserve_rng_state`` is off), the autocast state, the state's shape, dtype and device. Autograd keeps
-#    the pack hook alive with every tensor saved under it, so the hook reaches the state through a box
-#    emptied when the block returns: nothing else of the forward holds the state.
-# 3. Backward: unpacking block i's token runs the schedule's actions after ``EndForward`` up to
+#    Each step reads the schedule through a stream of its own (``Planned``, NOTE [ Planned stream ]: the
+#    prefetches and write-back of its off-GPU snapshots planned in). The forward sweep (the actions up to
+#    ``EndForward``) runs as the model calls the blocks: at block k's call, when the sweep is at state k,
+#    the stream's actions run up to the ``Advance`` the model's next calls are (a ``Save(k)`` of the state,
+#    detached; prefetches planned there) or up to ``EndForward`` at the last block. The step keeps the latest
+#    block's state as the current state (NOTE [ Schedule actions ] Rule 1), so after the forward it holds the
+#    saved states and the last block's. Each call records what running the block again needs: its function,
+#    its other arguments (tensors detached, keeping their ``requires_grad``), the CPU RNG state and those of
+#    its tensors' devices (unless the policy's ``preserve_rng_state`` is off), the autocast state, the
+#    state's shape, dtype and device. Autograd keeps the pack hook alive with every tensor saved under it,
+#    so the hook reaches the state through a box emptied when the block returns: nothing else of the
+#    forward holds the state.
+# 3. Backward: unpacking block i's token runs the stream's actions after ``EndForward`` up to
 #    ``Adjoint(i)``: ``Restore`` makes a snapshot current, ``Advance(a, b)`` runs blocks a..b-1 on it as the
 #    forward ran them (grad enabled, the state requiring grad as it did, under a saved-tensor hook that keeps
-#    nothing, with the recorded RNG and autocast state), ``Save``/``Free`` hold and release snapshots;
+#    nothing, with the recorded RNG and autocast state), ``Save``/``Free`` hold and release snapshots,
+#    ``Prefetch`` starts an off-GPU snapshot's copy back ahead of its ``Restore`` (Rule 8);
 #    ``Adjoint(i)`` hands the current state to the checkpoint, which recomputes block i from it. An
 #    ``Adjoint(j)``, j > i, met on the way (block j's token not unpacked yet: a block whose backward reaches
 #    its input late, or never) keeps its state for that token; the step releases it when it is freed.
@@ -35,22 +41,36 @@ blocks of unequal cost and size.
 # 5. A step that leaves the chain (a state that is not the previous block's output, a block called out of
 #    order or twice, no positional tensor argument) keeps every state from that block on (saved as is, no
 #    token) and warns once. A step that broke, or whose backward starts before its last block ran, rebuilds
-#    a token's state by advancing from the nearest state it holds (the forward sweep's snapshots: none was
-#    freed). Gradients are exact either way; only memory and time differ.
+#    a token's state by advancing from the nearest state it holds (the forward sweep's snapshots, on the
+#    device or in the store: none was freed). Gradients are exact either way; only memory and time differ.
 # 6. One backward per forward: a state is handed to its block once (to as many of the block's arguments as
 #    hold it); a second backward through a retained graph raises.
 # 7. A step's records and snapshots hold detached tensors only (no ``grad_fn``), so the step, which the
 #    autograd graph holds through its tokens, forms no reference cycle through the graph: it is freed with
 #    the graph. A step drops each block's record once that block's state was handed over (no later advance
 #    runs it).
+# 8. Off-GPU snapshots (``Tier.HOST``, ``Tier.DISK``) live in a ``SnapshotStore`` (NOTE [ Snapshot store ]): the
+#    one passed (``store=``), else one the step makes at block 0's call on the state's device (``SLOTS`` slots,
+#    the default store's host pool; DISK then held as HOST, its Rule 11). Its Rule 1 makes every block's state
+#    one shape, dtype and device: checked at each call, an error otherwise. Block 0's state calibrates the store,
+#    whose slot count plans the stream. ``Save(k, HOST)`` copies the state into a slot (flushed to host behind
+#    the computation, or at eviction); a ``Restore``'s views of a slot are copied (then ``after_use``) into a
+#    fresh tensor of the saved state's strides, so a handed state stays valid while its block's recomputation
+#    and backward hold it. ``Tier.GPU`` snapshots stay detached references. Snapshot k is named ``k`` in a store
+#    the step made, ``k`` plus a base of the step's own in one passed (steps alive at once share it).
+# 9. A step releases its off-GPU snapshots once its stream passes ``Adjoint(0)`` (only ``Free``s follow): it
+#    closes a store it made (``Chain.snapshot_stats`` reads its counters later) or frees its snapshots in one
+#    passed. A step freed before (no backward, a broken or partial step) does so when it is garbage collected
+#    (``weakref.finalize`` on the step, whose callback holds the store, never the step: Rule 7).
 """
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -58,10 +78,17 @@ from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import get_device_states, set_device_states
 
 from torchckpt._errors import CheckpointError, internal_error
-from torchckpt.schedules import Adjoint, Advance, EndForward, Free, Restore, Revolve, Save, Schedule, Tier
+from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Revolve, Save, Schedule, Tier
+from torchckpt.schedules.planned import Planned
 from torchckpt.store.parts import _autocast_state, _device_type
+from torchckpt.store.saved import default_store
+from torchckpt.store.snapshots import SnapshotStore
+from torchckpt.store.stats import SnapshotStats
 
-__all__ = ["Chain", "ChainStats"]
+__all__ = ["Chain", "ChainStats", "SLOTS"]
+
+SLOTS = 2  # device slots of the SnapshotStore a step makes (Rule 8): the fewest that overlap copies and compute
+_bases = itertools.count(1)  # Rule 8: a step's snapshot names in a store passed
 
 
 @dataclasses.dataclass
@@ -73,8 +100,11 @@ class ChainStats:
         advances: block forwards run again in backward to rebuild states (``Advance``).
         handed: states handed to a block's checkpoint in backward.
         broken: steps that left the chain (NOTE [ Chain of blocks ] Rule 5).
-        peak_states / peak_state_bytes: the most states a step held at once (snapshots, the current state and
-            those kept for a later token), and their bytes.
+        peak_states / peak_state_bytes: the most states a step held at once on the device (``Tier.GPU``
+            snapshots, the current state and those kept for a later token), and their bytes plus the device
+            slots of the step's ``SnapshotStore`` (Rule 8; none without off-GPU snapshots).
+        host_saves / host_restores: snapshots saved to and restored from an off-GPU tier (the store's).
+        peak_host_states / peak_host_bytes: the most off-GPU snapshots a step held at once, and their bytes.
     """
 
     steps: int = 0
@@ -83,10 +113,26 @@ class ChainStats:
     broken: int = 0
     peak_states: int = 0
     peak_state_bytes: int = 0
+    host_saves: int = 0
+    host_restores: int = 0
+    peak_host_states: int = 0
+    peak_host_bytes: int = 0
 
 
 def _meta(t: torch.Tensor) -> tuple[Any, ...]:
     return tuple(t.shape), t.dtype, t.device
+
+
+def _dense_strides(t: torch.Tensor) -> tuple[int, ...] | None:
+    """``t``'s strides when it is a dense permutation other than row-major (a restore gives them back), else None."""
+    if t.is_contiguous():
+        return None
+    expected = 1
+    for st, size in sorted((st, size) for st, size in zip(t.stride(), t.shape) if size != 1):
+        if st != expected:
+            return None
+        expected *= size
+    return tuple(t.stride())
 
 
 def _detached(x: Any) -> Any:
@@ -145,8 +191,30 @@ def _unpack(x: Any) -> torch.Tensor:
     return x.step.unpack(x) if isinstance(x, _Token) else x
 
 
+class _Snaps:
+    """A step's off-GPU snapshots in a ``SnapshotStore`` (Rules 8, 9); it holds no reference to the step."""
+
+    def __init__(self, store: SnapshotStore, owns: bool) -> None:
+        self.store: SnapshotStore | None = store
+        self.owns = owns
+        self.base = 0 if owns else next(_bases) << 32
+        self.live: dict[int, tuple[Tier, tuple[int, ...] | None]] = {}  # snapshot -> its tier, the state's strides
+
+    def close(self) -> None:
+        """Rule 9: close the store made for the step, or free the step's snapshots in the one passed."""
+        store, self.store = self.store, None
+        if store is None:
+            return
+        if self.owns:
+            store.close()
+        else:
+            for n, (tier, _) in self.live.items():
+                store.free(self.base + n, tier)
+        self.live.clear()
+
+
 class _Step:
-    """One forward of the chain and its backward (Rules 2-7)."""
+    """One forward of the chain and its backward (Rules 2-9)."""
 
     def __init__(self, chain: Chain) -> None:
         self.chain = chain
@@ -155,14 +223,36 @@ class _Step:
         self.next = 0  # the block expected next
         self.last: weakref.ReferenceType[torch.Tensor] | None = None
         self.last_version = -1
-        self.held: dict[tuple[int, Tier], torch.Tensor] = {}
+        self.held: dict[tuple[int, Tier], torch.Tensor] = {}  # Tier.GPU snapshots
         self.current: tuple[int, torch.Tensor] | None = None
         self.early: dict[int, torch.Tensor] = {}
         self.handing: dict[int, tuple[torch.Tensor, int]] = {}  # state, unpacks left (Rule 6)
         self.handed: set[int] = set()
         self.broken = False
         self.complete = False
-        self.cursor: Iterator[Any] | None = None
+        self.plan = Planned(chain.actions, True)  # Rule 2: this step's stream
+        self.stream = iter(self.plan)
+        self.at = 0  # the state the forward sweep waits at (Rule 2)
+        self.meta0: tuple[Any, ...] | None = None  # block 0's state (Rule 8)
+        self.snaps: _Snaps | None = None
+
+    def start(self, x: torch.Tensor) -> None:
+        """Block 0's state: the step's store calibrated on it, and the stream planned for its slots (Rule 8)."""
+        self.meta0 = _meta(x)
+        chain = self.chain
+        if not chain.off_gpu:
+            self.plan.start(1)  # no off-GPU snapshot: nothing to prefetch or flush
+            return
+        store = chain.store
+        if store is None:
+            store = SnapshotStore(x.device, slots=SLOTS, host=default_store(x.device).host)
+            chain.last_store = store
+        elif store.device != x.device:
+            raise CheckpointError(f"torchckpt: checkpoint_chain(store=...) holds snapshots on {store.device}, but block "
+                                  f"0's input is on {x.device}; pass a SnapshotStore made on {x.device}.")
+        self.snaps = _Snaps(store, chain.store is None)
+        weakref.finalize(self, self.snaps.close)  # Rule 9: a step freed before its backward ended
+        self.plan.start(store.calibrate([x]))
 
     # -- memory ------------------------------------------------------------------------------------------------
     def note_held(self) -> None:
@@ -174,7 +264,83 @@ class _Step:
             seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         st = self.chain.stats
         st.peak_states = max(st.peak_states, len(seen))
-        st.peak_state_bytes = max(st.peak_state_bytes, sum(seen.values()))
+        snaps = self.snaps
+        slots = snaps.store.device_bytes() if snaps is not None and snaps.store is not None else 0
+        st.peak_state_bytes = max(st.peak_state_bytes, sum(seen.values()) + slots)
+        if snaps is not None and self.meta0 is not None:
+            nbytes = self.meta0[1].itemsize * torch.Size(self.meta0[0]).numel()
+            st.peak_host_states = max(st.peak_host_states, len(snaps.live))
+            st.peak_host_bytes = max(st.peak_host_bytes, len(snaps.live) * nbytes)
+
+    # -- snapshots (Rule 8) ------------------------------------------------------------------------------------
+    def _store(self) -> tuple[_Snaps, SnapshotStore]:
+        snaps = self.snaps
+        if snaps is None or snaps.store is None:
+            raise internal_error("chain off-GPU snapshot without its store")
+        return snaps, snaps.store
+
+    def save(self, pos: int, n: int, tier: Tier, x: torch.Tensor) -> None:
+        if tier is Tier.GPU:
+            self.held[(n, tier)] = x
+            return
+        snaps, store = self._store()
+        store.save(snaps.base + n, tier, [x], flush=self.plan.flush(pos))
+        snaps.live[n] = (tier, _dense_strides(x))
+        self.chain.stats.host_saves += 1
+
+    def restore(self, n: int, tier: Tier) -> torch.Tensor:
+        if tier is Tier.GPU:
+            return self.held[(n, tier)]
+        snaps, store = self._store()
+        (view,) = store.restore(snaps.base + n, tier)
+        if store.codec is not None:
+            x = view  # decompressed into a fresh tensor (NOTE [ Snapshot store ] Rule 8)
+        else:
+            stride = snaps.live[n][1]
+            x = (torch.empty_strided(view.shape, stride, dtype=view.dtype, device=view.device).copy_(view)
+                 if stride is not None else view.clone())
+        store.after_use()
+        self.chain.stats.host_restores += 1
+        return x
+
+    def free(self, n: int, tier: Tier) -> None:
+        if tier is Tier.GPU:
+            del self.held[(n, tier)]
+            return
+        snaps, store = self._store()
+        store.free(snaps.base + n, tier)
+        del snaps.live[n]
+
+    def act(self, pos: int, a: Any) -> bool:
+        """Save, Free and Prefetch, as both sweeps run them; False for another action."""
+        if isinstance(a, Save):
+            if self.current is None or self.current[0] != a.n:
+                raise internal_error(f"chain Save({a.n}) of another state")
+            self.save(pos, a.n, a.tier, self.current[1])
+        elif isinstance(a, Free):
+            self.free(a.n, a.tier)
+        elif isinstance(a, Prefetch):
+            snaps, store = self._store()
+            store.prefetch(snaps.base + a.n, a.src, a.dst)
+        else:
+            return False
+        return True
+
+    def sweep(self, i: int) -> None:
+        """Rule 2: the forward sweep's actions at block ``i``'s call (its state current)."""
+        for pos, a in self.stream:
+            if isinstance(a, Advance):
+                if a.n0 != i:
+                    raise internal_error(f"chain Advance({a.n0}, {a.n1}) at block {i}")
+                self.at = a.n1
+                return
+            if isinstance(a, EndForward):
+                self.at = -1
+                return
+            if not self.act(pos, a):
+                raise internal_error(f"chain forward sweep: {a!r}")
+            self.note_held()
+        raise internal_error("chain schedule ended before EndForward")
 
     # -- backward (Rules 3, 5, 6) ------------------------------------------------------------------------------
     def unpack(self, tok: _Token) -> torch.Tensor:
@@ -206,45 +372,49 @@ class _Step:
         return x
 
     def follow(self, i: int) -> torch.Tensor:
-        """Rule 3: the schedule's actions up to ``Adjoint(i)``."""
-        if self.cursor is None:
-            self.cursor = iter(self.chain.backward_actions)
-        for act in self.cursor:
-            if isinstance(act, Adjoint):
-                if self.current is None or self.current[0] != act.n:
-                    raise internal_error(f"chain Adjoint({act.n}) without its state current")
+        """Rule 3: the stream's actions up to ``Adjoint(i)``."""
+        for pos, a in self.stream:
+            if isinstance(a, Adjoint):
+                if self.current is None or self.current[0] != a.n:
+                    raise internal_error(f"chain Adjoint({a.n}) without its state current")
                 x = self.current[1]
                 self.current = None
-                if act.n == i:
+                if a.n == 0:  # Rule 9: nothing after Adjoint(0) reads a snapshot
+                    self.held.clear()
+                    if self.snaps is not None:
+                        self.snaps.close()
+                if a.n == i:
                     return x
-                if act.n < i:
-                    raise internal_error(f"chain block {i}'s state asked for after Adjoint({act.n})")
-                self.early[act.n] = x  # Rule 3: for a token unpacked later
-                self.handed.discard(act.n)
-            elif isinstance(act, Restore):
-                self.current = (act.n, self.held[(act.n, act.tier)])
-            elif isinstance(act, Advance):
-                if self.current is None or self.current[0] != act.n0:
-                    raise internal_error(f"chain Advance({act.n0}, {act.n1}) from another state")
-                self.current = (act.n1, self.advance(act.n0, act.n1, self.current[1]))
-            elif isinstance(act, Save):
-                if self.current is None or self.current[0] != act.n:
-                    raise internal_error(f"chain Save({act.n}) of another state")
-                self.held[(act.n, act.tier)] = self.current[1]
-            elif isinstance(act, Free):
-                del self.held[(act.n, act.tier)]
+                if a.n < i:
+                    raise internal_error(f"chain block {i}'s state asked for after Adjoint({a.n})")
+                self.early[a.n] = x  # Rule 3: for a token unpacked later
+                self.handed.discard(a.n)
+            elif isinstance(a, Restore):
+                self.current = (a.n, self.restore(a.n, a.tier))
+            elif isinstance(a, Advance):
+                if self.current is None or self.current[0] != a.n0:
+                    raise internal_error(f"chain Advance({a.n0}, {a.n1}) from another state")
+                self.current = (a.n1, self.advance(a.n0, a.n1, self.current[1]))
+            elif isinstance(a, End):
+                break
+            elif not self.act(pos, a):
+                raise internal_error(f"chain backward: {a!r}")
             self.note_held()
         raise internal_error(f"chain schedule ended before Adjoint({i})")
 
     def rebuild(self, i: int) -> torch.Tensor:
         """Rule 5: advance from the nearest state held."""
-        have = {n: t for (n, _), t in self.held.items()}
+        have: dict[int, Tier | None] = {n: t for n, t in self.held}
+        if self.snaps is not None:
+            have.update((n, t) for n, (t, _) in self.snaps.live.items() if n not in have)
         if self.current is not None:
-            have[self.current[0]] = self.current[1]
+            have[self.current[0]] = None
         start = max((n for n in have if n <= i), default=None)
         if start is None:
             raise internal_error(f"chain block {i}'s state: no state at or before it is held")
-        return have[start] if start == i else self.advance(start, i, have[start])
+        tier = have[start]
+        x = self.restore(start, tier) if tier is not None else self.current[1]  # type: ignore[index]
+        return x if start == i else self.advance(start, i, x)
 
     def advance(self, a: int, b: int, x: torch.Tensor) -> torch.Tensor:
         """Rule 3: run blocks a..b-1 on state ``x`` as the forward ran them."""
@@ -262,16 +432,35 @@ class _Step:
         return x
 
 
+def _check_forward(n: int, acts: list[Any]) -> int:
+    """The forward sweep (before ``EndForward``) saves and advances from 0 to n - 1 in order; its end."""
+    end = next((k for k, a in enumerate(acts) if isinstance(a, EndForward)), None)
+    at, ok = 0, end is not None
+    for a in acts[:end]:
+        if isinstance(a, Advance) and a.n0 == at and a.n1 > at:
+            at = a.n1
+        elif not isinstance(a, Save) or a.n != at:
+            ok = False
+    if not ok or at != n - 1:
+        raise ValueError("torchckpt: checkpoint_chain runs the forward sweep as the model calls the blocks: pass a "
+                         "schedule whose forward sweep (the actions before EndForward) only saves and advances, from "
+                         "block 0 to the last.")
+    assert end is not None
+    return end
+
+
 class Chain:
     """The runtime of ``torchckpt.checkpoint_chain`` (NOTE [ Chain of blocks ]): ``call`` runs block ``i``.
 
     Args:
         n: the number of blocks.
         snapshots: states the default schedule, ``Revolve(n, snapshots)``, saves (block 0's included).
-        schedule: a schedule over ``n`` steps with its snapshots on the GPU tier instead.
+        schedule: a schedule over ``n`` steps instead; snapshots off the GPU go to a ``SnapshotStore`` (Rule 8).
+        store: the ``SnapshotStore`` for those (``None``: each step makes one).
     """
 
-    def __init__(self, n: int, snapshots: int | None = None, schedule: Schedule | None = None) -> None:
+    def __init__(self, n: int, snapshots: int | None = None, schedule: Schedule | None = None,
+                 store: SnapshotStore | None = None) -> None:
         if schedule is None:
             if snapshots is None:
                 raise TypeError("torchckpt: checkpoint_chain needs snapshots=... (how many block inputs to keep, block "
@@ -285,24 +474,33 @@ class Chain:
         if schedule.n_steps != n:
             raise ValueError(f"torchckpt: checkpoint_chain got {n} blocks and a schedule over {schedule.n_steps} steps; "
                              f"pass a schedule over {n} steps.")
+        if store is not None and not isinstance(store, SnapshotStore):
+            raise TypeError(f"torchckpt: checkpoint_chain(store=...) expects a torchckpt.store.SnapshotStore (where "
+                            f"off-GPU snapshots go), got {type(store).__name__}; pass e.g. SnapshotStore('cuda', "
+                            "slots=2), or no store.")
         self.n = n
         self.schedule = schedule
-        acts = list(schedule)
-        if any(isinstance(a, (Save, Restore, Free)) and a.tier is not Tier.GPU for a in acts):
-            raise ValueError("torchckpt: checkpoint_chain keeps its snapshots on the device; pass a schedule whose "
-                             "snapshots are on Tier.GPU (e.g. Revolve(n, s), the default tier).")
-        end = next((k for k, a in enumerate(acts) if isinstance(a, EndForward)), None)
-        if end is None or any(not isinstance(a, (Save, Advance)) for a in acts[:end]):
-            raise ValueError("torchckpt: checkpoint_chain runs the forward sweep as the model calls the blocks: pass a "
-                             "schedule whose forward sweep (the actions before EndForward) only saves and advances.")
-        self.forward_saves = frozenset(a.n for a in acts[:end] if isinstance(a, Save))
-        if n > 1 and 0 not in self.forward_saves:
+        self.actions = schedule.pack()
+        acts = list(self.actions)
+        end = _check_forward(n, acts)
+        if n > 1 and not any(isinstance(a, Save) and a.n == 0 for a in acts[:end]):
             raise ValueError("torchckpt: checkpoint_chain needs a schedule that saves block 0's input in its forward "
                              "sweep, as Revolve does.")
-        self.backward_actions = tuple(acts[end + 1:])
+        self.off_gpu = any(isinstance(a, Save) and a.tier is not Tier.GPU for a in acts)
+        if store is not None and not self.off_gpu:
+            raise ValueError("torchckpt: checkpoint_chain(store=...) holds snapshots kept off the GPU, and this "
+                             "schedule keeps all of them on Tier.GPU; pass a schedule with Tier.HOST snapshots (e.g. "
+                             "Multistage(n, gpu_slots=1, host_slots=3) or Revolve(n, s, tier=Tier.HOST)), or no store.")
+        self.store = store
+        self.last_store: SnapshotStore | None = None  # the latest store a step made (Rule 9)
         self.stats = ChainStats()
         self.step: _Step | None = None
         self.warned = False
+
+    def snapshot_stats(self) -> SnapshotStats | None:
+        """The counters of the store passed, else of the latest step's own (``None`` before one was made)."""
+        store = self.store if self.store is not None else self.last_store
+        return store.stats() if store is not None else None
 
     def warn(self, i: int, why: str) -> None:
         self.stats.broken += 1
@@ -345,6 +543,16 @@ class Chain:
             self.warn(i, why)
             return body()
         assert state is not None
+        if i == 0:
+            step.start(state.detach())
+        elif self.off_gpu and _meta(state) != step.meta0:
+            self.step = None
+            raise CheckpointError(
+                f"torchckpt: checkpoint_chain keeps snapshots off the GPU in a SnapshotStore, which holds states of one "
+                f"shape, dtype and device (NOTE [ Snapshot store ] Rule 1); block {i}'s input has {_meta(state)}, block "
+                f"0's {step.meta0}. Pass a schedule with its snapshots on Tier.GPU (e.g. Revolve(n, s), or "
+                "WeightedRevolve for blocks of unequal size), or chain only blocks whose inputs match "
+                "(NOTE [ Chain of blocks ] Rule 8).")
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
         device_type = _device_type(tensors)
         rec = _Record(fn, tuple(None if k == at else tree_map(_detached, a) for k, a in enumerate(args)),
@@ -354,9 +562,9 @@ class Chain:
             rec.cpu_state = torch.get_rng_state()
             rec.devices, rec.device_states = get_device_states(*tensors)
         step.records[i] = rec
-        if i in self.forward_saves:
-            step.held[(i, Tier.GPU)] = state.detach()
         step.current = (i, state.detach())
+        if i == step.at:
+            step.sweep(i)
         step.note_held()
         tok = _Token(step, i)
         box: list[torch.Tensor] = [state]  # Rule 2: every tensor saved under the hooks keeps ``pack`` alive,
@@ -376,11 +584,12 @@ class Chain:
         step.last = weakref.ref(first) if first is not None else None
         step.last_version = first._version if first is not None else -1
         if i == self.n - 1:
+            if step.at != -1:
+                raise internal_error("chain forward sweep did not reach EndForward at the last block")
             step.complete = True
             self.step = None
             self.stats.steps += 1
         return out
-
     def run_again(self, rec: _Record, x: torch.Tensor) -> torch.Tensor:
         """Rule 3: block ``rec`` on state ``x``, as the forward ran it; its first output, detached."""
         args = list(rec.args)

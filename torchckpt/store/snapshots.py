@@ -360,6 +360,7 @@ class SnapshotStore(DiskSide, PeerSide):
                 c["hits"] += 1
                 if n in self._prefetched:
                     self._prefetched.discard(n)
+                    c["prefetch_hits"] += 1
                     need = self._wait(self._fill_ev[s])
                     if need is not None:
                         self._timings.append(("late", need, self._fill_ev[s]))

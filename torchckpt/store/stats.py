@@ -103,7 +103,8 @@ class SnapshotStats:
 
     Attributes:
         saves: snapshots saved (all tiers); host_saves: of them, to an off-GPU tier.
-        restores: snapshots restored; hits: off-GPU restores served by a slot.
+        restores: snapshots restored; hits: off-GPU restores served by a slot; prefetch_hits: of them, those a
+            copying prefetch brought into the slot (the others found the snapshot still there).
         prefetches: host-to-device prefetch copies; late_prefetches / late_wait_s: those that
             ended after the restore needed them, and by how much in total.
         misses: off-GPU restores loaded on demand; miss_wait_s: the compute stream's wait for them.
@@ -127,6 +128,7 @@ class SnapshotStats:
     host_saves: int = 0
     restores: int = 0
     hits: int = 0
+    prefetch_hits: int = 0
     prefetches: int = 0
     late_prefetches: int = 0
     late_wait_s: float = 0.0

@@ -1,0 +1,115 @@
+"""The action stream an executor reads: a schedule's actions with prefetches and write-back planned as it goes.
+
+# NOTE [ Planned stream ]
+# The executors (``checkpointed_loop``'s and ``run_schedule``'s, NOTE [ Adjoint executor ];
+# ``checkpoint_chain``'s, NOTE [ Chain of blocks ]) read a schedule through ``Planned``.
+# 1. ``Planned`` is the action stream: the schedule's actions once, and, unless
+#    ``prefetch=False``, with prefetches inserted by ``plan_prefetch`` so that every off-GPU
+#    restore has its copy started ahead of time (GPUZIP's Prefetch Setup), and the write-back
+#    decided by ``plan_flushes``. Both need the snapshot store's slot count, which a store
+#    sized by bytes or holding a codec knows only from the first snapshot; nothing is cached
+#    before the first Save (only Advances precede it), so the stream yields up to the first
+#    Save unplanned, and the driver's first ``save`` calls ``Planned.start(slots)``, which
+#    plans the rest.
+# 2. Planning streams: no list of planned actions is built. ``start`` reads the schedule once
+#    to decide the write-back (NOTE [ Write-back ] Rule 3; one bit per action), then the
+#    stream plans prefetches again as the executor reads it (``PrefetchStream``). Memory
+#    beyond the schedule's packed ints is the snapshots alive and the cache's slots.
+"""
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator
+
+from torchckpt._errors import CheckpointError
+from torchckpt.schedules.actions import Action, Save
+from torchckpt.schedules.packed import PackedSchedule
+from torchckpt.schedules.prefetch import PrefetchStream, flush_positions
+from torchckpt.schedules.schedule import Schedule
+
+__all__ = ["Planned"]
+
+
+class Planned:
+    """A schedule's actions as the executor consumes them (NOTE [ Planned stream ]).
+
+    Iterating yields ``(position, action)``; positions count the planned stream (prefetches
+    included). The same iterator continues where a previous loop over it stopped, so a forward
+    sweep and a backward sweep can share it. Nothing holds the planned actions: ``start`` reads
+    the schedule once to plan the write-back (one bit per action), and the stream plans the
+    prefetches again as it is read (``PrefetchStream``).
+
+    Args:
+        actions: the schedule's actions, readable more than once (a ``PackedSchedule``, a list).
+        prefetch: insert prefetches (``False``: restores load on demand).
+    """
+
+    def __init__(self, actions: Iterable[Action], prefetch: bool) -> None:
+        self._acts = actions
+        self._prefetch = prefetch
+        self._i0 = next((i for i, a in enumerate(actions) if type(a) is Save), -1)
+        self._slots: int | None = None
+        self._flushes = bytearray()
+        self._it = self._stream()
+
+    @staticmethod
+    def of(schedule: Iterable[Action], prefetch: bool) -> Planned:
+        """The stream of a schedule (packed once, so that reading it again does not plan it again) or a list."""
+        if isinstance(schedule, Schedule):
+            return Planned(schedule.pack(), prefetch)
+        return Planned(schedule if isinstance(schedule, (list, tuple, PackedSchedule)) else list(schedule), prefetch)
+
+    def _rest(self) -> Iterator[Action]:
+        """A fresh read of the planned actions from the first Save on."""
+        slots = self._slots
+        assert slots is not None
+        if not self._prefetch:
+            return itertools.islice(self._acts, self._i0, None)
+        return iter(PrefetchStream(_From(self._acts, self._i0), slots))
+
+    def start(self, slots: int) -> None:
+        """Plan from the first Save on for a cache of ``slots`` slots (once, and only with a Save; later calls do
+        nothing)."""
+        if self._slots is not None or self._i0 < 0:
+            return
+        self._slots = slots
+        bits = self._flushes
+        for f in flush_positions(self._rest(), slots):
+            f += self._i0
+            if f >> 3 >= len(bits):
+                bits.extend(bytes((f >> 3) + 1 - len(bits)))
+            bits[f >> 3] |= 1 << (f & 7)
+
+    def flush(self, i: int) -> bool:
+        """Whether the Save at position ``i`` copies its snapshot to host now (NOTE [ Write-back ])."""
+        return (i >> 3) < len(self._flushes) and bool(self._flushes[i >> 3] >> (i & 7) & 1)
+
+    def _stream(self) -> Iterator[tuple[int, Action]]:
+        it = iter(self._acts)
+        if self._i0 < 0:  # no Save: nothing to plan
+            yield from enumerate(it)
+            return
+        for i, a in enumerate(itertools.islice(it, self._i0 + 1)):
+            yield i, a
+        if self._slots is None:
+            raise CheckpointError("torchckpt: the first Save was not executed before the actions after it "
+                                  "(internal: the driver's save must call Planned.start)")
+        rest = self._rest()
+        next(rest)  # the first Save, already yielded (no prefetch precedes it: nothing is saved before it)
+        for k, a in enumerate(rest, start=self._i0 + 1):
+            yield k, a
+
+    def __iter__(self) -> Iterator[tuple[int, Action]]:
+        return self._it
+
+
+class _From:
+    """The actions of ``acts`` from position ``i0`` on, readable more than once."""
+
+    __slots__ = ("acts", "i0")
+
+    def __init__(self, acts: Iterable[Action], i0: int) -> None:
+        self.acts, self.i0 = acts, i0
+
+    def __iter__(self) -> Iterator[Action]:
+        return itertools.islice(self.acts, self.i0, None)
