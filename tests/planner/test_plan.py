@@ -471,3 +471,30 @@ def test_a_plan_with_revolve_over_the_chain_is_exact_and_runs_what_the_model_cou
         applied.remove()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert all("forward" not in blk.__dict__ for blk in m.h)
+
+
+def test_measured_step_time_never_rises_with_the_budget() -> None:
+    """NOTE [ Applying a plan ] Rule 6: a larger budget whose own plan measures slower gets a faster plan verified
+    for a smaller budget, when that plan's measured peak fits."""
+    from torchckpt.planner.plan import _Planned
+
+    m = Net(6)
+    x = torch.randn(64, D)
+    prof = profile(m, (x,), {})
+    slow: set[int] = set()
+
+    def step(p: Plan) -> tuple[int, float]:  # every plan measures as predicted, except those made slow
+        return p.peak_bytes, p.step_time * (3 if p.budget in slow else 1)
+
+    planner = _Planned(prof, Link(1e10, 1e10), None, step)
+    peaks = sorted({pred.peak_bytes for _, pred in planner.found.plans})
+    small, large = peaks[len(peaks) // 2] * 10 // 9 + 1, peaks[-1] * 10 // 9 + 1
+    first = planner.plan(small)
+    slow.add(large)
+    second = planner.plan(large)
+    assert first.measured_step_time is not None and second.measured_step_time is not None
+    assert second.measured_step_time <= first.measured_step_time and second.budget == large
+    assert second.blocks == first.blocks  # the smaller budget's plan, which measured faster
+    slow.clear()
+    third = _Planned(prof, Link(1e10, 1e10), None, step).plan(large)  # alone: its own plan, faster still
+    assert third.measured_step_time is not None and third.measured_step_time <= first.measured_step_time

@@ -28,6 +28,11 @@
 #    any plan; without compression; with nothing over the host link), each verified as in Rule 4,
 #    and returns the one whose measured step (the median of the verification steps) is fastest.
 #    Families whose best plan was already measured are not run again.
+# 6. Plans for several budgets from one profile (``plans``, or ``plan`` called again on one ``_Planned``) keep
+#    the measured step time from rising with the budget too: a budget whose own verified plan measured slower
+#    than one verified for another budget, whose measured peak is within this budget's slack, gets that plan
+#    (measurements of one plan differ by a few percent between steps; the model's predictions are monotone
+#    by Rule 3 of NOTE [ Plan search ], the measurements need this).
 """
 from __future__ import annotations
 
@@ -418,6 +423,7 @@ class _Planned:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(prof.chain(link, codec))
         self.step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
+        self.verified: list[Plan] = []  # Rule 6: the plans returned so far, measured
         self.say: Callable[[str], None] = _quiet
 
     @staticmethod
@@ -500,6 +506,15 @@ class _Planned:
                 best = p
         if len(times) > 1:
             self.say(f"budget {size(budget)}: measured the best plan of each family: {', '.join(times)}")
+        limit = budget - _slack(budget)
+        for p in self.verified:  # Rule 6: a plan verified for a smaller budget that fits this one and measured faster
+            assert p.measured_peak_bytes is not None and p.measured_step_time is not None
+            assert best.measured_step_time is not None
+            if p.measured_peak_bytes <= limit and p.measured_step_time < best.measured_step_time:
+                self.say(f"budget {size(budget)}: the plan verified for {size(p.budget)} fits and measured faster "
+                         f"({p.measured_step_time * 1e3:.1f} against {best.measured_step_time * 1e3:.1f} ms)")
+                best = dataclasses.replace(p, budget=budget)
+        self.verified.append(best)
         return best
 
     def _verified(self, budget: int, family: str) -> tuple[Plan, set[tuple[Decision, ...]]]:
@@ -519,7 +534,7 @@ class _Planned:
             self.say(f"budget {size(budget)} ({family}): predicted {size(pred.peak_bytes)}, {pred.step_s * 1e3:.1f} ms; "
                      f"measured {size(measured)}, {seconds * 1e3:.1f} ms")
             p = dataclasses.replace(p, measured_peak_bytes=measured, measured_step_time=seconds)
-            limit = budget - max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
+            limit = budget - _slack(budget)
             if measured <= limit:
                 return p, tried
             target = min(target, pred.peak_bytes) - (measured - limit) - (measured - limit) // 16 - 1
@@ -531,6 +546,11 @@ class _Planned:
             f"{size(pred.peak_bytes)} and peaked at {size(measured)}; the lowest predicted peak is "
             f"{size(self.found.floor)}. Pass a larger budget (e.g. budget={measured})."
         )
+
+
+def _slack(budget: int) -> int:
+    """Rule 4's slack: 1% of the budget, at least 2 MiB (10% of budgets under 20 MiB)."""
+    return max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
 
 
 def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
