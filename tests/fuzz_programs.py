@@ -68,12 +68,34 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    autograd raises) is not compared with its twin there: a part's recomputation stops at the
 #    part's last saved tensor, before writes a whole recomputation replays, and neither result is
 #    defined.
+# 10. ``chain*`` settings run the segments as the blocks of ``torchckpt.checkpoint_chain`` (NOTE [ Chain of
+#    blocks ]): each segment is an nn.Module ``Block`` whose forward takes ``(state, *rest)`` and puts the state
+#    back at its position among the values, so the segment computes what it computes elsewhere. In the chain
+#    form the state is block j-1's first output (block 0's: the first leaf) and ``rest`` every other value so
+#    far, each tensor reaching the block once: a chain, whose other arguments are the earlier values. The
+#    ``loose`` form calls block j with every value in order (the first leaf is every block's "state"): not a
+#    chain from block 1 on, and the chain must warn, keep those inputs and still give the bits. The ``break``
+#    form runs the chain form but, before one block b >= 1, bumps the state's version
+#    (``torch.autograd.graph.increment_version``: the bytes and the graph stay; only a state alone in its
+#    storage, see ``ChainRun._drive``) or hands the block ``state.view_as(state)`` instead, in the twin too:
+#    the step leaves the chain there. ``ChainRun`` derives
+#    from the program's seed the snapshots (1..n for n segments), which block breaks and how, and in
+#    ``chain_mixed`` a policy per block: ``Recompute()``, ``Recompute(save=SAVE_OPS)``,
+#    ``Recompute(save=ALL_POSITIONS)`` or ``Recompute(parts=...)`` (cuts from a probe forward of the blocks, RNG
+#    forked, as in Rule 9). The twin is the same blocks, called the same way, each under
+#    ``torchckpt.api.run(policy)`` without the chain (a parts block: ``Recompute()``, Rule 9); the setting must
+#    give its bits, errors included. A twin whose version bump made it raise the version error (a checkpoint
+#    saved a tensor sharing the state's version counter) is not compared with plain autograd, which has no
+#    bump. The setting also checks the chain's own account: the chain form never leaves the chain, the loose
+#    and break forms always do (``ChainStats.broken``). The chain form runs two steps on one installed chain,
+#    the others one; ``remove()`` runs when the setting is done (``ChainRun.close``, in a ``finally``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import random
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -269,6 +291,144 @@ class Parts:
         return "Recompute(parts)"
 
 
+class Block(nn.Module):
+    """A segment as an nn.Module (NOTE [ Fuzzer semantics ] Rule 10): ``forward(state, *rest)`` runs the segment on
+    ``rest`` with ``state`` put back at position ``at``; ``fn`` (the segment) and ``at`` are set for each run."""
+
+    def __init__(self, j: int) -> None:
+        super().__init__()
+        self.j, self.at = j, 0
+        self.fn: Callable[..., tuple[torch.Tensor, ...]] | None = None
+
+    def forward(self, state: torch.Tensor, *rest: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        assert self.fn is not None
+        return self.fn(*rest[:self.at], state, *rest[self.at:])
+
+
+CHAIN_FORMS = ("chain", "loose", "break")
+CHAIN_POLICIES = ("rec", "save", "save_all", "parts")
+
+
+def _shares_storage(x: torch.Tensor, others: Sequence[torch.Tensor]) -> bool:
+    if x.numel() == 0:
+        return False
+    ptr = x.untyped_storage().data_ptr()
+    return any(o.numel() > 0 and o.untyped_storage().data_ptr() == ptr for o in others)
+
+
+class ChainRun:
+    """The outer runner of the ``chain*`` settings (NOTE [ Fuzzer semantics ] Rule 10): the segments as ``Block``
+    modules, run under ``torchckpt.checkpoint_chain(blocks, snapshots=..., policy=[...])`` (``twin=False``) or each
+    under ``torchckpt.api.run(policy)`` (``twin=True``). The snapshots, the per-block policies and the break come from
+    the program's seed; the chain is installed on the first run and removed by ``close``."""
+
+    def __init__(self, form: str, mixed: bool, twin: bool, nseg: int, seed: int, alias: bool = False) -> None:
+        assert form in CHAIN_FORMS
+        self.form, self.mixed, self.twin, self.alias = form, mixed, twin, alias
+        self.blocks = [Block(j) for j in range(nseg)]
+        r = random.Random(f"{seed} {form} {mixed}")  # str seeds are hashed the same in every run
+        self.snapshots = r.randint(1, nseg)
+        self.kinds = tuple(r.choice(CHAIN_POLICIES) if mixed else "rec" for _ in range(nseg))
+        self.break_at = r.randrange(1, nseg) if form == "break" and nseg > 1 else None
+        self.bump = r.random() < 0.5 or alias
+        self.chain: Any = None  # torchckpt.ChainCheckpoint, once installed
+        self.steps = 2 if form == "chain" and not mixed and not twin else 1  # a second step on the same chain
+        self.notes: list[str] = []  # the chain's own account, when it is wrong (Rule 10)
+
+    @property
+    def has_parts(self) -> bool:
+        return "parts" in self.kinds
+
+    def policy(self, kind: str, parts: tuple[int, ...] | None = None) -> Recompute:
+        if kind == "save":
+            return Recompute(save=SAVE_OPS)
+        if kind == "save_all":
+            return Recompute(save=ALL_POSITIONS)
+        if kind == "parts" and not self.twin:
+            assert parts is not None
+            return Recompute(parts=parts)
+        return Recompute()  # a parts block's twin: torch's whole recomputation (Rule 9)
+
+    def _drive(self, leaves: list[torch.Tensor], call: Callable[..., Any], probe: bool = False) -> list[torch.Tensor]:
+        """Run the blocks in the form's order, ``call(j, *args)`` running block j; every value (leaves first)."""
+        vals = list(leaves)
+        state, at = vals[0], 0  # block j-1's first output and its position
+        for j, blk in enumerate(self.blocks):
+            if self.form == "loose":
+                blk.at, args = 0, vals[1:]
+                state = vals[0]
+            else:
+                if j == self.break_at and not probe:
+                    # Bump only a tensor alone in its storage: a view's bump reaches its base (an earlier block's
+                    # input, when it is one: the chain's bug 1 in test_fuzz.KNOWN, which the alias variant
+                    # keeps), and a base's bump makes autograd refuse its multi-output views (chunk, split).
+                    alone = state._base is None and not _shares_storage(state, vals[:at] + vals[at + 1:])
+                    if self.bump and (alone or self.alias):
+                        torch.autograd.graph.increment_version(state)
+                    else:
+                        state = state.view_as(state)
+                blk.at, args = at, vals[:at] + vals[at + 1:]
+            new = call(j, state, *args)
+            at = len(vals)
+            vals.extend(new)
+            state = vals[at]
+        return vals
+
+    def _parts(self, leaves: list[torch.Tensor]) -> list[tuple[int, ...] | None]:
+        """Rule 9's cuts for each parts block, from a probe forward of the blocks (RNG forked)."""
+        counts = [0] * len(self.blocks)
+        j_now = [0]
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            counts[j_now[0]] += 1
+            return t
+
+        def call(j: int, *args: torch.Tensor) -> Any:
+            j_now[0] = j
+            return self.blocks[j](*args)
+
+        devices = sorted({t.device.index or 0 for t in leaves if t.device.type == "cuda"})
+        with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            self._drive(leaves, call, probe=True)
+        out: list[tuple[int, ...] | None] = []
+        for kind, n in zip(self.kinds, counts):
+            k = 1 + n % 3
+            out.append(tuple(sorted({n * i // k for i in range(1, k)} - {0})) if kind == "parts" else None)
+        return out
+
+    def execute(self, segment: Callable[..., tuple[torch.Tensor, ...]],
+                leaves: list[torch.Tensor]) -> list[torch.Tensor]:
+        for j, blk in enumerate(self.blocks):
+            blk.fn = functools.partial(segment, j)
+        if self.twin:
+            pols = [self.policy(kind) for kind in self.kinds]
+            return self._drive(leaves, lambda j, *args: torchckpt.api.run(pols[j], self.blocks[j], *args,
+                                                                             module=self.blocks[j]))
+        if self.chain is None:
+            cuts = self._parts(leaves) if self.has_parts else [None] * len(self.blocks)
+            pols = [self.policy(kind, c) for kind, c in zip(self.kinds, cuts)]
+            self.chain = torchckpt.checkpoint_chain(self.blocks, snapshots=self.snapshots, policy=pols)
+        broken = self.chain.stats.broken
+        vals = self._drive(leaves, lambda j, *args: self.blocks[j](*args))
+        broke = self.chain.stats.broken > broken
+        if broke != (len(self.blocks) > 1 and self.form != "chain"):
+            self.notes.append(f"chain: the step {'left' if broke else 'stayed in'} the chain "
+                              f"(form {self.form!r}, {len(self.blocks)} blocks)")
+        return vals
+
+    def close(self) -> None:
+        if self.chain is not None:
+            self.chain.remove()
+            self.chain = None
+
+    def __repr__(self) -> str:
+        pols = ",".join(self.kinds)
+        brk = "" if self.break_at is None else f", {'bump' if self.bump else 'view'} at {self.break_at}"
+        alias = ", alias" if self.alias else ""
+        s = "" if self.twin else f", s={self.snapshots}"
+        return f"{'Twin' if self.twin else 'Chain'}({self.form}{s}, {pols}{brk}{alias})"
+
+
 # A layout: (outer, per-segment runners); the per-segment tuple repeats when shorter.
 Layout = tuple[Any, tuple[Any, ...]]
 PLAIN: Layout = (Plain(), (Plain(),))
@@ -292,6 +452,9 @@ def execute(prog: Program, layout: Layout, leaves: list[torch.Tensor], ctx: Ctx)
         if len(metas_at) == j + 1:
             metas_at.append((metas, frozenset(ctx.multi_sids)))
         return tuple(vals[len(ts):])
+
+    if isinstance(outer, ChainRun):
+        return outer.execute(segment, leaves)
 
     def body(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         vals = list(ts)
@@ -503,11 +666,19 @@ class Setting:
     def __repr__(self) -> str:
         return f"Setting({self.structure!r}, {self.store!r})"
 
-    def layout(self, store: torchckpt.Store | None, nseg: int, twin: bool | None = None) -> Layout:
+    def layout(self, store: torchckpt.Store | None, nseg: int, twin: bool | None = None, seed: int = 0) -> Layout:
         """(outer, per-segment runners); the twin (NOTE [ Fuzzer semantics ] Rule 4) with ``twin=True``, or by
-        default with ``store=None``."""
+        default with ``store=None``. ``seed`` (the program's) picks what a ``chain*`` setting draws (Rule 10)."""
         s = store
         twin = s is None if twin is None else twin
+        if self.structure.startswith("chain"):  # Rule 10: chain, chain_mixed, chain_loose, chain_break[_alias]
+            parts = self.structure.split("_")
+            form = parts[1] if len(parts) > 1 and parts[1] in CHAIN_FORMS else "chain"
+            if self.structure not in ("chain", "chain_mixed", "chain_loose", "chain_break", "chain_break_alias"):
+                raise ValueError(f"unknown structure {self.structure!r}")
+            run = ChainRun(form, mixed=self.structure == "chain_mixed", twin=twin, nseg=nseg, seed=seed,
+                           alias=self.structure.endswith("_alias"))
+            return (run, (Plain(),))
         hooks = Hooks(s)
         off: Any = hooks if twin else Pol(Offload(s))
         rec_store: Any = Pol(Recompute(), ref_hooks=True) if twin else Pol(Recompute(store=s))
@@ -570,7 +741,8 @@ def default_settings() -> list[Setting]:
             Setting("rec_parts_save", "budget"),
             Setting("rec_in_off", "evicted"), Setting("rec_in_off", "budget"),
             Setting("off_in_rec", "evicted"), Setting("off_in_rec", "resident"), Setting("mixed", "budget"),
-            Setting("mixed", "evicted")]
+            Setting("mixed", "evicted"), Setting("chain"), Setting("chain_mixed"), Setting("chain_loose"),
+            Setting("chain_break")]
     return out
 
 
@@ -606,24 +778,37 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
         problems.append(f"plain autograd is not reproducible: {d}")
     twins: dict[str, Outcome] = {_key(PLAIN): plain}
     for s in settings:
-        tl = s.layout(None, nseg, twin=True)
+        tl = s.layout(None, nseg, twin=True, seed=prog.seed)
         key = _key(tl)
         if key not in twins:
             twins[key] = run(prog, tl, clones, device)
-            recompute = "Recompute" in key
-            kept_then_written = twins[key].error is not None and KEPT_WRITTEN in twins[key].error[1]
-            if (plain.error is None or not recompute) and not kept_then_written:  # Rule 4 (and Rule 6)
+            recompute = "Recompute" in key or isinstance(tl[0], ChainRun)
+            err = twins[key].error
+            kept_then_written = err is not None and KEPT_WRITTEN in err[1]
+            bumped = err is not None and VERSION_PHRASE in err[1] and isinstance(tl[0], ChainRun) and tl[0].bump \
+                and tl[0].break_at is not None  # Rule 10: plain autograd has no bump
+            if (plain.error is None or not recompute) and not kept_then_written and not bumped:  # Rules 4, 6
                 for d in compare(plain, twins[key], grad_tol=RECOMPUTE_TOL if recompute else None):
                     problems.append(f"twin of {s!r} ({key}) vs plain autograd: {d}")
         ref = twins[key]
         if plain.error is not None and s.structure.startswith("rec_parts"):  # Rule 9
             continue
         store = make_store(s.store, device) if s.store is not None else None
-        layout = s.layout(store, nseg, twin=False)
-        for step in range(steps if store is not None else 1):
-            got = run(prog, layout, clones, device)
-            for d in compare(ref, got):
-                problems.append(f"{s!r} step {step + 1}: {d}")
+        layout = s.layout(store, nseg, twin=False, seed=prog.seed)
+        outer = layout[0]
+        if plain.error is not None and isinstance(outer, ChainRun) and outer.has_parts:  # Rule 9
+            continue
+        try:
+            for step in range(steps if store is not None else getattr(outer, "steps", 1)):
+                got = run(prog, layout, clones, device)
+                for d in compare(ref, got):
+                    problems.append(f"{s!r} step {step + 1}: {d}")
+                if isinstance(outer, ChainRun):  # Rule 10: the chain's own account
+                    problems += [f"{s!r} step {step + 1}: {note}" for note in outer.notes]
+                    outer.notes.clear()
+        finally:
+            if isinstance(outer, ChainRun):
+                outer.close()
     if problems:
         problems.append("program:\n    " + "\n    ".join(plain.lines))
     return problems
@@ -675,8 +860,12 @@ def programs(max_ops: int = 8) -> Any:
             ops.insert(at, Op("clobber", draw(st.integers(0, 5)), 0, draw(st.integers(0, 63))))
         n_in = draw(st.integers(1, 3))
         shapes = tuple(draw(st.sampled_from(SHAPES)) for _ in range(n_in))
-        cuts = tuple(sorted(set(draw(st.lists(st.integers(1, max(1, len(ops) - 1)), max_size=2)))))
-        return Program(ops=tuple(ops), dtype=draw(st.sampled_from(DTYPES)), shapes=shapes,
-                       cuts=tuple(c for c in cuts if c < len(ops)), seed=draw(st.integers(0, 1 << 16)))
+        cut = st.integers(1, max(1, len(ops) - 1))
+        cuts = tuple(sorted(set(draw(st.lists(cut, max_size=2)))))
+        dtype, seed = draw(st.sampled_from(DTYPES)), draw(st.integers(0, 1 << 16))
+        if draw(st.integers(0, 3)) == 0:  # now and then more cuts, up to one per op: longer chains (Rule 10)
+            cuts = tuple(sorted(set(cuts) | set(draw(st.lists(cut, max_size=len(ops))))))
+        return Program(ops=tuple(ops), dtype=dtype, shapes=shapes, cuts=tuple(c for c in cuts if c < len(ops)),
+                       seed=seed)
 
     return prog()

@@ -31,10 +31,16 @@ semantics ]):
   three parts, alone, with a store, with ``save=``), bit for bit against torch's whole recomputation; nested: a
   Recompute block inside
   an ``offload()`` region and inside an ``Offload`` block, an Offload block inside a Recompute block; one
-  policy per segment. Store configurations (``fuzz_programs.STORES``): resident (64 MiB
+  policy per segment; ``torchckpt.checkpoint_chain`` (NOTE [ Fuzzer semantics ] Rule 10): the segments as
+  nn.Modules run as a chain (each block's state the previous block's first output) with 1..n snapshots drawn from
+  the program's seed, under ``Recompute()`` or a mix per block of ``Recompute()``, ``Recompute(save=...)`` and
+  ``Recompute(parts=...)``; and programs that leave the chain (every value passed in order, or one state's
+  version bumped or the state replaced by a view before a block), which must warn and still give the bits.
+  Store configurations (``fuzz_programs.STORES``): resident (64 MiB
   budget), evicted (``gpu_bytes=0``), a budget of a few tensors (some evicted), ``min_bytes``
   that keeps the small ones, the identity codec (evicted and with a budget), prefetch off.
   Each store runs the program 3 times: step 1 records the trace, steps 2-3 follow the plan.
+  A chain setting runs the program twice on one chain (the plain form) or once, and ``remove()`` at the end.
 - **Comparison.** Every value, the loss and every gradient (inputs and parameters), compared as
   bytes (NaN and -0.0 included), with dtype, shape and conj/neg flags, against the setting's
   *twin* (the same layout with the store replaced by hooks that keep tensors by reference and
@@ -75,7 +81,7 @@ import fuzz_programs as fz
 import torchckpt
 from fuzz_programs import Op, Program, Setting
 from torchckpt.codecs import Identity
-from torchckpt.store import parts, selective
+from torchckpt.store import chain, parts, selective
 
 EXAMPLES = int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500"))
 SEED = int(os.environ.get("TORCHCKPT_FUZZ_SEED", "0"))
@@ -113,6 +119,16 @@ KNOWN = [
     # An attention kernel with dropout_p=0 kept by Recompute(save=...) (compressed, in rec_save_codec), then a
     # dropout: the recomputation must draw the forward's mask (NOTE [ Fuzzer semantics ] Rules 7-8).
     Program(ops=(Op("sdpa", 0, 0, 5), Op("matmul", 0, 0, 2)), dtype="float64"),
+    # checkpoint_chain (Rule 10): four blocks, dropout in block 0 and a kept attention kernel in block 1; seed 10 draws
+    # one snapshot for the chain form (blocks 1-2's inputs rebuilt from block 0's), parts and save= in chain_mixed.
+    Program(ops=(Op("dropout", 0, 0, 1), Op("sdpa", 0, 0, 5), Op("unary", 0, 0, 1), Op("matmul", 0, 0, 2)),
+            dtype="float64", cuts=(1, 2, 3), seed=10),
+    # checkpoint_chain bug 1 (found by the fuzzer's chain_break_alias setting): a chain state modified in place after
+    # its block ran was handed to the block's recomputation with no version check. Block 1 returns a view of its
+    # input, whose version is bumped before block 2; per-block Recompute() raises "modified by an inplace
+    # operation", the chain raised nothing (and with a real write, v2.mul_(2), gave wrong gradients). Fixed by
+    # NOTE [ Chain of blocks ] Rule 10; test_chain_bug_1_stays_fixed runs it under chain_break_alias.
+    Program(ops=(Op("unary", 0, 0, 0), Op("slice", 0, 0, 0), Op("unary", 1, 0, 0), Op("unary", 1, 0, 1)), cuts=(1, 3)),
 ]
 
 
@@ -227,6 +243,91 @@ def test_fuzzer_catches_parts_recomputed_without_the_rng_state(monkeypatch: pyte
     problems = fz.check(prog, settings=settings)
     failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
     assert failing == {repr(s) for s in settings}, problems
+
+
+def _chain_seed(structure: str, nseg: int, snapshots: int) -> int:
+    """A program seed for which ``Setting(structure)`` runs ``nseg`` blocks with ``snapshots`` (Rule 10)."""
+    return next(seed for seed in range(1000)
+                if Setting(structure).layout(None, nseg, twin=False, seed=seed)[0].snapshots == snapshots)
+
+
+def test_fuzzer_catches_a_wrong_rebuilt_chain_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain that rebuilds a block's input 1e-3 off is reported for the chain setting, against its twin (per-block
+    Recompute()) and so against plain autograd, and for no other setting."""
+    run_again = chain.Chain.run_again
+
+    def bad_run_again(self, rec, x):  # type: ignore[no-untyped-def]
+        y = run_again(self, rec, x)
+        return y + 1e-3 if y.is_floating_point() else y
+
+    prog = Program(ops=(Op("unary", 0, 0, 0), Op("matmul", 0, 0, 2), Op("unary", 0, 0, 1), Op("binary", 0, 1, 0)),
+                   dtype="float64", cuts=(1, 2, 3), seed=_chain_seed("chain", 4, 1))
+    settings = [Setting("chain"), Setting("rec"), Setting("rec_parts")]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert not fz.check(prog, settings=settings)
+        monkeypatch.setattr(chain.Chain, "run_again", bad_run_again)
+        problems = fz.check(prog, settings=settings)
+    failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
+    assert failing == {"Setting('chain', None)"}, problems
+    assert any("grad of input0" in p for p in problems), problems
+
+
+def test_fuzzer_catches_a_chain_rebuilt_without_the_rng_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chain that runs a block with dropout again without restoring the forward's RNG state rebuilds the next
+    block's input with another mask: reported."""
+    run_again = chain.Chain.run_again
+
+    def bad_run_again(self, rec, x):  # type: ignore[no-untyped-def]
+        rec.preserve = False
+        return run_again(self, rec, x)
+
+    prog = Program(ops=(Op("dropout", 0, 0, 1), Op("unary", 0, 0, 0), Op("matmul", 0, 0, 2)), dtype="float64",
+                   cuts=(1, 2), seed=_chain_seed("chain", 3, 1))  # block 1's input: block 0's dropout
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        assert not fz.check(prog, settings=[Setting("chain")])
+        monkeypatch.setattr(chain.Chain, "run_again", bad_run_again)
+        problems = fz.check(prog, settings=[Setting("chain")])
+    assert any(p.startswith("Setting('chain', None) step 1: grad of") for p in problems), problems
+
+
+def test_chain_settings_run_the_chain() -> None:
+    """The chain settings are not vacuous: the chain form rebuilds inputs (advances) and stays in the chain; the loose
+    and break forms leave it with a RuntimeWarning; remove() puts the blocks' forwards back."""
+    prog = Program(ops=(Op("unary", 0, 0, 0), Op("dropout", 0, 0, 1), Op("unary", 0, 0, 1), Op("binary", 0, 1, 0)),
+                   cuts=(1, 2, 3), seed=_chain_seed("chain", 4, 1))
+    clones = fz.resolve(prog)
+    for structure in ("chain", "chain_loose", "chain_break"):
+        layout = Setting(structure).layout(None, 4, twin=False, seed=prog.seed)
+        run = layout[0]
+        assert isinstance(run, fz.ChainRun)
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                out = fz.run(prog, layout, clones)
+            assert out.error is None, out.error
+            assert run.chain is not None and not run.notes
+            stats = run.chain.stats
+            warned = any(issubclass(w.category, RuntimeWarning) and "checkpoint_chain" in str(w.message)
+                         for w in caught)
+            assert warned == (structure != "chain") == (stats.broken > 0), (structure, stats)
+            if structure == "chain":
+                assert stats.steps == 1 and stats.advances > 0 and stats.handed == 4, stats
+        finally:
+            run.close()
+        assert all("forward" not in b.__dict__ for b in run.blocks)
+
+
+def test_chain_bug_1_stays_fixed() -> None:
+    """KNOWN's checkpoint_chain bug 1 under the setting that showed it (chain_break_alias bumps the version of a state
+    that is a view's base; not among the defaults: on a multi-output view, chunk or split, autograd refuses the bump
+    in the reference run itself)."""
+    prog = KNOWN[-1]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        problems = fz.check(prog, settings=[Setting("chain_break_alias")])
+    assert not problems, fz.report(prog, problems)
 
 
 def test_invalid_program_raises_in_plain_autograd() -> None:

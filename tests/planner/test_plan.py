@@ -498,3 +498,31 @@ def test_measured_step_time_never_rises_with_the_budget() -> None:
     slow.clear()
     third = _Planned(prof, Link(1e10, 1e10), None, step).plan(large)  # alone: its own plan, faster still
     assert third.measured_step_time is not None and third.measured_step_time <= first.measured_step_time
+
+
+def test_profiling_leaves_no_tensor_behind() -> None:
+    """The op-timing forward of the profile is never differentiated; its pack hook returned each tensor, so every
+    saved output held its own grad_fn, a cycle the collector cannot see: a whole step of activations leaked with
+    each profile (found on an H100: a Llama's frontier ran out of memory at its third profile)."""
+    import gc
+
+    class Tanh(nn.Module):  # tanh saves its output: the identity pack hook made that output hold its grad_fn
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(D, D)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + self.lin(x).tanh()
+
+    torch.manual_seed(0)
+    m = nn.Sequential(*[Tanh() for _ in range(3)])
+    x = torch.randn(16, D)
+    _grads(m, x)
+    gc.collect()
+    before = {id(t) for t in gc.get_objects() if isinstance(t, torch.Tensor)}
+    profile(m, (x,), {})
+    m.zero_grad(set_to_none=True)
+    gc.collect()
+    new = [t for t in gc.get_objects() if isinstance(t, torch.Tensor) and id(t) not in before
+           and not isinstance(t, nn.Parameter)]
+    assert not new, [tuple(t.shape) for t in new[:8]]

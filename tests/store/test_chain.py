@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any
 
 import pytest
 import torch
@@ -592,3 +593,41 @@ def test_inside_torch_func_grad_the_blocks_run_as_run_does() -> None:
     chain.remove()
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert chain.stats.steps == 0
+
+
+class ViewOut(nn.Module):
+    def __init__(self, k: int) -> None:
+        super().__init__()
+        self.k, self.w = k, nn.Parameter(torch.randn(4, 4, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> Any:
+        if self.k == 1:  # first output: a view of the block's input
+            return x[:2], torch.tanh(x * 3 + self.w[0])
+        return torch.tanh(x @ self.w) @ self.w
+
+
+@pytest.mark.parametrize("s", [1, 2, 3])
+def test_an_input_written_after_its_block_ran_raises_as_recompute_does(s: int) -> None:
+    """Rule 10 (the fuzzer's chain bug 1): block 1's input written through the view block 1 returned. Recompute()
+    raises autograd's version error; the chain computed with the written bytes, silently wrong, before the fix."""
+    torch.manual_seed(0)
+    blocks = [ViewOut(k) for k in range(3)]
+    x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)
+
+    def run(call: Any) -> None:
+        h0 = call(blocks[0], x)
+        h1, y1 = call(blocks[1], h0)
+        h1.mul_(2)  # writes h0, block 1's input
+        (call(blocks[2], h1).sum() + y1.sum()).backward()
+
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        run(lambda b, h: torchckpt.checkpoint(b, h, policy=torchckpt.Recompute()))
+    chain = torchckpt.checkpoint_chain(blocks, snapshots=s)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # block 2's input is not block 1's output unchanged
+            with pytest.raises(torchckpt.CheckpointError, match="modified by an inplace operation: the input of "
+                                                                 "block 1 of checkpoint_chain"):
+                run(lambda b, h: b(h))
+    finally:
+        chain.remove()

@@ -66,6 +66,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from torchckpt._errors import internal_error
 from torchckpt.planner.chain import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, Chain, CodecCost, Link
 from torchckpt.planner.measure import Clock
@@ -529,6 +530,10 @@ def _leaves(got: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...
     return tuple(leaf(x) for x in a), {k: leaf(v) for k, v in kw.items()}
 
 
+def _never_unpacked(_: Any) -> torch.Tensor:  # pragma: no cover - the op-timing forward is never differentiated
+    raise internal_error("the op-timing forward was differentiated")
+
+
 class _OpTimer(OpCounter):
     """Times each aten op of each block's forward and sizes its new outputs (Rule 5)."""
 
@@ -539,13 +544,16 @@ class _OpTimer(OpCounter):
         self.raw: list[list[tuple[int, str, int, Any, Any]]] = [[] for _ in range(n)]
         self.packs: list[list[int]] = [[] for _ in range(n)]  # per block: ops dispatched as each tensor was saved
 
-    def pack(self, t: torch.Tensor) -> torch.Tensor:
+    def pack(self, t: torch.Tensor) -> None:
+        # Keep nothing: this forward is never differentiated, and a pack hook that returns the tensor itself makes
+        # each saved output hold its own grad_fn, a cycle through the autograd graph that Python's collector cannot
+        # see: the whole forward's graph leaked with every profile (one step of activations on the device).
         if self.current is not None:
             self.packs[self.current].append(self.k)
-        return t
+        return None
 
     def __enter__(self) -> _OpTimer:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, lambda t: t)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
         self._hooks.__enter__()
         return super().__enter__()  # type: ignore[no-any-return]
 

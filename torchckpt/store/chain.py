@@ -62,6 +62,12 @@ blocks of unequal cost and size.
 #    closes a store it made (``Chain.snapshot_stats`` reads its counters later) or frees its snapshots in one
 #    passed. A step freed before (no backward, a broken or partial step) does so when it is garbage collected
 #    (``weakref.finalize`` on the step, whose callback holds the store, never the step: Rule 7).
+# 10. Version checks, as autograd's on saved tensors: a state the step holds from the forward (the current state,
+#    a ``Tier.GPU`` snapshot of the forward sweep: detached aliases sharing the state's version counter) must be
+#    at the version it had when its block was called, whenever backward uses it (hands it to its block, restores
+#    it, advances from it); otherwise the chain raises autograd's "modified by an inplace operation" error,
+#    where it would compute with the changed bytes (``Recompute()`` on a block raises there too). A snapshot in
+#    the store is a copy taken at the call, unaffected. States rebuilt in backward are fresh tensors.
 """
 from __future__ import annotations
 
@@ -76,6 +82,7 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.checkpoint import get_device_states, set_device_states
+from torch.utils.weak import WeakIdKeyDictionary
 
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Revolve, Save, Schedule, Tier
@@ -226,6 +233,7 @@ class _Step:
         self.held: dict[tuple[int, Tier], torch.Tensor] = {}  # Tier.GPU snapshots
         self.current: tuple[int, torch.Tensor] | None = None
         self.early: dict[int, torch.Tensor] = {}
+        self.versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Rule 10: forward alias -> (block, version)
         self.handing: dict[int, tuple[torch.Tensor, int]] = {}  # state, unpacks left (Rule 6)
         self.handed: set[int] = set()
         self.broken = False
@@ -272,6 +280,19 @@ class _Step:
             st.peak_host_states = max(st.peak_host_states, len(snaps.live))
             st.peak_host_bytes = max(st.peak_host_bytes, len(snaps.live) * nbytes)
 
+    def checked(self, x: torch.Tensor) -> torch.Tensor:
+        """Rule 10: a state the forward held (not rebuilt) must be unchanged since its block ran."""
+        seen = self.versions.get(x)
+        if seen is not None and x._version != seen[1]:
+            i, v = seen
+            raise CheckpointError(
+                f"torchckpt: one of the variables needed for gradient computation has been modified by an inplace "
+                f"operation: the input of block {i} of checkpoint_chain ({list(x.shape)}, {x.dtype}) is at version "
+                f"{x._version}; expected version {v} instead. The chain keeps that input to recompute from it, as "
+                "Recompute() keeps each block's input (NOTE [ Chain of blocks ] Rule 10); do not modify a block's "
+                "input in place after the block ran, or clone it first.")
+        return x
+
     # -- snapshots (Rule 8) ------------------------------------------------------------------------------------
     def _store(self) -> tuple[_Snaps, SnapshotStore]:
         snaps = self.snaps
@@ -290,7 +311,7 @@ class _Step:
 
     def restore(self, n: int, tier: Tier) -> torch.Tensor:
         if tier is Tier.GPU:
-            return self.held[(n, tier)]
+            return self.checked(self.held[(n, tier)])
         snaps, store = self._store()
         (view,) = store.restore(snaps.base + n, tier)
         if store.codec is not None:
@@ -362,6 +383,7 @@ class _Step:
             x = self.early.pop(i)
         else:
             x = self.follow(i) if self.complete and not self.broken else self.rebuild(i)
+        self.checked(x)
         self.handed.add(i)
         self.chain.stats.handed += 1
         for j in range(i, len(self.records)):  # Rule 7: no later advance runs block j >= i
@@ -413,7 +435,7 @@ class _Step:
         if start is None:
             raise internal_error(f"chain block {i}'s state: no state at or before it is held")
         tier = have[start]
-        x = self.restore(start, tier) if tier is not None else self.current[1]  # type: ignore[index]
+        x = self.restore(start, tier) if tier is not None else self.checked(self.current[1])  # type: ignore[index]
         return x if start == i else self.advance(start, i, x)
 
     def advance(self, a: int, b: int, x: torch.Tensor) -> torch.Tensor:
@@ -562,7 +584,9 @@ class Chain:
             rec.cpu_state = torch.get_rng_state()
             rec.devices, rec.device_states = get_device_states(*tensors)
         step.records[i] = rec
-        step.current = (i, state.detach())
+        alias = state.detach()  # shares the state's version counter (Rule 10)
+        step.versions[alias] = (i, state._version)
+        step.current = (i, alias)
         if i == step.at:
             step.sweep(i)
         step.note_held()
