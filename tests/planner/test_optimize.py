@@ -291,3 +291,15 @@ def test_revolve_over_blocks_of_unequal_inputs_uses_the_weighted_schedule() -> N
     st_ = states([1.0] * 8, sizes, 60)
     assert st_.advances == sched.forward_steps - 7
     assert all(b <= 60 for b in st_.bwd)
+
+
+def test_planning_32_blocks_of_unequal_inputs_takes_under_2_seconds() -> None:
+    """Revolve over blocks of unequal input size plans each amount of memory with a dynamic program of its own."""
+    blocks = [Block(f"h.{i}", 3e-3 * (1 + i % 3), 6e-3, (32 + 16 * (i % 4)) * MiB, (64 * MiB,) * 8, "blk")
+              for i in range(32)]
+    ch = Chain.calibrated(blocks, 8 << 30, 100 * MiB, 2e-3, 4e-3, Link(2e10, 2e10))
+    t = time.perf_counter()
+    found = search(ch)
+    dt = time.perf_counter() - t
+    assert dt < 2.0, f"{dt:.2f} s"
+    assert any(d[0].revolve for d, _ in found.plans)

@@ -31,7 +31,7 @@
 #    nothing over the host link), for the race of NOTE [ Applying a plan ] Rule 5.
 # 6. Revolve over the chain (NOTE [ Revolve over the chain ] in rebuild.py) is a plan of its own, not a rung:
 #    every block recomputed (whole, or in parts where every block's ladder has them) with each amount of
-#    snapshot memory from one input to all but two, each recorded with its prediction beside the walks'
+#    snapshot memory from one input to all but two (eight amounts for inputs of unequal size), each recorded with its prediction beside the walks'
 #    plans. It can reach below the floor of keeping every block's input where nothing may cross the host link,
 #    and Rule 3 picks it only where it is the fastest plan that fits.
 """
@@ -202,8 +202,8 @@ def _revolve_plans(chain: Chain, options: list[list[Decision]],
     if min(sizes) == max(sizes):
         memories = [k * sizes[0] for k in range(1, n - 1)]
     else:
-        lo, hi = sizes[0], sum(sizes[:-1])
-        memories = sorted({lo + (hi - lo) * k // (n - 2) for k in range(n - 2)})
+        lo, hi = sizes[0], sum(sizes[:-1])  # eight amounts: each WeightedRevolve is a dynamic program of its own
+        memories = sorted({lo + (hi - lo) * k // 7 for k in range(8)})
     firsts = [next((d for d in opts if d.parts and not d.host and not d.keep), RECOMPUTE) for opts in options]
     variants = [[RECOMPUTE] * n] + ([firsts] if all(d.parts for d in firsts) else [])
     out = []

@@ -53,10 +53,6 @@ class States:
     rebuild: tuple[int, ...]
     advances: int
 
-    @property
-    def extra_total_s(self) -> float:
-        return sum(self.extra_s)
-
 
 def states(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> States:
     """Rule 3: what ``schedule(fwd_s, input_bytes, memory)`` holds and runs again, per block."""
