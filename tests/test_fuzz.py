@@ -233,7 +233,7 @@ def test_fuzzer_catches_parts_recomputed_without_the_rng_state(monkeypatch: pyte
     replay = parts._Frame.replay
 
     def bad_replay(self, args, kwargs):  # type: ignore[no-untyped-def]
-        self.preserve = False
+        self.fwd.preserve = False  # the captured RNG state (store/forward_state.py) is not restored
         return replay(self, args, kwargs)
 
     prog = Program(ops=(Op("matmul", 0, 0, 2), Op("dropout", 0, 0, 1), Op("unary", 0, 0, 0)), dtype="float64")
@@ -279,7 +279,7 @@ def test_fuzzer_catches_a_chain_rebuilt_without_the_rng_state(monkeypatch: pytes
     run_again = chain.Chain.run_again
 
     def bad_run_again(self, rec, x):  # type: ignore[no-untyped-def]
-        rec.preserve = False
+        rec.state.preserve = False  # the captured RNG state (store/forward_state.py) is not restored
         return run_again(self, rec, x)
 
     prog = Program(ops=(Op("dropout", 0, 0, 1), Op("unary", 0, 0, 0), Op("matmul", 0, 0, 2)), dtype="float64",

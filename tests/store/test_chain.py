@@ -5,6 +5,7 @@ optimum."""
 from __future__ import annotations
 
 import copy
+import functools
 import warnings
 from typing import Any
 
@@ -187,18 +188,21 @@ def test_out_of_order_and_partial_steps() -> None:
     assert torch.equal(g, want)
 
 
+def _two_forwards(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> list[torch.Tensor]:
+    """Gradient accumulation: two forwards, then one backward of their sum; the parameters' gradients."""
+    torch.manual_seed(3)
+    loss = model(x1).pow(2).sum() + model(x2).sin().sum()
+    loss.backward()
+    out = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out
+
+
 def test_gradient_accumulation_two_forwards_then_backward() -> None:
     torch.manual_seed(0)
     model = Stack(7, p=0.2)
     x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
-
-    def two() -> list[torch.Tensor]:
-        torch.manual_seed(3)
-        loss = model(x1).pow(2).sum() + model(x2).sin().sum()
-        loss.backward()
-        out = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
+    two = functools.partial(_two_forwards, model, x1, x2)
 
     ref = two()
     chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=3)
@@ -473,14 +477,7 @@ def test_host_snapshots_gradient_accumulation() -> None:
     torch.manual_seed(0)
     model = Stack(7, p=0.2)
     x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
-
-    def two() -> list[torch.Tensor]:
-        torch.manual_seed(3)
-        loss = model(x1).pow(2).sum() + model(x2).sin().sum()
-        loss.backward()
-        out = [p.grad.clone() for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        return out
+    two = functools.partial(_two_forwards, model, x1, x2)
 
     ref = two()
     for store in (None, SnapshotStore("cpu", slots=2)):

@@ -1,6 +1,8 @@
 """checkpoint_chain on CUDA: a GPT-style stack in bf16 and fp32, gradients bit for bit, and the memory it frees."""
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -58,11 +60,9 @@ def _step(model: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], int]:
     return grads, held
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_gpt_stack_exact_and_holds_fewer_inputs(dtype: torch.dtype) -> None:
-    n, d, s = 12, 256, 3
-    model = _stack(n, d, dtype)
-    x = torch.randn(8, 512, d, device="cuda", dtype=dtype)
+def _compare(model: nn.Module, x: torch.Tensor, **chain_args: Any) -> tuple[Any, ...]:
+    """Plain autograd, per-block Recompute() and checkpoint_chain(**chain_args) on one model (the last two after a
+    warm-up step): the gradients and the bytes the forward leaves of each, and the chain's handle."""
     with sdpa_kernel(SDPBackend.MATH):  # deterministic, so that torch.equal is meaningful
         plain, _ = _step(model, x)
         for blk in model:
@@ -71,10 +71,19 @@ def test_gpt_stack_exact_and_holds_fewer_inputs(dtype: torch.dtype) -> None:
         per_block, per_block_held = _step(model, x)
         for blk in model:
             blk.__dict__.pop("forward")
-        chain = torchckpt.checkpoint_chain(list(model), snapshots=s)
+        chain = torchckpt.checkpoint_chain(list(model), **chain_args)
         _step(model, x)
         got, chain_held = _step(model, x)
         chain.remove()
+    return plain, per_block, per_block_held, got, chain_held, chain
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpt_stack_exact_and_holds_fewer_inputs(dtype: torch.dtype) -> None:
+    n, d, s = 12, 256, 3
+    model = _stack(n, d, dtype)
+    x = torch.randn(8, 512, d, device="cuda", dtype=dtype)
+    plain, per_block, per_block_held, got, chain_held, chain = _compare(model, x, snapshots=s)
     assert all(torch.equal(a, b) for a, b in zip(plain, per_block))
     assert all(torch.equal(a, b) for a, b in zip(plain, got))
     assert chain.stats.advances == 2 * (optimal_forward_steps(n, s) - (n - 1))
@@ -93,18 +102,7 @@ def test_gpt_stack_host_snapshots(dtype: torch.dtype, monkeypatch: pytest.Monkey
     sched = Multistage(n, gpu_slots=1, host_slots=3)
     model = _stack(n, d, dtype)
     x = torch.randn(8, 512, d, device="cuda", dtype=dtype)
-    with sdpa_kernel(SDPBackend.MATH):
-        plain, _ = _step(model, x)
-        for blk in model:
-            torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
-        _step(model, x)
-        per_block, per_block_held = _step(model, x)
-        for blk in model:
-            blk.__dict__.pop("forward")
-        chain = torchckpt.checkpoint_chain(list(model), schedule=sched)
-        _step(model, x)
-        got, chain_held = _step(model, x)
-        chain.remove()
+    plain, per_block, per_block_held, got, chain_held, chain = _compare(model, x, schedule=sched)
     torch.cuda.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(plain, per_block))
     assert all(torch.equal(a, b) for a, b in zip(plain, got))

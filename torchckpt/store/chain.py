@@ -23,7 +23,8 @@ blocks of unequal cost and size.
 #    block's state as the current state (NOTE [ Schedule actions ] Rule 1), so after the forward it holds the
 #    saved states and the last block's. Each call records what running the block again needs: its function,
 #    its other arguments (tensors detached, keeping their ``requires_grad``), the CPU RNG state and those of
-#    its tensors' devices (unless the policy's ``preserve_rng_state`` is off), the autocast state, the
+#    its tensors' devices (unless the policy's ``preserve_rng_state`` is off), the autocast state and device
+#    context (``ForwardState``, store/forward_state.py, shared with ``Recompute(parts=...)``), the
 #    state's shape, dtype and device. Autograd keeps the pack hook alive with every tensor saved under it,
 #    so the hook reaches the state through a box emptied when the block returns: nothing else of the
 #    forward holds the state.
@@ -71,7 +72,6 @@ blocks of unequal cost and size.
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import warnings
@@ -81,13 +81,12 @@ from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_map
-from torch.utils.checkpoint import get_device_states, set_device_states
 from torch.utils.weak import WeakIdKeyDictionary
 
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Revolve, Save, Schedule, Tier
 from torchckpt.schedules.planned import Planned
-from torchckpt.store.parts import _autocast_state, _device_type
+from torchckpt.store.forward_state import ForwardState
 from torchckpt.store.saved import default_store
 from torchckpt.store.snapshots import SnapshotStore
 from torchckpt.store.stats import SnapshotStats
@@ -174,12 +173,7 @@ class _Record:
     at: int  # the state's position in args
     grad: bool  # the state required grad
     meta: tuple[Any, ...]
-    preserve: bool
-    device_type: str
-    autocast: tuple[dict[str, Any] | None, dict[str, Any]]
-    cpu_state: torch.Tensor | None = None
-    devices: list[int] = dataclasses.field(default_factory=list)
-    device_states: list[torch.Tensor] = dataclasses.field(default_factory=list)
+    state: ForwardState  # RNG, autocast and device context of the call
 
 
 class _Token:
@@ -576,13 +570,9 @@ class Chain:
                 "WeightedRevolve for blocks of unequal size), or chain only blocks whose inputs match "
                 "(NOTE [ Chain of blocks ] Rule 8).")
         tensors = [a for a in tree_flatten((args, kwargs))[0] if isinstance(a, torch.Tensor)]
-        device_type = _device_type(tensors)
         rec = _Record(fn, tuple(None if k == at else tree_map(_detached, a) for k, a in enumerate(args)),
-                      tree_map(_detached, kwargs), at, state.requires_grad, _meta(state), preserve_rng_state,
-                      device_type, _autocast_state(device_type))
-        if preserve_rng_state:
-            rec.cpu_state = torch.get_rng_state()
-            rec.devices, rec.device_states = get_device_states(*tensors)
+                      tree_map(_detached, kwargs), at, state.requires_grad, _meta(state),
+                      ForwardState(tensors, preserve_rng_state))
         step.records[i] = rec
         alias = state.detach()  # shares the state's version counter (Rule 10)
         step.versions[alias] = (i, state._version)
@@ -614,23 +604,13 @@ class Chain:
             self.step = None
             self.stats.steps += 1
         return out
+
     def run_again(self, rec: _Record, x: torch.Tensor) -> torch.Tensor:
         """Rule 3: block ``rec`` on state ``x``, as the forward ran it; its first output, detached."""
         args = list(rec.args)
         args[rec.at] = x.detach().requires_grad_(True) if rec.grad else x.detach()
-        devices = rec.devices if rec.preserve else []
-        with torch.random.fork_rng(devices=devices, enabled=rec.preserve, device_type=rec.device_type):
-            if rec.preserve:
-                assert rec.cpu_state is not None
-                torch.set_rng_state(rec.cpu_state)
-                if rec.devices:
-                    set_device_states(rec.devices, rec.device_states, device_type=rec.device_type)
-            dev, cpu = rec.autocast
-            dev_ctx: Any = torch.amp.autocast(device_type=rec.device_type, **dev) if dev is not None \
-                else contextlib.nullcontext()
-            with dev_ctx, torch.amp.autocast("cpu", **cpu), torch.enable_grad(), \
-                    torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _never):
-                out = rec.fn(*args, **rec.kwargs)
+        with rec.state.replayed(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _never):
+            out = rec.fn(*args, **rec.kwargs)
         self.stats.advances += 1
         first = _first_tensor(out)
         if first is None:

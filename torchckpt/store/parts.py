@@ -86,17 +86,17 @@ import dataclasses
 import functools
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_flatten, tree_unflatten
-from torch.utils.checkpoint import DefaultDeviceType, get_device_states, set_device_states
 
 from torchckpt._args import part_bytes
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.codecs.base import Codec
+from torchckpt.store.forward_state import ForwardState
 from torchckpt.store.identity import storage_ptrs
 from torchckpt.store.saved import Store
 from torchckpt.store.selective import OpCounter, _Keeping, _Reusing
@@ -305,31 +305,6 @@ def _by_reference(t: torch.Tensor, ptr: int, external: set[int] | frozenset[int]
     return b is not None and b.requires_grad and b.is_leaf
 
 
-def _device_type(tensors: Sequence[torch.Tensor]) -> str:
-    kinds = [t.device.type for t in tensors if t.device.type != "cpu"]
-    if not kinds:
-        return DefaultDeviceType.get_device_type()
-    return "cuda" if "cuda" in kinds else kinds[0]
-
-
-def _autocast_state(device_type: str) -> tuple[dict[str, Any] | None, dict[str, Any]]:
-    def of(dt: str) -> dict[str, Any]:
-        return dict(enabled=torch.is_autocast_enabled(dt), dtype=torch.get_autocast_dtype(dt),
-                    cache_enabled=torch.is_autocast_cache_enabled())
-    return (of(device_type) if torch.amp.is_autocast_available(device_type) else None), of("cpu")
-
-
-def _device_context() -> Any:
-    """The innermost ``with torch.device(...)`` around the forward (Rule 2), or a null context."""
-    from torch.overrides import _get_current_function_mode_stack
-    from torch.utils._device import DeviceContext
-
-    for mode in reversed(_get_current_function_mode_stack()):
-        if isinstance(mode, DeviceContext):
-            return mode
-    return contextlib.nullcontext()
-
-
 _exec_group: Callable[[], Any] = getattr(torch._C, "_get_graph_exec_group", lambda: None)
 _next_node: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequence_nr", None)
 
@@ -385,25 +360,11 @@ class _Frame:
         self.refs: dict[int, list[int]] = {}  # storage -> [holds, bytes]
         self.stats = _new_stats(cuts)
         self.preserve = preserve_rng_state
-        self.device_type = "cpu"
-        self.cpu_state: torch.Tensor | None = None
-        self.devices: list[int] = []
-        self.device_states: list[torch.Tensor] = []
-        self.had_device = False
-        self.autocast: tuple[dict[str, Any] | None, dict[str, Any]] = (None, {})
-        self.device_ctx: Any = contextlib.nullcontext()
+        self.fwd: ForwardState | None = None
 
     # -- forward (Rule 2) ----------------------------------------------------------------------------
     def capture(self, tensors: list[torch.Tensor]) -> None:
-        self.device_type = _device_type(tensors)
-        self.autocast = _autocast_state(self.device_type)
-        self.device_ctx = _device_context()
-        if self.preserve:
-            self.cpu_state = torch.get_rng_state()
-            module = getattr(torch, self.device_type, None)
-            if getattr(module, "_initialized", False):
-                self.had_device = True
-                self.devices, self.device_states = get_device_states(*tensors)
+        self.fwd = ForwardState(tensors, self.preserve)
 
     def pack(self, t: torch.Tensor) -> _Holder:
         i = len(self.holders)
@@ -519,19 +480,9 @@ class _Frame:
 
     def replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         """Run the block again under the forward's RNG, autocast and device state (Rule 3)."""
-        devices = self.devices if self.had_device else []
-        with torch.random.fork_rng(devices=devices, enabled=self.preserve, device_type=self.device_type):
-            if self.preserve:
-                assert self.cpu_state is not None
-                torch.set_rng_state(self.cpu_state)
-                if self.had_device:
-                    set_device_states(self.devices, self.device_states, device_type=self.device_type)
-            dev, cpu = self.autocast
-            dev_ctx: Any = torch.amp.autocast(device_type=self.device_type, **dev) if dev is not None \
-                else contextlib.nullcontext()
-            with dev_ctx, torch.amp.autocast("cpu", **cpu), self.handing or contextlib.nullcontext(), \
-                    self.rec_log or contextlib.nullcontext(), self.device_ctx:
-                self.fn(*args, **kwargs)
+        assert self.fwd is not None
+        with self.fwd.replayed(), self.handing or contextlib.nullcontext(), self.rec_log or contextlib.nullcontext():
+            self.fn(*args, **kwargs)
 
     def mismatch(self, what: str) -> CheckpointError:
         """Rule 4's error."""
@@ -653,10 +604,12 @@ def run_in_parts(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
     with _Hooks(frame), keeping or contextlib.nullcontext(), frame.fwd_log or contextlib.nullcontext():
         out = fn(*args, **kwargs)
     frame.finish()
-    if frame.preserve and not frame.had_device and getattr(getattr(torch, frame.device_type, None), "_initialized",
+    fwd = frame.fwd
+    assert fwd is not None
+    if fwd.preserve and not fwd.had_device and getattr(getattr(torch, fwd.device_type, None), "_initialized",
                                                            False):
         raise CheckpointError(
-            f"torchckpt: the block's forward initialised {frame.device_type} under Recompute(parts=...) with "
+            f"torchckpt: the block's forward initialised {fwd.device_type} under Recompute(parts=...) with "
             "preserve_rng_state=True, so its RNG state could not be saved for the recomputation; initialise it before "
             "(e.g. torch.cuda.init()), or pass preserve_rng_state=False if the block draws no random numbers there.")
     return out
