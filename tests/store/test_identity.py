@@ -9,7 +9,9 @@ Each test here failed on the store before the fix it names:
 - a step never ended while graphs overlapped, and the trace grew without bound (NOTE [ Store ] Rule 10);
 - ``Store.stats()`` on CUDA waited for a copy's event but not for the compute-stream event it is
   timed against;
-- ``torch.func`` transforms: functorch's wrapped tensors have no accessible storage (Rule 4).
+- ``torch.func`` transforms: functorch's wrapped tensors have no accessible storage (Rule 4);
+- a tensor kept by reference that is an op's output held its own ``grad_fn``: a forward without a
+  backward never freed its graph (Rule 5; tests/test_soak.py soaks every policy and pattern).
 """
 from __future__ import annotations
 
@@ -366,3 +368,40 @@ def test_views_saved_by_one_op_share_an_entry() -> None:
     check_steps(loss, [x], lambda: torchckpt.offload(store), steps=1)
     st = store.stats()
     assert st.deduplicated >= 1 and st.offloaded < st.packed - st.kept, st
+
+
+# -- Rule 5: what a pack hook returns never holds the saved tensor's graph ------------------------------
+@pytest.mark.parametrize("make_ctx", [
+    lambda: torchckpt.offload(torchckpt.Store(device="cpu", host=small_pool())),  # default min_bytes: kept
+    lambda: cpu_store(1 << 20).hooks(keep=()),
+], ids=["kept_small", "moved"])
+def test_forward_without_backward_frees_its_graph(make_ctx: Callable[[], Any]) -> None:
+    import gc
+    import weakref
+    x = torch.randn(16, 16, requires_grad=True)
+    with make_ctx():
+        y = x.tanh()  # tanh saves its output
+        v = y.t()[1:]  # a view of an output, saved through its _base
+        z = (y.exp() * v.t().sum()).softmax(-1)
+    refs = [weakref.ref(t) for t in (y, v, z)]
+    del y, v, z
+    gc.collect()
+    assert [r() is None for r in refs] == [True] * 3
+
+
+def test_kept_output_raises_autograds_own_error() -> None:
+    """A kept op output, held detached (Rule 5), still names the op that made it in Rule 1's error."""
+    x = torch.randn(4, requires_grad=True)
+
+    def run(ctx: Any) -> str:
+        with ctx:
+            y = x.tanh()
+            z = y.exp()
+        y.add_(1)
+        with pytest.raises(RuntimeError, match=INPLACE) as err:
+            z.sum().backward()
+        return str(err.value)
+
+    plain = run(contextlib.nullcontext())
+    assert "output 0 of TanhBackward0" in plain
+    assert run(torchckpt.offload(torchckpt.Store(device="cpu", host=small_pool()))) == plain

@@ -43,6 +43,16 @@
 #    another device; non-strided layouts, quantized and nested tensors, zero tensors (forward
 #    AD), tensor subclasses and functorch's wrappers (``torch.func`` transforms: their storage
 #    is not accessible), and tensors under ``min_bytes``.
+# 5. What a pack hook returns never holds the saved tensor's graph. Autograd keeps the packed
+#    value inside the ``grad_fn`` that saved it; a packed value that holds an op's output (tanh,
+#    GELU and softmax save their outputs), or a view of one through ``_base``, holds that
+#    ``grad_fn`` in turn: a reference cycle through C++ that Python's collector cannot see, so
+#    a graph never followed by a backward (evaluation with grad enabled, a dropped loss, an
+#    exception) is never freed. A tensor kept by reference is therefore held ``detach()``ed
+#    (same storage, same version counter, same metadata bits, no ``grad_fn``, no ``_base``);
+#    autograd re-attaches the graph at unpack itself (``SavedVariable::unpack`` builds the
+#    variable from the data with its own edge). The name and output number of the op that
+#    made it are kept for Rule 1's error. functorch's wrappers stay as they are.
 """
 from __future__ import annotations
 
@@ -178,20 +188,28 @@ class Version:
 
 
 class Kept:
-    """A saved tensor kept by reference, with its version check (Rule 1)."""
+    """A saved tensor kept by reference, with its version check (Rules 1 and 5)."""
 
-    __slots__ = ("tensor", "version")
+    __slots__ = ("tensor", "version", "grad_fn", "output_nr")
 
     def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
         self.version = t._version
+        if t.grad_fn is not None or t._base is not None:  # Rule 5: never hold the saved tensor's graph
+            self.grad_fn, self.output_nr = _origin(t), t.output_nr
+            if not (_is_functorch_wrapped is not None and (_is_functorch_wrapped(t) or _is_batched(t))):
+                t = t.detach()
+        else:
+            self.grad_fn, self.output_nr = None, 0
+        self.tensor = t
 
     def get(self) -> torch.Tensor:
         """The tensor, or autograd's error if it was modified in place since it was saved."""
         t = self.tensor
         now = t._version
         if now != self.version:
-            raise _modified(t, tuple(t.shape), _origin(t), t.output_nr, now, self.version)
+            grad_fn = self.grad_fn if self.grad_fn is not None else _origin(t)
+            output_nr = self.output_nr if self.grad_fn is not None else t.output_nr
+            raise _modified(t, tuple(t.shape), grad_fn, output_nr, now, self.version)
         return t
 
 
