@@ -1,4 +1,4 @@
-"""checkpointed_loop, run_schedule and auto_schedule on the CPU (NOTE [ Adjoint executor ]).
+"""checkpointed_loop, run_schedule and auto_schedule on the CPU (NOTE [ Checkpointed loop ], NOTE [ Executor ]).
 
 Gradients are compared with plain unrolled autograd bit for bit (``torch.equal``), for every
 schedule, with the snapshot store simulated on the CPU (NOTE [ Snapshot store ] Rule 6).
@@ -233,7 +233,7 @@ def twice_used_param() -> tuple[Callable[[torch.Tensor], torch.Tensor], torch.Te
 
 
 def test_param_used_twice_per_step_close() -> None:
-    """NOTE [ Adjoint executor ] Rule 2: a parameter used twice in a step: the same value up to rounding."""
+    """NOTE [ Checkpointed loop ] Rule 2: a parameter used twice in a step: the same value up to rounding."""
     step, w, x0 = twice_used_param()
     ref = unrolled(step, x0, 13)
     g_ref = torch.autograd.grad(ref.sum(), [x0, w])
@@ -245,7 +245,7 @@ def test_param_used_twice_per_step_close() -> None:
 
 
 def test_param_used_twice_per_step_bit_exact() -> None:
-    """NOTE [ Adjoint executor ] Rule 2: the running sum seeds each step's accumulation."""
+    """NOTE [ Checkpointed loop ] Rule 2: the running sum seeds each step's accumulation."""
     step, w, x0 = twice_used_param()
     check_against_plain(step, x0, 13, lambda x: x.sum(), [x0, w], schedule=Revolve(13, 3), store=cpu_store(),
                         slots=2, prefetch=True, params=[w])

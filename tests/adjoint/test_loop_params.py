@@ -1,4 +1,4 @@
-"""checkpointed_loop finds the tensors a step reads from outside the loop (NOTE [ Adjoint executor ] Rules 3-5).
+"""checkpointed_loop finds the tensors a step reads from outside the loop (NOTE [ Captured tensors ]).
 
 Every case runs the same step twice from identical fresh tensors: as a plain unrolled loop and
 through ``checkpointed_loop`` with no ``params=``; outputs and gradients must be equal bit for bit.
@@ -490,7 +490,7 @@ def test_no_probe_without_grad() -> None:
     assert len(calls) == 5 and not out.requires_grad
 
 
-# -- grad-mode-dependent kernels (NOTE [ Adjoint executor ] Rule 2) -----------------------------------
+# -- grad-mode-dependent kernels (NOTE [ Checkpointed loop ] Rule 2) -----------------------------------
 @pytest.mark.parametrize("kind", ["encoder_layer", "mha"])
 def test_eval_fast_paths_match_the_plain_loop(kind: str) -> None:
     """In eval mode and under no_grad, nn.TransformerEncoderLayer and nn.MultiheadAttention take a

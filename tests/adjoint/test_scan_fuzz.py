@@ -592,10 +592,10 @@ def _wrong_initial_gradient(monkeypatch: pytest.MonkeyPatch) -> None:
     """Plant a bug: the gradient of the initial carry's first leaf is off by one ulp in its first element."""
     adjoint = loop_mod._LoopRun.adjoint
 
-    def bad_adjoint(self, n):  # type: ignore[no-untyped-def]
-        adjoint(self, n)
+    def bad_adjoint(self, a, i):  # type: ignore[no-untyped-def]
+        adjoint(self, a, i)
         g = self.g[0]
-        if n == 0 and g is not None and g.numel():
+        if a.n == 0 and g is not None and g.numel():
             g = g.clone()
             g.view(-1)[0] = torch.nextafter(g.view(-1)[0], torch.tensor(math.inf, dtype=g.dtype))
             self.g[0] = g

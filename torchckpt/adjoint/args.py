@@ -1,4 +1,4 @@
-"""Checks of the adjoint entry points' arguments (NOTE [ Adjoint executor ] Rule 3)."""
+"""Checks of the adjoint entry points' arguments: each raises at the call, naming the argument and what to pass."""
 from __future__ import annotations
 
 from collections.abc import Iterable

@@ -1,8 +1,8 @@
 """``checkpointed_scan`` and ``checkpointed_loop``: a time-stepping loop differentiated under a schedule.
 
 # NOTE [ Checkpointed loop ]
-# 1. ``checkpointed_loop`` is an autograd Function driven by the executor (NOTE [ Adjoint
-#    executor ]). Its forward executes the schedule up to ``EndForward`` without recording,
+# 1. ``checkpointed_loop`` is an autograd Function driven by the executor (NOTE
+#    [ Executor ]). Its forward executes the schedule up to ``EndForward`` without recording,
 #    then evaluates the last step with recording and keeps that graph for
 #    ``Adjoint(n_steps - 1)`` (Rule 4 of NOTE [ Schedule actions ]). Its backward executes the
 #    rest: each ``Adjoint(n)`` re-evaluates step n with recording from the current state and
@@ -69,8 +69,8 @@ from torchckpt.adjoint.captures import (
     Age, Swap, descendants, exits, grad_leaf, node_mark, owned_nodes, probe, unfound,
 )
 from torchckpt.adjoint.step import Step, Tree, aliases, detached, firsts
-from torchckpt.adjoint.execute import run as execute_all
-from torchckpt.schedules import Adjoint, Restore, Revolve, Tier, Uniform
+from torchckpt.schedules.execute import run as execute_all
+from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Revolve, Save, Tier, Uniform
 from torchckpt.schedules.planned import Planned
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
@@ -122,7 +122,7 @@ class _LoopRun:
         self.passthrough: dict[int, int] = {}  # Rule 4: y leaf -> the captured tensor it returns as is, every step
         self.not_passthrough: set[int] = set()  # y leaves that were something else at some step
         self.through_old = through_old  # NOTE [ Captured tensors ] Rule 1: a step running autograd makes nodes on other threads
-        # The executor's state (NOTE [ Adjoint executor ] Rule 1): the sweep, the current state, the adjoints.
+        # The executor's state (NOTE [ Executor ] Rule 1): the sweep, the current state, the adjoints.
         self.backward = False
         self.first_packs: list[Packed] | None = None  # the initial state, compressed by Auto (or None)
         self.owns_snaps = True  # False: the caller's SnapshotStore
@@ -201,8 +201,9 @@ class _LoopRun:
         if edges:
             raise unfound(next(iter(edges.values())), "the last step")
 
-    # -- the driver (NOTE [ Adjoint executor ] Rule 1) ---------------------------------------
-    def save(self, i: int, n: int, tier: Tier) -> None:
+    # -- the driver (NOTE [ Executor ] Rule 1) ---------------------------------------
+    def save(self, a: Save, i: int) -> None:
+        n, tier = a.n, a.tier
         x = self.x
         assert x is not None
         if self.snaps is None:
@@ -220,15 +221,16 @@ class _LoopRun:
         else:
             self.alias.pop(n, None)
 
-    def prefetch(self, n: int, src: Tier, dst: Tier) -> None:
+    def prefetch(self, a: Prefetch, i: int) -> None:
         if self.snaps is not None:  # nothing to do before the first save
-            self.snaps.prefetch(n, src, dst)
+            self.snaps.prefetch(a.n, a.src, a.dst)
 
-    def free(self, n: int, tier: Tier) -> None:
+    def free(self, a: Free, i: int) -> None:
         if self.snaps is not None:
-            self.snaps.free(n, tier)
+            self.snaps.free(a.n, a.tier)
 
-    def restore(self, n: int, tier: Tier) -> None:
+    def restore(self, a: Restore, i: int) -> None:
+        n, tier = a.n, a.tier
         if not self.backward:
             raise CheckpointError(f"torchckpt: {Restore(n, tier)!r} before EndForward: the schedule is invalid.")
         assert self.snaps is not None
@@ -240,19 +242,20 @@ class _LoopRun:
             self.x = [self.x[j] for j in self.alias[n]]
         self.snaps.after_use()
 
-    def advance(self, n0: int, n1: int) -> None:
+    def advance(self, a: Advance, i: int) -> None:
         assert self.x is not None
-        self.x = self.steps(self.x, n0, n1)
+        self.x = self.steps(self.x, a.n0, a.n1)
 
-    def end_forward(self) -> bool:
+    def end_forward(self, a: EndForward, i: int) -> bool:
         return False  # the forward sweep ends here; the backward goes on from the next action
 
-    def end(self) -> None:
+    def end(self, a: End, i: int) -> None:
         if not self.backward:
             raise CheckpointError("torchckpt: End() before EndForward: the schedule is invalid.")
 
-    def adjoint(self, n: int) -> None:
+    def adjoint(self, a: Adjoint, i: int) -> None:
         """Back-propagate the adjoints through step n (Rules 2, 4)."""
+        n = a.n
         if not self.backward:
             raise CheckpointError(f"torchckpt: {Adjoint(n)!r} before EndForward: the schedule is invalid.")
         if self.last is not None:
@@ -362,7 +365,7 @@ def checkpointed_loop(
     for deterministic ops; a tensor the step reads that the loss also uses after the loop can
     differ in the last bit) while at most the schedule's snapshots are held; the others are
     recomputed from them. Snapshots off the GPU pass through ``slots`` GPU cache slots and are
-    prefetched following ``plan_prefetch`` (NOTE [ Adjoint executor ]).
+    prefetched following ``plan_prefetch`` (NOTE [ Executor ]).
 
     The tensors ``step`` reads from outside the loop (a closure's weights, a module's
     parameters, a tensor computed before the loop) get their gradients with no ``params=``:

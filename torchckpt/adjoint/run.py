@@ -2,10 +2,12 @@
 
 The user's callbacks compute (forward, backward) and move the state in and out of snapshots
 (``save`` returns the state's tensors, ``restore`` receives read-only views of a snapshot and
-copies them into the user's buffers); the executor (NOTE [ Adjoint executor ]) runs the schedule.
+copies them into the user's buffers); the executor (NOTE [ Executor ], schedules/execute.py) runs the schedule.
 """
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -14,9 +16,9 @@ import torch
 from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint.args import check_actions, check_callable, check_slots, check_store
-from torchckpt.adjoint.execute import Progress, run
 from torchckpt.memory import HostPool, shared_host_pool  # noqa: F401  (HostPool: run_schedule's example)
-from torchckpt.schedules import Restore, Tier
+from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Save, Tier
+from torchckpt.schedules.execute import run
 from torchckpt.schedules.planned import Planned
 from torchckpt.store import SnapshotStats, SnapshotStore, Store
 
@@ -33,8 +35,22 @@ def _saved(tensors: object, n: int) -> list[torch.Tensor]:
     return out  # type: ignore[return-value]
 
 
+class Progress:
+    """Adjoint progress on stderr every 10% (``progress=True``)."""
+
+    def __init__(self, enabled: bool, n: int) -> None:
+        self.enabled, self.n, self.done, self.t0, self.next = enabled, n, 0, time.perf_counter(), 0.1
+
+    def adjoint(self) -> None:
+        self.done += 1
+        if self.enabled and self.done >= self.next * self.n:
+            self.next += 0.1
+            dt = time.perf_counter() - self.t0
+            print(f"torchckpt: adjoint {self.done}/{self.n} steps, {dt:.1f} s", file=sys.stderr, flush=True)
+
+
 class _Callbacks:
-    """``run_schedule``'s driver: each action calls the user's callbacks (NOTE [ Adjoint executor ] Rule 1)."""
+    """``run_schedule``'s driver: each action calls the user's callbacks (NOTE [ Executor ] Rule 1)."""
 
     def __init__(self, forward: Callable[[int, int], None], save: Callable[[int], Any],
                  restore: Callable[[int, list[torch.Tensor]], None], backward: Callable[[int], None],
@@ -46,10 +62,11 @@ class _Callbacks:
         self.snaps: SnapshotStore | None = store if isinstance(store, SnapshotStore) else None
         self.started = False
 
-    def advance(self, n0: int, n1: int) -> None:
-        self.forward(n0, n1)
+    def advance(self, a: Advance, i: int) -> None:
+        self.forward(a.n0, a.n1)
 
-    def save(self, i: int, n: int, tier: Tier) -> None:
+    def save(self, a: Save, i: int) -> None:
+        n, tier = a.n, a.tier
         tensors = _saved(self.save_fn(n), n)
         if not self.started:  # the first Save fixes the slots (Rule 2)
             self.started = True
@@ -60,31 +77,32 @@ class _Callbacks:
         assert self.snaps is not None
         self.snaps.save(n, tier, tensors, flush=self.plan.flush(i))
 
-    def restore(self, n: int, tier: Tier) -> None:
+    def restore(self, a: Restore, i: int) -> None:
+        n, tier = a.n, a.tier
         if self.snaps is None:
             raise CheckpointError(f"torchckpt: {Restore(n, tier)!r} before any Save: the schedule is invalid (check it "
                                   "with simulate()).")
         self.restore_fn(n, self.snaps.restore(n, tier))
         self.snaps.after_use()
 
-    def adjoint(self, n: int) -> None:
-        self.backward(n)
+    def adjoint(self, a: Adjoint, i: int) -> None:
+        self.backward(a.n)
         self.progress.adjoint()
 
-    def prefetch(self, n: int, src: Tier, dst: Tier) -> None:
+    def prefetch(self, a: Prefetch, i: int) -> None:
         if self.snaps is not None:
-            self.snaps.prefetch(n, src, dst)
+            self.snaps.prefetch(a.n, a.src, a.dst)
 
-    def free(self, n: int, tier: Tier) -> None:
+    def free(self, a: Free, i: int) -> None:
         if self.snaps is not None:
-            self.snaps.free(n, tier)
+            self.snaps.free(a.n, a.tier)
 
-    def end_forward(self) -> bool:
+    def end_forward(self, a: EndForward, i: int) -> bool:
         if self.end_forward_fn is not None:
             self.end_forward_fn()
         return True
 
-    def end(self) -> None:
+    def end(self, a: End, i: int) -> None:
         return None
 
 

@@ -9,7 +9,7 @@
 # 2. The schedule (``schedule``): ``Revolve(n, memory // size)`` when every block's input has one size,
 #    else ``WeightedRevolve`` over the blocks' measured forward times and input sizes (a rotor-style
 #    dynamic program, which is Revolve for equal blocks).
-# 3. ``states`` walks the schedule's actions as the runtime does (NOTE [ Chain of blocks ] Rules 2-3) and
+# 3. ``states`` walks the schedule's actions through the executor (NOTE [ Executor ]) as the runtime does (NOTE [ Chain of blocks ] Rules 2-3) and
 #    gives, per block: the inputs held during its forward (the forward sweep's snapshots so far and its own
 #    input); the snapshots held during its backward besides its own input (which the block's recomputation
 #    counts); the forward time of the blocks run again right before its backward (the ``Advance``s between
@@ -22,6 +22,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from torchckpt.schedules import Adjoint, Advance, EndForward, Free, Revolve, Save, Schedule, WeightedRevolve
+from torchckpt.schedules.execute import Walker, walk
 
 __all__ = ["States", "schedule", "states"]
 
@@ -57,31 +58,51 @@ class States:
 def states(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> States:
     """Rule 3: what ``schedule(fwd_s, input_bytes, memory)`` holds and runs again, per block."""
     n = len(input_bytes)
-    acts = list(schedule(fwd_s, input_bytes, memory))
-    end = next(k for k, a in enumerate(acts) if isinstance(a, EndForward))
-    saves = {a.n for a in acts[:end] if isinstance(a, Save)}
+    w = _Pricing(fwd_s, input_bytes)
+    walk(schedule(fwd_s, input_bytes, memory), w)
     fwd, acc = [], 0
     for i in range(n):
-        if i in saves:
+        if i in w.saves:
             acc += input_bytes[i]
-        fwd.append(acc + (0 if i in saves else input_bytes[i]))
-    held = set(saves)
-    bwd, extra, rebuild = [0] * n, [0.0] * n, [0] * n
-    spent, most, advances = 0.0, 0, 0
-    for a in acts[end + 1:]:
-        if isinstance(a, Adjoint):
-            bwd[a.n] = sum(input_bytes[k] for k in held if k != a.n)
-            extra[a.n], rebuild[a.n] = spent, most
-            spent, most = 0.0, 0
-        elif isinstance(a, Save):
-            held.add(a.n)
-        elif isinstance(a, Free):
-            held.discard(a.n)
-        elif isinstance(a, Advance):
-            base = sum(input_bytes[k] for k in held)
-            for j in range(a.n0, a.n1):
-                spent += fwd_s[j]
-                advances += 1
-                mine = input_bytes[j] if j not in held else 0
-                most = max(most, base + mine + input_bytes[j + 1] if j + 1 < n else base + mine)
-    return States(tuple(fwd), tuple(bwd), tuple(extra), tuple(rebuild), advances)
+        fwd.append(acc + (0 if i in w.saves else input_bytes[i]))
+    return States(tuple(fwd), tuple(w.bwd), tuple(w.extra), tuple(w.rebuild), w.advances)
+
+
+class _Pricing(Walker):
+    """``states``' driver (NOTE [ Executor ]): the schedule's actions as the runtime runs them (Rule 3)."""
+
+    def __init__(self, fwd_s: Sequence[float], input_bytes: Sequence[int]) -> None:
+        n = len(input_bytes)
+        self.fwd_s, self.input_bytes = fwd_s, input_bytes
+        self.saves: set[int] = set()  # the forward sweep's snapshots
+        self.held: set[int] | None = None  # the snapshots held, once the backward began
+        self.bwd, self.extra, self.rebuild = [0] * n, [0.0] * n, [0] * n
+        self.spent, self.most, self.advances = 0.0, 0, 0
+
+    def end_forward(self, a: EndForward, i: int) -> None:
+        self.held = set(self.saves)
+
+    def save(self, a: Save, i: int) -> None:
+        (self.saves if self.held is None else self.held).add(a.n)
+
+    def free(self, a: Free, i: int) -> None:
+        if self.held is not None:
+            self.held.discard(a.n)
+
+    def adjoint(self, a: Adjoint, i: int) -> None:
+        held = self.held if self.held is not None else set()
+        self.bwd[a.n] = sum(self.input_bytes[k] for k in held if k != a.n)
+        self.extra[a.n], self.rebuild[a.n] = self.spent, self.most
+        self.spent, self.most = 0.0, 0
+
+    def advance(self, a: Advance, i: int) -> None:
+        held = self.held
+        if held is None:  # the forward sweep: the model's own calls
+            return
+        ib, n = self.input_bytes, len(self.input_bytes)
+        base = sum(ib[k] for k in held)
+        for j in range(a.n0, a.n1):
+            self.spent += self.fwd_s[j]
+            self.advances += 1
+            mine = ib[j] if j not in held else 0
+            self.most = max(self.most, base + mine + ib[j + 1] if j + 1 < n else base + mine)

@@ -1,7 +1,7 @@
 """The action stream an executor reads: a schedule's actions with prefetches and write-back planned as it goes.
 
 # NOTE [ Planned stream ]
-# The executors (``checkpointed_loop``'s and ``run_schedule``'s, NOTE [ Adjoint executor ];
+# The executors (``checkpointed_loop``'s and ``run_schedule``'s, NOTE [ Executor ];
 # ``checkpoint_chain``'s, NOTE [ Chain of blocks ]) read a schedule through ``Planned``.
 # 1. ``Planned`` is the action stream: the schedule's actions once, and, unless
 #    ``prefetch=False``, with prefetches inserted by ``plan_prefetch`` so that every off-GPU

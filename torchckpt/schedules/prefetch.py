@@ -61,6 +61,7 @@ from torchckpt.schedules.actions import (
     Save,
     Tier,
 )
+from torchckpt.schedules.execute import Walker, execute, run
 from torchckpt.schedules.schedule import check_int
 
 __all__ = ["CacheStats", "PrefetchStream", "PrefetchedSchedule", "flush_positions", "plan_flushes", "plan_prefetch",
@@ -112,22 +113,64 @@ def _cached(act: Save | Restore | Free) -> bool:
     return act.tier is not Tier.GPU
 
 
+class _OffGpuRestores(Walker):
+    """Finds each off-GPU Restore and the position of the Save it reads (live off-GPU snapshots only)."""
+
+    def __init__(self) -> None:
+        self.last_save: dict[int, int] = {}
+        self.found: tuple[int, int, Tier, int] | None = None
+
+    def save(self, act: Save, i: int) -> None:
+        if _cached(act):
+            self.last_save[act.n] = i
+
+    def restore(self, act: Restore, i: int) -> bool | None:
+        if not _cached(act):
+            return None
+        if act.n not in self.last_save:
+            raise CheckpointError(
+                f"torchckpt: plan_prefetch: action {i} ({act!r}) restores a snapshot "
+                "that was never saved; expected a valid schedule (check it with "
+                "simulate())."
+            )
+        self.found = (i, act.n, act.tier, self.last_save[act.n])
+        return False  # NOTE [ Executor ] Rule 2: one restore at a time
+
+    def free(self, act: Free, i: int) -> None:
+        if _cached(act):
+            self.last_save.pop(act.n, None)
+
+
 def _off_gpu_restores(scout: Iterator[Action]) -> Iterator[tuple[int, int, Tier, int]]:
     """``(position, step, tier, position of the Save it reads)`` of each off-GPU Restore, in order."""
-    last_save: dict[int, int] = {}  # live off-GPU snapshots only
-    for i, act in enumerate(scout):
-        if isinstance(act, Save) and _cached(act):
-            last_save[act.n] = i
-        elif isinstance(act, Restore) and _cached(act):
-            if act.n not in last_save:
-                raise CheckpointError(
-                    f"torchckpt: plan_prefetch: action {i} ({act!r}) restores a snapshot "
-                    "that was never saved; expected a valid schedule (check it with "
-                    "simulate())."
-                )
-            yield i, act.n, act.tier, last_save[act.n]
-        elif isinstance(act, Free) and _cached(act):
-            last_save.pop(act.n, None)
+    w = _OffGpuRestores()
+    pairs = enumerate(scout)
+    while run(pairs, w):
+        if w.found is None:  # End: nothing follows
+            return
+        yield w.found
+        w.found = None
+
+
+class _CacheFollower(Walker):
+    """The GPU cache as the planned actions leave it (``PrefetchStream``'s check of its own plan)."""
+
+    def __init__(self, cache: Cache[int]) -> None:
+        self.cache = cache
+
+    def save(self, act: Save, i: int) -> None:
+        if _cached(act):
+            if not self.cache.can_take():
+                raise internal_error("plan_prefetch left no slot for a Save")
+            self.cache.admit(act.n)
+
+    def restore(self, act: Restore, i: int) -> None:
+        if _cached(act) and not self.cache.use(act.n):
+            raise internal_error(f"plan_prefetch planned a miss at action {i}")
+
+    def free(self, act: Free, i: int) -> None:
+        if _cached(act) and self.cache.remove(act.n):
+            raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
 
 
 class PrefetchStream:
@@ -171,6 +214,7 @@ class PrefetchStream:
         restores = _off_gpu_restores(scout)
         nxt = next(restores, None)
         cache: Cache[int] = Cache(cache_slots)
+        follow = _CacheFollower(cache)
         ahead = cache_slots - 1  # Rule 3
         for i, act in enumerate(main):
             while nxt is not None:  # Rule 2
@@ -192,17 +236,7 @@ class PrefetchStream:
                 cache.pin(n)
                 nxt = next(restores, None)
             yield act
-            if isinstance(act, Save):
-                if _cached(act):
-                    if not cache.can_take():
-                        raise internal_error("plan_prefetch left no slot for a Save")
-                    cache.admit(act.n)
-            elif isinstance(act, Restore):
-                if _cached(act) and not cache.use(act.n):
-                    raise internal_error(f"plan_prefetch planned a miss at action {i}")
-            elif isinstance(act, Free):
-                if _cached(act) and cache.remove(act.n):
-                    raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
+            execute(act, follow, i)
         if nxt is not None:
             raise internal_error("plan_prefetch left restores unhandled")
 
@@ -252,45 +286,63 @@ def flush_positions(actions: Iterable[Action], cache_slots: int) -> Iterator[int
         [0]
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    cache: Cache[int] = Cache(cache_slots)
-    saved_at: dict[int, int] = {}  # live snapshot -> position of its Save
-    pending: dict[int, int] = {}  # evicted snapshot -> its Save, flushed if a read comes before its end
-
-    def put(n: int) -> None:
-        for old in cache.admit(n):
-            if old in saved_at:
-                pending[old] = saved_at[old]
-
-    def read(n: int) -> Iterator[int]:
-        s = pending.pop(n, None)
-        if s is not None:
-            yield s
-
+    w = _WriteBack(Cache(cache_slots))
     for i, act in enumerate(actions):
-        if isinstance(act, Save) and _cached(act):
-            pending.pop(act.n, None)
-            saved_at[act.n] = i
-            if cache.can_take():
-                put(act.n)
+        execute(act, w, i)
+        if w.out:
+            yield from w.out
+            w.out.clear()
+
+
+class _WriteBack(Walker):
+    """``flush_positions``' driver: the Saves a later read finds evicted (NOTE [ Write-back ])."""
+
+    def __init__(self, cache: Cache[int]) -> None:
+        self.cache = cache
+        self.saved_at: dict[int, int] = {}  # live snapshot -> position of its Save
+        self.pending: dict[int, int] = {}  # evicted snapshot -> its Save, flushed if a read comes before its end
+        self.out: list[int] = []
+
+    def _put(self, n: int) -> None:
+        for old in self.cache.admit(n):
+            if old in self.saved_at:
+                self.pending[old] = self.saved_at[old]
+
+    def _read(self, n: int) -> None:
+        s = self.pending.pop(n, None)
+        if s is not None:
+            self.out.append(s)
+
+    def save(self, act: Save, i: int) -> None:
+        if _cached(act):
+            self.pending.pop(act.n, None)
+            self.saved_at[act.n] = i
+            if self.cache.can_take():
+                self._put(act.n)
             else:  # every slot pinned: it goes straight to host
-                yield i
-        elif isinstance(act, Prefetch):
-            if act.n in cache:
+                self.out.append(i)
+
+    def prefetch(self, act: Prefetch, i: int) -> None:
+        cache = self.cache
+        if act.n in cache:
+            cache.pin(act.n)
+        elif act.src is not act.dst:
+            self._read(act.n)
+            if cache.can_take():
+                self._put(act.n)
                 cache.pin(act.n)
-            elif act.src is not act.dst:
-                yield from read(act.n)
-                if cache.can_take():
-                    put(act.n)
-                    cache.pin(act.n)
-        elif isinstance(act, Restore) and _cached(act):
-            if not cache.use(act.n):
-                yield from read(act.n)
-                if cache.can_take():
-                    put(act.n)
-        elif isinstance(act, Free) and _cached(act):
-            pending.pop(act.n, None)
-            cache.remove(act.n)
-            saved_at.pop(act.n, None)
+
+    def restore(self, act: Restore, i: int) -> None:
+        if _cached(act) and not self.cache.use(act.n):
+            self._read(act.n)
+            if self.cache.can_take():
+                self._put(act.n)
+
+    def free(self, act: Free, i: int) -> None:
+        if _cached(act):
+            self.pending.pop(act.n, None)
+            self.cache.remove(act.n)
+            self.saved_at.pop(act.n, None)
 
 
 def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
@@ -375,6 +427,69 @@ class CacheStats:
         return self.hits / self.restores if self.restores else 1.0
 
 
+class _CacheRun(Walker):
+    """``simulate_cache``'s driver: the cache model under the actions (NOTE [ Cache model ])."""
+
+    def __init__(self, cache: Cache[int]) -> None:
+        self.cache = cache
+        self.restores = self.hits = self.saves = self.evictions = self.copies = self.pins = 0
+        self.failed = self.bypassed = self.lost = self.peak = 0
+        self.work = 0  # steps computed so far
+        self.awaiting: dict[int, int] = {}  # step -> work done when its copy was issued, until used
+        self.leads: list[int] = []
+
+    def _evicted(self, old: list[int]) -> None:
+        for n in old:
+            self.evictions += 1
+            if self.awaiting.pop(n, None) is not None:
+                self.lost += 1
+
+    def advance(self, act: Advance, i: int) -> None:
+        self.work += act.n1 - act.n0
+
+    def adjoint(self, act: Adjoint, i: int) -> None:
+        self.work += 1
+
+    def save(self, act: Save, i: int) -> None:
+        if _cached(act):
+            self.saves += 1
+            if self.cache.can_take():
+                self._evicted(self.cache.admit(act.n))
+            else:
+                self.bypassed += 1
+
+    def restore(self, act: Restore, i: int) -> None:
+        if _cached(act):
+            self.restores += 1
+            hit = self.cache.use(act.n)
+            self.hits += hit
+            if not hit and self.cache.can_take():  # Rule 4: the on-demand copy lands in a slot
+                self._evicted(self.cache.admit(act.n))
+            issued_at = self.awaiting.pop(act.n, None)
+            if issued_at is not None:
+                self.leads.append(self.work - issued_at)
+
+    def free(self, act: Free, i: int) -> None:
+        if _cached(act):
+            self.cache.remove(act.n)
+            if self.awaiting.pop(act.n, None) is not None:
+                self.lost += 1
+
+    def prefetch(self, act: Prefetch, i: int) -> None:
+        n, cache = act.n, self.cache
+        if n in cache:
+            cache.pin(n)
+            self.pins += 1
+        elif act.src is act.dst or not cache.can_take():
+            self.failed += 1
+        else:
+            self._evicted(cache.admit(n))
+            cache.pin(n)
+            self.copies += 1
+            self.awaiting[n] = self.work
+        self.peak = max(self.peak, cache.pinned)
+
+
 def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
     """Replay actions on a snapshot cache of ``cache_slots`` slots and count what happens.
 
@@ -396,59 +511,11 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
         1.0
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    cache: Cache[int] = Cache(cache_slots)
-    restores = hits = saves = evictions = copies = pins = failed = bypassed = lost = peak = 0
-    work = 0  # steps computed so far
-    awaiting: dict[int, int] = {}  # step -> work done when its copy was issued, until used
-    leads: list[int] = []
-
-    def evicted(old: list[int]) -> None:
-        nonlocal evictions, lost
-        for n in old:
-            evictions += 1
-            if awaiting.pop(n, None) is not None:
-                lost += 1
-
-    for act in actions:
-        if isinstance(act, Advance):
-            work += act.n1 - act.n0
-        elif isinstance(act, Adjoint):
-            work += 1
-        elif isinstance(act, Save):
-            if _cached(act):
-                saves += 1
-                if cache.can_take():
-                    evicted(cache.admit(act.n))
-                else:
-                    bypassed += 1
-        elif isinstance(act, Restore):
-            if _cached(act):
-                restores += 1
-                hit = cache.use(act.n)
-                hits += hit
-                if not hit and cache.can_take():  # Rule 4: the on-demand copy lands in a slot
-                    evicted(cache.admit(act.n))
-                issued_at = awaiting.pop(act.n, None)
-                if issued_at is not None:
-                    leads.append(work - issued_at)
-        elif isinstance(act, Free):
-            if _cached(act):
-                cache.remove(act.n)
-                if awaiting.pop(act.n, None) is not None:
-                    lost += 1
-        elif isinstance(act, Prefetch):
-            n = act.n
-            if n in cache:
-                cache.pin(n)
-                pins += 1
-            elif act.src is act.dst or not cache.can_take():
-                failed += 1
-            else:
-                evicted(cache.admit(n))
-                cache.pin(n)
-                copies += 1
-                awaiting[n] = work
-            peak = max(peak, cache.pinned)
+    w = _CacheRun(Cache(cache_slots))
+    for i, act in enumerate(actions):
+        execute(act, w, i)
+    restores, hits, saves, evictions, copies, pins, failed, bypassed, lost, peak, leads = (
+        w.restores, w.hits, w.saves, w.evictions, w.copies, w.pins, w.failed, w.bypassed, w.lost, w.peak, w.leads)
     return CacheStats(
         restores=restores,
         hits=hits,

@@ -1,7 +1,7 @@
 """Run a schedule with no data: check it and count what it costs.
 
 # NOTE [ Simulating a schedule ]
-# ``simulate`` is the second executor of a schedule (the runtime is the first): it follows
+# ``simulate`` is a driver of the one executor (NOTE [ Executor ]), as the runtimes are: it follows
 # NOTE [ Schedule actions ] exactly, holding step numbers instead of states.
 # 1. It raises ``CheckpointError`` (messages start with ``torchckpt:``) on the first action
 #    an executor could not carry out: an advance or save from another state than the
@@ -36,6 +36,7 @@ from torchckpt.schedules.actions import (
     Save,
     Tier,
 )
+from torchckpt.schedules.execute import Walker, walk
 from torchckpt.schedules.schedule import check_int
 
 __all__ = ["SimResult", "simulate"]
@@ -93,6 +94,116 @@ def _fail(i: int, act: Action, what: str) -> CheckpointError:
     return CheckpointError(f"torchckpt: invalid schedule at action {i} ({act!r}): {what}.")
 
 
+class _Sim(Walker):
+    """``simulate``'s driver: step numbers instead of states (NOTE [ Simulating a schedule ])."""
+
+    def __init__(self, n_steps: int | None, limits: dict[Tier, int]) -> None:
+        self.n_steps = n_steps
+        self.limits = limits
+        self.held: dict[Tier, set[int]] = {t: set() for t in Tier}
+        self.count: dict[Tier, int] = {t: 0 for t in Tier}
+        self.peak = dict(self.count)
+        self.saves = dict(self.count)
+        self.restores = dict(self.count)
+        self.moved = self.forward = self.adjoints = 0
+        self.cur: int | None = 0
+        self.next_adjoint = None if n_steps is None else n_steps - 1
+        self.ended_forward = self.ended = False
+
+    def advance(self, act: Advance, i: int) -> None:
+        if self.cur != act.n0:
+            raise _fail(i, act, f"expected to advance from the current state {self.cur}, "
+                                f"found a start at state {act.n0}")
+        if act.n1 <= act.n0:
+            raise _fail(i, act, "expected n1 > n0")
+        if self.n_steps is not None and act.n1 > self.n_steps - 1:
+            raise _fail(i, act, f"expected to stay at or below state n_steps-1 = "
+                                f"{self.n_steps - 1} (the last step is taken by Adjoint)")
+        self.forward += act.n1 - act.n0
+        self.cur = act.n1
+
+    def save(self, act: Save, i: int) -> None:
+        if self.cur != act.n:
+            raise _fail(i, act, f"expected to save the current state {self.cur}, found state {act.n}")
+        slots = self.held[act.tier]
+        if act.n in slots:
+            raise _fail(i, act, f"snapshot {act.n} is already held in {act.tier!r}; "
+                                "free it before saving it again")
+        slots.add(act.n)
+        c = self.count[act.tier] = self.count[act.tier] + 1
+        limit = self.limits.get(act.tier)
+        if limit is not None and c > limit:
+            raise _fail(i, act, f"expected at most {limit} snapshots in {act.tier!r}, found {c}")
+        if c > self.peak[act.tier]:
+            self.peak[act.tier] = c
+        self.saves[act.tier] += 1
+
+    def restore(self, act: Restore, i: int) -> None:
+        if act.n not in self.held[act.tier]:
+            raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
+                                "(never saved, or already freed)")
+        self.restores[act.tier] += 1
+        self.cur = act.n
+
+    def free(self, act: Free, i: int) -> None:
+        slots = self.held[act.tier]
+        if act.n not in slots:
+            raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
+                                "(never saved, or already freed)")
+        slots.remove(act.n)
+        self.count[act.tier] -= 1
+
+    def adjoint(self, act: Adjoint, i: int) -> None:
+        if self.next_adjoint is None:
+            if act.n < 0:
+                raise _fail(i, act, "expected a step >= 0")
+            self.n_steps = act.n + 1
+            self.next_adjoint = act.n
+        if act.n != self.next_adjoint:
+            raise _fail(i, act, f"expected Adjoint({self.next_adjoint}) next (adjoint steps "
+                                "run once each, from n_steps-1 down to 0)")
+        if self.cur != act.n:
+            raise _fail(i, act, f"expected the current state to be state {act.n}, found {self.cur}")
+        if not self.ended_forward:
+            raise _fail(i, act, "expected EndForward() before the first adjoint step")
+        self.adjoints += 1
+        self.next_adjoint -= 1
+        self.cur = None
+
+    def prefetch(self, act: Prefetch, i: int) -> None:
+        if act.src is not act.dst:
+            if act.n not in self.held[act.src]:
+                raise _fail(i, act, f"snapshot {act.n} is not held in {act.src!r}")
+            self.moved += 1
+        elif not any(act.n in slots for slots in self.held.values()):
+            raise _fail(i, act, f"snapshot {act.n} is not held in any tier")
+
+    def end_forward(self, act: EndForward, i: int) -> None:
+        if self.ended_forward:
+            raise _fail(i, act, "expected a single EndForward()")
+        if self.n_steps is not None and self.cur != self.n_steps - 1:
+            raise _fail(i, act, f"expected the forward sweep to end at state "
+                                f"{self.n_steps - 1}, found {self.cur}")
+        self.ended_forward = True
+
+    def end(self, act: End, i: int) -> None:
+        if self.next_adjoint != -1:
+            raise _fail(i, act, f"expected all adjoint steps before End(), "
+                                f"Adjoint({self.next_adjoint}) is missing")
+        left = sorted((t.name, n) for t, ns in self.held.items() for n in ns)
+        if left:
+            raise _fail(i, act, f"expected every snapshot freed before End(), "
+                                f"found {len(left)} held, e.g. {left[:3]}")
+        self.ended = True
+
+    def unknown(self, act: object, i: int) -> TypeError:
+        return TypeError(
+            f"torchckpt: simulate() expected schedule actions, found "
+            f"{type(act).__name__} {act!r} at position {i}; pass a Schedule or actions "
+            "from torchckpt.schedules."
+        )
+
+
 def simulate(
     schedule: Iterable[Action],
     snapshot_bytes: int = 1,
@@ -125,117 +236,21 @@ def simulate(
         n_steps = getattr(schedule, "n_steps", None)
     if capacity is None:
         capacity = getattr(schedule, "capacity", None)
-    limits: dict[Tier, int] = dict(capacity) if capacity is not None else {}
-
-    held: dict[Tier, set[int]] = {t: set() for t in Tier}
-    count: dict[Tier, int] = {t: 0 for t in Tier}
-    peak = dict(count)
-    saves = dict(count)
-    restores = dict(count)
-    moved = 0
-    forward = 0
-    cur: int | None = 0
-    next_adjoint = None if n_steps is None else n_steps - 1
-    adjoints = 0
-    ended_forward = False
-    ended = False
-    i = -1
-    for i, act in enumerate(schedule):
-        if ended:
-            raise _fail(i, act, "expected nothing after End(), found another action")
-        if isinstance(act, Advance):
-            if cur != act.n0:
-                raise _fail(i, act, f"expected to advance from the current state {cur}, "
-                                    f"found a start at state {act.n0}")
-            if act.n1 <= act.n0:
-                raise _fail(i, act, "expected n1 > n0")
-            if n_steps is not None and act.n1 > n_steps - 1:
-                raise _fail(i, act, f"expected to stay at or below state n_steps-1 = "
-                                    f"{n_steps - 1} (the last step is taken by Adjoint)")
-            forward += act.n1 - act.n0
-            cur = act.n1
-        elif isinstance(act, Save):
-            if cur != act.n:
-                raise _fail(i, act, f"expected to save the current state {cur}, found state {act.n}")
-            slots = held[act.tier]
-            if act.n in slots:
-                raise _fail(i, act, f"snapshot {act.n} is already held in {act.tier!r}; "
-                                    "free it before saving it again")
-            slots.add(act.n)
-            c = count[act.tier] = count[act.tier] + 1
-            limit = limits.get(act.tier)
-            if limit is not None and c > limit:
-                raise _fail(i, act, f"expected at most {limit} snapshots in {act.tier!r}, "
-                                    f"found {c}")
-            if c > peak[act.tier]:
-                peak[act.tier] = c
-            saves[act.tier] += 1
-        elif isinstance(act, Restore):
-            if act.n not in held[act.tier]:
-                raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
-                                    "(never saved, or already freed)")
-            restores[act.tier] += 1
-            cur = act.n
-        elif isinstance(act, Free):
-            slots = held[act.tier]
-            if act.n not in slots:
-                raise _fail(i, act, f"snapshot {act.n} is not held in {act.tier!r} "
-                                    "(never saved, or already freed)")
-            slots.remove(act.n)
-            count[act.tier] -= 1
-        elif isinstance(act, Adjoint):
-            if next_adjoint is None:
-                if act.n < 0:
-                    raise _fail(i, act, "expected a step >= 0")
-                n_steps = act.n + 1
-                next_adjoint = act.n
-            if act.n != next_adjoint:
-                raise _fail(i, act, f"expected Adjoint({next_adjoint}) next (adjoint steps "
-                                    "run once each, from n_steps-1 down to 0)")
-            if cur != act.n:
-                raise _fail(i, act, f"expected the current state to be state {act.n}, "
-                                    f"found {cur}")
-            if not ended_forward:
-                raise _fail(i, act, "expected EndForward() before the first adjoint step")
-            adjoints += 1
-            next_adjoint -= 1
-            cur = None
-        elif isinstance(act, Prefetch):
-            if act.src is not act.dst:
-                if act.n not in held[act.src]:
-                    raise _fail(i, act, f"snapshot {act.n} is not held in {act.src!r}")
-                moved += 1
-            elif not any(act.n in slots for slots in held.values()):
-                raise _fail(i, act, f"snapshot {act.n} is not held in any tier")
-        elif isinstance(act, EndForward):
-            if ended_forward:
-                raise _fail(i, act, "expected a single EndForward()")
-            if n_steps is not None and cur != n_steps - 1:
-                raise _fail(i, act, f"expected the forward sweep to end at state "
-                                    f"{n_steps - 1}, found {cur}")
-            ended_forward = True
-        elif isinstance(act, End):
-            if next_adjoint != -1:
-                raise _fail(i, act, f"expected all adjoint steps before End(), "
-                                    f"Adjoint({next_adjoint}) is missing")
-            left = sorted((t.name, n) for t, ns in held.items() for n in ns)
-            if left:
-                raise _fail(i, act, f"expected every snapshot freed before End(), "
-                                    f"found {len(left)} held, e.g. {left[:3]}")
-            ended = True
-        else:
-            raise TypeError(
-                f"torchckpt: simulate() expected schedule actions, found "
-                f"{type(act).__name__} {act!r} at position {i}; pass a Schedule or actions "
-                "from torchckpt.schedules."
-            )
-    if not ended:
+    sim = _Sim(n_steps, dict(capacity) if capacity is not None else {})
+    actions = iter(schedule)
+    count = walk(actions, sim)  # stops after End() (NOTE [ Executor ] Rule 2)
+    if not sim.ended:
         raise CheckpointError(
             f"torchckpt: invalid schedule: expected it to finish with End(), found "
-            f"{i + 1} actions without one; a schedule must be complete to be simulated."
+            f"{count} actions without one; a schedule must be complete to be simulated."
         )
+    for act in actions:  # Rule 1
+        raise _fail(count, act, "expected nothing after End(), found another action")
+    n_steps = sim.n_steps
     if n_steps is None:  # End() checked that every adjoint step ran, which sets it.
         raise internal_error("simulate() finished without knowing n_steps")
+    peak, saves, restores, moved, forward, adjoints, i = (sim.peak, sim.saves, sim.restores, sim.moved, sim.forward,
+                                                          sim.adjoints, count - 1)
     b = snapshot_bytes
     ro = MappingProxyType
     return SimResult(

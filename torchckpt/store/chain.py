@@ -85,6 +85,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Revolve, Save, Schedule, Tier
+from torchckpt.schedules.execute import Walker, run, walk
 from torchckpt.schedules.planned import Planned
 from torchckpt.store.forward_state import ForwardState
 from torchckpt.store.saved import default_store
@@ -326,36 +327,10 @@ class _Step:
         store.free(snaps.base + n, tier)
         del snaps.live[n]
 
-    def act(self, pos: int, a: Any) -> bool:
-        """Save, Free and Prefetch, as both sweeps run them; False for another action."""
-        if isinstance(a, Save):
-            if self.current is None or self.current[0] != a.n:
-                raise internal_error(f"chain Save({a.n}) of another state")
-            self.save(pos, a.n, a.tier, self.current[1])
-        elif isinstance(a, Free):
-            self.free(a.n, a.tier)
-        elif isinstance(a, Prefetch):
-            snaps, store = self._store()
-            store.prefetch(snaps.base + a.n, a.src, a.dst)
-        else:
-            return False
-        return True
-
     def sweep(self, i: int) -> None:
         """Rule 2: the forward sweep's actions at block ``i``'s call (its state current)."""
-        for pos, a in self.stream:
-            if isinstance(a, Advance):
-                if a.n0 != i:
-                    raise internal_error(f"chain Advance({a.n0}, {a.n1}) at block {i}")
-                self.at = a.n1
-                return
-            if isinstance(a, EndForward):
-                self.at = -1
-                return
-            if not self.act(pos, a):
-                raise internal_error(f"chain forward sweep: {a!r}")
-            self.note_held()
-        raise internal_error("chain schedule ended before EndForward")
+        if not run(self.stream, _Sweep(self, i)):
+            raise internal_error("chain schedule ended before EndForward")
 
     # -- backward (Rules 3, 5, 6) ------------------------------------------------------------------------------
     def unpack(self, tok: _Token) -> torch.Tensor:
@@ -389,34 +364,11 @@ class _Step:
 
     def follow(self, i: int) -> torch.Tensor:
         """Rule 3: the stream's actions up to ``Adjoint(i)``."""
-        for pos, a in self.stream:
-            if isinstance(a, Adjoint):
-                if self.current is None or self.current[0] != a.n:
-                    raise internal_error(f"chain Adjoint({a.n}) without its state current")
-                x = self.current[1]
-                self.current = None
-                if a.n == 0:  # Rule 9: nothing after Adjoint(0) reads a snapshot
-                    self.held.clear()
-                    if self.snaps is not None:
-                        self.snaps.close()
-                if a.n == i:
-                    return x
-                if a.n < i:
-                    raise internal_error(f"chain block {i}'s state asked for after Adjoint({a.n})")
-                self.early[a.n] = x  # Rule 3: for a token unpacked later
-                self.handed.discard(a.n)
-            elif isinstance(a, Restore):
-                self.current = (a.n, self.restore(a.n, a.tier))
-            elif isinstance(a, Advance):
-                if self.current is None or self.current[0] != a.n0:
-                    raise internal_error(f"chain Advance({a.n0}, {a.n1}) from another state")
-                self.current = (a.n1, self.advance(a.n0, a.n1, self.current[1]))
-            elif isinstance(a, End):
-                break
-            elif not self.act(pos, a):
-                raise internal_error(f"chain backward: {a!r}")
-            self.note_held()
-        raise internal_error(f"chain schedule ended before Adjoint({i})")
+        w = _Follow(self, i)
+        run(self.stream, w)
+        if w.state is None:
+            raise internal_error(f"chain schedule ended before Adjoint({i})")
+        return w.state
 
     def rebuild(self, i: int) -> torch.Tensor:
         """Rule 5: advance from the nearest state held."""
@@ -448,21 +400,118 @@ class _Step:
         return x
 
 
-def _check_forward(n: int, acts: list[Any]) -> int:
-    """The forward sweep (before ``EndForward``) saves and advances from 0 to n - 1 in order; its end."""
-    end = next((k for k, a in enumerate(acts) if isinstance(a, EndForward)), None)
-    at, ok = 0, end is not None
-    for a in acts[:end]:
-        if isinstance(a, Advance) and a.n0 == at and a.n1 > at:
-            at = a.n1
-        elif not isinstance(a, Save) or a.n != at:
-            ok = False
-    if not ok or at != n - 1:
-        raise ValueError("torchckpt: checkpoint_chain runs the forward sweep as the model calls the blocks: pass a "
-                         "schedule whose forward sweep (the actions before EndForward) only saves and advances, from "
-                         "block 0 to the last.")
-    assert end is not None
-    return end
+class _Walk(Walker):
+    """A step's walk of its stream (NOTE [ Executor ]): ``Save``, ``Free`` and ``Prefetch`` as both sweeps run
+    them; any other action is a bug here, unless a sweep reads it."""
+
+    def __init__(self, step: _Step, i: int) -> None:
+        self.step, self.i = step, i
+
+    def save(self, a: Save, pos: int) -> None:
+        step = self.step
+        if step.current is None or step.current[0] != a.n:
+            raise internal_error(f"chain Save({a.n}) of another state")
+        step.save(pos, a.n, a.tier, step.current[1])
+        step.note_held()
+
+    def free(self, a: Free, pos: int) -> None:
+        self.step.free(a.n, a.tier)
+        self.step.note_held()
+
+    def prefetch(self, a: Prefetch, pos: int) -> None:
+        snaps, store = self.step._store()
+        store.prefetch(snaps.base + a.n, a.src, a.dst)
+        self.step.note_held()
+
+    def _unexpected(self, a: Any, pos: int) -> None:
+        raise internal_error(f"chain {type(self).__name__.lstrip('_').lower()} at block {self.i}: {a!r}")
+
+    advance = restore = adjoint = end_forward = end = _unexpected  # type: ignore[assignment]
+
+
+class _Sweep(_Walk):
+    """Rule 2: the forward sweep at block ``i``'s call, up to the ``Advance`` from it (or ``EndForward``)."""
+
+    def advance(self, a: Advance, pos: int) -> bool:  # type: ignore[override]
+        if a.n0 != self.i:
+            raise internal_error(f"chain Advance({a.n0}, {a.n1}) at block {self.i}")
+        self.step.at = a.n1
+        return False
+
+    def end_forward(self, a: EndForward, pos: int) -> bool:  # type: ignore[override]
+        self.step.at = -1
+        return False
+
+
+class _Follow(_Walk):
+    """Rule 3: the backward's actions up to ``Adjoint(i)``; ``state`` is then block ``i``'s state."""
+
+    state: torch.Tensor | None = None
+
+    def adjoint(self, a: Adjoint, pos: int) -> bool | None:  # type: ignore[override]
+        step, i = self.step, self.i
+        if step.current is None or step.current[0] != a.n:
+            raise internal_error(f"chain Adjoint({a.n}) without its state current")
+        x = step.current[1]
+        step.current = None
+        if a.n == 0:  # Rule 9: nothing after Adjoint(0) reads a snapshot
+            step.held.clear()
+            if step.snaps is not None:
+                step.snaps.close()
+        if a.n == i:
+            self.state = x
+            return False
+        if a.n < i:
+            raise internal_error(f"chain block {i}'s state asked for after Adjoint({a.n})")
+        step.early[a.n] = x  # Rule 3: for a token unpacked later
+        step.handed.discard(a.n)
+        step.note_held()
+        return None
+
+    def restore(self, a: Restore, pos: int) -> None:  # type: ignore[override]
+        self.step.current = (a.n, self.step.restore(a.n, a.tier))
+        self.step.note_held()
+
+    def advance(self, a: Advance, pos: int) -> None:  # type: ignore[override]
+        step = self.step
+        if step.current is None or step.current[0] != a.n0:
+            raise internal_error(f"chain Advance({a.n0}, {a.n1}) from another state")
+        step.current = (a.n1, step.advance(a.n0, a.n1, step.current[1]))
+        step.note_held()
+
+    def end(self, a: End, pos: int) -> None:  # type: ignore[override]
+        return None
+
+
+class _Shape(Walker):
+    """What ``Chain`` checks of a schedule, in one walk (NOTE [ Executor ]): whether its forward sweep (the actions
+    before ``EndForward``) only saves and advances, in order from state 0; where it ends; whether it saves block
+    0's input; whether any snapshot goes off the GPU."""
+
+    def __init__(self) -> None:
+        self.at, self.ok, self.ended, self.saves_first, self.off_gpu = 0, True, False, False, False
+
+    def advance(self, a: Advance, i: int) -> None:
+        if not self.ended:
+            if a.n0 == self.at and a.n1 > self.at:
+                self.at = a.n1
+            else:
+                self.ok = False
+
+    def save(self, a: Save, i: int) -> None:
+        self.off_gpu |= a.tier is not Tier.GPU
+        if not self.ended:
+            self.ok &= a.n == self.at
+            self.saves_first |= a.n == 0
+
+    def _not_forward(self, a: Any, i: int) -> None:
+        if not self.ended:
+            self.ok = False
+
+    restore = adjoint = prefetch = free = _not_forward  # type: ignore[assignment]
+
+    def end_forward(self, a: EndForward, i: int) -> None:
+        self.ended = True
 
 
 class Chain:
@@ -497,12 +546,16 @@ class Chain:
         self.n = n
         self.schedule = schedule
         self.actions = schedule.pack()
-        acts = list(self.actions)
-        end = _check_forward(n, acts)
-        if n > 1 and not any(isinstance(a, Save) and a.n == 0 for a in acts[:end]):
+        shape = _Shape()
+        walk(self.actions, shape)
+        if not (shape.ok and shape.ended and shape.at == n - 1):
+            raise ValueError("torchckpt: checkpoint_chain runs the forward sweep as the model calls the blocks: pass a "
+                             "schedule whose forward sweep (the actions before EndForward) only saves and advances, from "
+                             "block 0 to the last.")
+        if n > 1 and not shape.saves_first:
             raise ValueError("torchckpt: checkpoint_chain needs a schedule that saves block 0's input in its forward "
                              "sweep, as Revolve does.")
-        self.off_gpu = any(isinstance(a, Save) and a.tier is not Tier.GPU for a in acts)
+        self.off_gpu = shape.off_gpu
         if store is not None and not self.off_gpu:
             raise ValueError("torchckpt: checkpoint_chain(store=...) holds snapshots kept off the GPU, and this "
                              "schedule keeps all of them on Tier.GPU; pass a schedule with Tier.HOST snapshots (e.g. "

@@ -1,0 +1,140 @@
+"""The one executor of schedule actions: every runtime and every dry run walks a schedule through it.
+
+# NOTE [ Executor ]
+# One schedule drives every runtime (``checkpointed_loop``/``checkpointed_scan`` and ``run_schedule`` in
+# torchckpt.adjoint, ``checkpoint_chain`` in torchckpt.recompute) and every dry run (``simulate``, the cache
+# and write-back models of prefetch.py, the planner's pricing of Revolve over a chain), with the semantics of
+# NOTE [ Schedule actions ]. None of them tests an action's class itself.
+# 1. ``execute(action, driver, i)`` dispatches one action (``functools.singledispatch`` on its class) to the
+#    *driver*'s method of that action, with the action and its position ``i`` in the stream:
+#    ``advance``, ``save``, ``restore``, ``adjoint``, ``prefetch``, ``free``, ``end_forward``, ``end``.
+# 2. A method that returns ``False`` stops the walk after its action; any other result goes on. ``End``
+#    stops it always, after ``driver.end``. A stopped walk can be resumed by walking the same iterator again
+#    (``checkpointed_loop``'s forward stops at ``EndForward`` and its backward goes on from there;
+#    ``checkpoint_chain`` walks its stream in pieces, one per block call and per state handed to backward).
+# 3. ``Walker`` is a driver whose methods do nothing: a dry run overrides only the actions it reads.
+# 4. An object that is not an action raises ``TypeError`` naming it and its position (``driver.unknown``).
+# 5. This module imports the actions and nothing else: schedules/ stays pure Python (no torch).
+"""
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable
+from typing import Any
+
+from torchckpt.schedules.actions import Action, Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Save
+
+__all__ = ["Walker", "execute", "run", "walk"]
+
+
+class Walker:
+    """A driver of every action that does nothing (NOTE [ Executor ] Rule 3); subclasses override what they read."""
+
+    def advance(self, a: Advance, i: int) -> bool | None:
+        return None
+
+    def save(self, a: Save, i: int) -> bool | None:
+        return None
+
+    def restore(self, a: Restore, i: int) -> bool | None:
+        return None
+
+    def adjoint(self, a: Adjoint, i: int) -> bool | None:
+        return None
+
+    def prefetch(self, a: Prefetch, i: int) -> bool | None:
+        return None
+
+    def free(self, a: Free, i: int) -> bool | None:
+        return None
+
+    def end_forward(self, a: EndForward, i: int) -> bool | None:
+        return None
+
+    def end(self, a: End, i: int) -> bool | None:
+        return None
+
+    def unknown(self, a: Any, i: int) -> TypeError:
+        """The error for ``a``, which is not an action (Rule 4)."""
+        return TypeError(f"torchckpt: unknown schedule action {a!r} at position {i}; a schedule holds actions of "
+                         "torchckpt.schedules (Save, Advance, Restore, Adjoint, ...).")
+
+
+@functools.singledispatch
+def execute(action: Action, driver: Any, i: int) -> bool:
+    """Execute ``action`` (at position ``i`` of the stream) on ``driver``; False stops the walk (Rule 2)."""
+    unknown = getattr(driver, "unknown", None)
+    raise unknown(action, i) if unknown is not None else Walker.unknown(driver, action, i)
+
+
+@execute.register
+def _(a: Advance, driver: Any, i: int) -> bool:
+    return driver.advance(a, i) is not False
+
+
+@execute.register
+def _(a: Save, driver: Any, i: int) -> bool:
+    return driver.save(a, i) is not False
+
+
+@execute.register
+def _(a: Restore, driver: Any, i: int) -> bool:
+    return driver.restore(a, i) is not False
+
+
+@execute.register
+def _(a: Adjoint, driver: Any, i: int) -> bool:
+    return driver.adjoint(a, i) is not False
+
+
+@execute.register
+def _(a: Prefetch, driver: Any, i: int) -> bool:
+    return driver.prefetch(a, i) is not False
+
+
+@execute.register
+def _(a: Free, driver: Any, i: int) -> bool:
+    return driver.free(a, i) is not False
+
+
+@execute.register
+def _(a: EndForward, driver: Any, i: int) -> bool:
+    return driver.end_forward(a, i) is not False
+
+
+@execute.register
+def _(a: End, driver: Any, i: int) -> bool:
+    driver.end(a, i)
+    return False
+
+
+def run(actions: Iterable[tuple[int, Action]], driver: Any) -> bool:
+    """Execute ``(position, action)`` pairs until one stops the walk (True) or they run out (False)."""
+    for i, a in actions:
+        if not execute(a, driver, i):
+            return True
+    return False
+
+
+def walk(actions: Iterable[Action], driver: Any) -> int:
+    """Execute a schedule's actions from position 0 until one stops the walk or they run out.
+
+    Returns:
+        How many actions were executed.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> class Count(Walker):
+        ...     advances = 0
+        ...     def advance(self, a, i):
+        ...         self.advances += a.n1 - a.n0
+        >>> c = Count()
+        >>> walk(Revolve(10, 3), c), c.advances
+        (42, 15)
+    """
+    n = 0
+    for n, a in enumerate(actions, 1):
+        if not execute(a, driver, n - 1):
+            return n
+    return n
