@@ -2,7 +2,7 @@
 
 Records the CUDA allocator history of one step of the GPT-style stack of train_step.py under each,
 replays it to the peak and prints the live allocations there (sizes, counts). Backs the explanation
-of the memory gap in docs/benchmarks.md. CUDA only.
+of the memory gap in docs/notes/2026-11-22-train-step-and-adjoint.md. CUDA only.
 """
 import collections
 
