@@ -74,6 +74,7 @@ from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetc
 from torchckpt.schedules.planned import Planned
 from torchckpt.schedules.schedule import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
+from torchckpt.store.lend import lend_snapshot_store
 
 __all__ = ["checkpointed_loop", "checkpointed_scan"]
 
@@ -567,9 +568,7 @@ def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, 
     st = store
 
     def factory(device: torch.device) -> SnapshotStore:
-        if isinstance(st, SnapshotStore):
-            return st  # the caller's: it keeps it (and closes it)
-        return SnapshotStore(st.device, slots=slots, host=st.host, codec=st.codec, disk=st.disk)
+        return lend_snapshot_store(st, device, slots)[0]  # NOTE [ Lending a snapshot store ]
 
     if not torch.is_grad_enabled():
         return _plain(fn, list(flat), 0, n_steps, [])  # nothing to differentiate: no snapshots at all

@@ -16,11 +16,12 @@ import torch
 from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint.args import check_actions, check_callable, check_slots, check_store
-from torchckpt.memory import HostPool, shared_host_pool  # noqa: F401  (HostPool: run_schedule's example)
+from torchckpt.memory import HostPool  # noqa: F401  (run_schedule's example)
 from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Save, Tier
 from torchckpt.schedules.execute import run
 from torchckpt.schedules.planned import Planned
 from torchckpt.store import SnapshotStats, SnapshotStore, Store
+from torchckpt.store.lend import lend_snapshot_store
 
 __all__ = ["run_schedule"]
 
@@ -70,9 +71,8 @@ class _Callbacks:
         tensors = _saved(self.save_fn(n), n)
         if not self.started:  # the first Save fixes the slots (Rule 2)
             self.started = True
-            if self.snaps is None:
-                store = self.store if isinstance(self.store, Store) else None
-                self.snaps = _new_snapshot_store(store, tensors[0].device, self.slots)
+            if self.snaps is None:  # NOTE [ Lending a snapshot store ]
+                self.snaps = lend_snapshot_store(self.store, tensors[0].device, self.slots)[0]
             self.plan.start(self.snaps.calibrate(tensors))  # the plan must match the slots the store has
         assert self.snaps is not None
         self.snaps.save(n, tier, tensors, flush=self.plan.flush(i))
@@ -173,10 +173,3 @@ def run_schedule(
     if not isinstance(store, SnapshotStore):
         d.snaps.close()
     return st
-
-
-def _new_snapshot_store(store: Store | None, device: torch.device, slots: int) -> SnapshotStore:
-    host = store.host if isinstance(store, Store) else shared_host_pool(pin=device.type == "cuda", device=device)
-    dev = store.device if isinstance(store, Store) else device
-    codec = store.codec if isinstance(store, Store) else None
-    return SnapshotStore(dev, slots=slots, host=host, codec=codec)

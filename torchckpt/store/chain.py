@@ -89,6 +89,7 @@ from torchckpt.schedules.execute import Walker, run, walk
 from torchckpt.schedules.planned import Planned
 from torchckpt.store.forward_state import ForwardState
 from torchckpt.store.saved import default_store
+from torchckpt.store.lend import lend_snapshot_store
 from torchckpt.store.snapshots import SnapshotStore
 from torchckpt.store.stats import SnapshotStats
 
@@ -247,8 +248,8 @@ class _Step:
             self.plan.start(1)  # no off-GPU snapshot: nothing to prefetch or flush
             return
         store = chain.store
-        if store is None:
-            store = SnapshotStore(x.device, slots=SLOTS, host=default_store(x.device).host)
+        if store is None:  # NOTE [ Lending a snapshot store ]: the default store's host pool (Rule 8)
+            store = lend_snapshot_store(default_store(x.device), x.device, SLOTS)[0]
             chain.last_store = store
         elif store.device != x.device:
             raise CheckpointError(f"torchckpt: checkpoint_chain(store=...) holds snapshots on {store.device}, but block "
