@@ -560,17 +560,17 @@ def test_run_schedule_without_a_store_reuses_one_host_pool(monkeypatch: pytest.M
     """run_schedule given no store takes the process's shared pool (shared_host_pool) instead of
     touching and registering new host memory every call; TORCHCKPT_SHARED_POOL=0 gives each call
     its own. (checkpointed_loop without a store uses default_store's pool, shared already.)"""
-    from torchckpt.adjoint import run as adj
     from torchckpt.memory import release_shared_host_pools, shared_host_pool
+    from torchckpt.store.lend import lend_snapshot_store
 
     release_shared_host_pools()
     cpu = torch.device("cpu")
-    a, b = adj._new_snapshot_store(None, cpu, 2), adj._new_snapshot_store(None, cpu, 2)
+    a, b = lend_snapshot_store(None, cpu, 2)[0], lend_snapshot_store(None, cpu, 2)[0]
     assert a.host is b.host is shared_host_pool(pin=False)
     a.close()
     b.close()
     monkeypatch.setenv("TORCHCKPT_SHARED_POOL", "0")
-    c = adj._new_snapshot_store(None, cpu, 2)
+    c = lend_snapshot_store(None, cpu, 2)[0]
     assert c.host is not shared_host_pool(pin=False)
     c.close()
     monkeypatch.delenv("TORCHCKPT_SHARED_POOL")
