@@ -89,13 +89,25 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    bump. The setting also checks the chain's own account: the chain form never leaves the chain, the loose
 #    and break forms always do (``ChainStats.broken``). The chain form runs two steps on one installed chain,
 #    the others one; ``remove()`` runs when the setting is done (``ChainRun.close``, in a ``finally``).
+# 11. After its steps, every setting runs the program's forward once more and drops it without a backward (a dropped
+#    loss, evaluation with grad enabled, ``forward_only``): once the last strong reference is gone, every tensor
+#    it took or made (leaves, parameters, values) must be dead and the setting's store, if any, must hold no
+#    entry. A pack hook that returns what holds an op's output (tanh, GELU and softmax save their outputs) holds
+#    that op's ``grad_fn``: a cycle through C++ the collector never frees (NOTE [ Saved tensor identity ] Rule 5),
+#    which a backward would have broken. What the fuzzer's own hooks keep holds no graph either: the probes of
+#    Rules 3 and 9 keep nothing, and the reference hooks of Rule 4 hold a saved non-leaf ``detach()``ed, as the
+#    store does. A ``chain*`` setting checks with its chain still installed: the chain keeps nothing of a forward
+#    past the forward's graph. When the last step's backward raised, a trivial backward runs first: PyTorch keeps
+#    the nodes a failed backward left queued (and what they hold) until the next backward on that thread.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import random
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -214,6 +226,8 @@ class Plain:
 
 
 def _ref_pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    if t.grad_fn is not None or t._base is not None:  # Rule 11: hold no graph (same storage, counter and bits)
+        return t.detach(), t._version
     return t, t._version
 
 
@@ -275,10 +289,9 @@ class Parts:
     def call(self, fn: Callable[..., Any], *args: torch.Tensor) -> Any:
         n = 0
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> None:
             nonlocal n
-            n += 1
-            return t
+            n += 1  # nothing kept: a saved output would hold its grad_fn, and the probe's graph (Rule 11)
 
         devices = sorted({a.device.index or 0 for a in args if a.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -379,9 +392,8 @@ class ChainRun:
         counts = [0] * len(self.blocks)
         j_now = [0]
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            counts[j_now[0]] += 1
-            return t
+        def pack(t: torch.Tensor) -> None:
+            counts[j_now[0]] += 1  # nothing kept (Rule 11)
 
         def call(j: int, *args: torch.Tensor) -> Any:
             j_now[0] = j
@@ -487,9 +499,8 @@ def resolve(prog: Program, device: str = "cpu") -> frozenset[int]:
         leaves, params = build(prog, device)
         ctx = Ctx(prog, params, frozenset(clones), saved)
 
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            saved.append((t, t._version))
-            return t
+        def pack(t: torch.Tensor) -> None:
+            saved.append((t, t._version))  # the probe's own list; the graph keeps nothing (Rule 11)
 
         try:
             seed_all(prog.seed, device)
@@ -545,6 +556,56 @@ def run(prog: Program, layout: Layout, clones: frozenset[int], device: str = "cp
     return out
 
 
+def forward_only(prog: Program, layout: Layout, clones: frozenset[int], device: str = "cpu") -> list[tuple[str, Any]]:
+    """One forward of ``prog`` under ``layout``, not followed by a backward (NOTE [ Fuzzer semantics ] Rule 11).
+
+    Returns:
+        ``(name, weak reference)`` for every tensor the forward took or made: leaves and values as the program's
+        listing names them (``v3``), parameters as ``param_tensors`` does (``op2.w``). No strong reference is left
+        when it returns: every reference should be dead.
+    """
+    leaves, params = build(prog, device)
+    ctx = Ctx(prog, params, clones, None)
+    refs = [(f"v{i}", weakref.ref(t)) for i, t in enumerate(leaves)]
+    refs += [(n, weakref.ref(t)) for n, t in param_tensors(params)]
+    try:
+        seed_all(prog.seed, device)
+        vals = execute(prog, layout, leaves, ctx)
+    except Exception:  # noqa: BLE001 - the steps report the error; what the forward made must be freed all the same
+        vals = []
+    refs += [(f"v{j}", weakref.ref(v)) for j, v in enumerate(vals) if j >= len(leaves)]
+    if isinstance(layout[0], ChainRun):
+        for blk in layout[0].blocks:
+            blk.fn = None  # the segment's closure holds the interpreter's state, parameters included
+    return refs
+
+
+def leaks(refs: Sequence[tuple[str, Any]], store: torchckpt.Store | None) -> list[str]:
+    """What ``forward_only`` left alive (Rule 11), empty when nothing: tensors still reachable, and the store's live
+    entries. Cycles through Python are collected first (only when something is alive: a collection is slow); a
+    cycle through C++ (a packed value that holds the ``grad_fn`` that holds it) is not collectable."""
+    def held() -> bool:
+        return any(r() is not None for _, r in refs) or (store is not None and bool(store._live or store._entries))
+
+    if not held():
+        return []
+    gc.collect()
+    msgs = []
+    alive = [(n, t) for n, t in ((n, r()) for n, r in refs) if t is not None]
+    if alive:
+        named = [f"{n} ({type(t.grad_fn).__name__ if t.grad_fn is not None else 'leaf'} "
+                 f"{str(t.dtype).removeprefix('torch.')}{list(t.shape)})" for n, t in alive]
+        msgs.append(f"{len(alive)} of {len(refs)} tensors outlive it: {', '.join(named[:6])}"
+                    f"{f' (+{len(named) - 6} more)' if len(named) > 6 else ''}")
+    if store is not None and (store._live or store._entries):
+        msgs.append(f"the store still holds {len(store._entries)} entries ({store._live} live)")
+    return msgs
+
+
+def flush_failed_backward(device: str) -> None:
+    """Make PyTorch drop what a backward that raised left queued (Rule 11): the engine keeps the nodes still in
+    the thread's ready queue, and what they hold, until the next backward runs on that thread."""
+    (torch.ones((), device=device, requires_grad=True) * 1).backward()
 
 
 def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -553,7 +614,15 @@ def same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
         return a is None and b is None
     return (a.dtype == b.dtype and a.shape == b.shape
             and getattr(a, "_fz_flags", None) == getattr(b, "_fz_flags", None)
-            and torch.equal(bits(a), bits(b)))
+            and torch.equal(_raw(a), _raw(b)))
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    """``bits(t)``, without a copy when ``t`` is contiguous with no conj/neg bit (as ``_snap``'s copies mostly are)."""
+    if t.is_conj() or t.is_neg():
+        return bits(t)
+    flat = t.reshape(-1)
+    return flat.view(torch.uint8) if flat.stride(0) == 1 else bits(t)
 
 
 def _describe(a: torch.Tensor | None, b: torch.Tensor | None) -> str:
@@ -799,13 +868,18 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
         if plain.error is not None and isinstance(outer, ChainRun) and outer.has_parts:  # Rule 9
             continue
         try:
-            for step in range(steps if store is not None else getattr(outer, "steps", 1)):
+            n = steps if store is not None else getattr(outer, "steps", 1)
+            for step in range(n):
                 got = run(prog, layout, clones, device)
                 for d in compare(ref, got):
                     problems.append(f"{s!r} step {step + 1}: {d}")
                 if isinstance(outer, ChainRun):  # Rule 10: the chain's own account
                     problems += [f"{s!r} step {step + 1}: {note}" for note in outer.notes]
                     outer.notes.clear()
+            if got.error is not None and got.phase == "backward":
+                flush_failed_backward(device)
+            refs = forward_only(prog, layout, clones, device)  # Rule 11
+            problems += [f"{s!r} step {n + 1} (forward only): {d}" for d in leaks(refs, store)]
         finally:
             if isinstance(outer, ChainRun):
                 outer.close()

@@ -50,6 +50,12 @@ semantics ]):
   autograd raises "...modified by an inplace operation", the setting must raise that too
   (inside a Recompute block torch.utils.checkpoint recomputes and raises nothing; the twin
   says so). Batch norm's running statistics are not compared (Recompute updates them twice).
+- **Leaks** (NOTE [ Fuzzer semantics ] Rule 11). After its steps, every setting runs the forward once more
+  and drops it without a backward (a dropped loss, evaluation with grad enabled): every tensor that forward
+  took or made (leaves, parameters, every value) must be freed once the last reference is gone (weak
+  references; ``gc.collect()`` first if any is alive), and the setting's store must hold no entry. A pack hook that
+  keeps an op's output with its ``grad_fn`` makes a cycle through C++ that is never freed (NOTE [ Saved
+  tensor identity ] Rule 5); a backward would have broken it, so the steps alone never see it.
 
 Running longer (the GPU machine)::
 
@@ -81,7 +87,7 @@ import fuzz_programs as fz
 import torchckpt
 from fuzz_programs import Op, Program, Setting
 from torchckpt.codecs import Identity
-from torchckpt.store import chain, parts, selective
+from torchckpt.store import chain, identity, parts, selective
 
 EXAMPLES = int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500"))
 SEED = int(os.environ.get("TORCHCKPT_FUZZ_SEED", "0"))
@@ -129,6 +135,9 @@ KNOWN = [
     # operation", the chain raised nothing (and with a real write, v2.mul_(2), gave wrong gradients). Fixed by
     # NOTE [ Chain of blocks ] Rule 10; test_chain_bug_1_stays_fixed runs it under chain_break_alias.
     Program(ops=(Op("unary", 0, 0, 0), Op("slice", 0, 0, 0), Op("unary", 1, 0, 0), Op("unary", 1, 0, 1)), cuts=(1, 3)),
+    # tanh saves its output; under the min_bytes store it is kept by reference, and was held with its grad_fn: a
+    # forward not followed by a backward was never freed (NOTE [ Saved tensor identity ] Rule 5; Rule 11 here).
+    Program(ops=(Op("unary", 0, 0, 1),)),
 ]
 
 
@@ -189,6 +198,29 @@ def test_fuzzer_catches_a_missing_version_check(monkeypatch: pytest.MonkeyPatch)
     monkeypatch.setattr(torchckpt.Store, "unpack", lambda self, t: t)
     problems = fz.check(Program(ops=(Op("clobber", 0, 0, 0),)), settings=[Setting("ctx", "resident")])
     assert any("raised nothing where the reference raised" in p for p in problems), problems
+
+
+def test_fuzzer_catches_a_graph_held_by_a_kept_tensor(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor kept by reference held as the op's output itself, not detached (the bug NOTE [ Saved tensor
+    identity ] Rule 5 fixed): the forward run without a backward is never freed, reported for the settings that keep
+    tensors by reference (min_bytes keeps the small ones, off_some every other one) and no other; every value and
+    gradient still agrees."""
+    init = identity.Kept.__init__
+
+    def leaky_init(self, t):  # type: ignore[no-untyped-def]
+        init(self, t)
+        self.tensor = t  # the saved tensor itself: its grad_fn holds the packed value, which holds it
+
+    prog = Program(ops=(Op("unary", 0, 0, 1), Op("unary", 0, 0, 1)))  # tanh saves its output (96 bytes: small)
+    settings = [Setting("ctx", "min_bytes"), Setting("off_some", "evicted"), Setting("ctx", "evicted"),
+                Setting("rec"), Setting("keep")]
+    assert not fz.check(prog, settings=settings)
+    monkeypatch.setattr(identity.Kept, "__init__", leaky_init)
+    problems = fz.check(prog, settings=settings)
+    failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
+    assert failing == {"Setting('ctx', 'min_bytes')", "Setting('off_some', 'evicted')"}, problems
+    assert all(" step 4 (forward only): " in p for p in problems if p.startswith("Setting(")), problems
+    assert any("v2 (TanhBackward0 float32[4, 6])" in p for p in problems), problems
 
 
 def test_fuzzer_catches_a_lossy_codec_on_kept_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
