@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -86,3 +87,31 @@ def test_balloon_reporting_reads_the_virtio_feature_bits(tmp_path: object) -> No
     with open(os.path.join(root, "virtio1", "features"), "w") as f:
         f.write("0110000100000000\n")
     assert balloon_reporting(root) is False
+
+
+def test_help_exits_0_and_says_what_env_reports(capsys: pytest.CaptureFixture[str]) -> None:
+    for flag in ("--help", "-h"):
+        assert cli(["env", flag]) == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python -m torchckpt env\n") and "one line per capability" in out
+    assert cli(["env", "--bogus"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith("torchckpt: env takes no arguments, got '--bogus'")
+    r = subprocess.run([sys.executable, "-m", "torchckpt", "env", "--help"], capture_output=True, text=True, timeout=120,
+                       check=False)
+    assert r.returncode == 0 and "one line per capability" in r.stdout, r.stderr
+
+
+def test_a_pool_built_with_cuda_does_not_claim_to_pin_without_a_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchckpt.env as env
+
+    monkeypatch.setattr(env, "host_pool_can_register", lambda: True)
+    monkeypatch.setattr(env.torch.cuda, "is_available", lambda: False)
+    lines = {line.name: line for line in env.report()}
+    assert lines["CUDA"].value == "not available"
+    assert lines["lazily pinned host pool"].value == "built with CUDA, but cannot pin without a GPU (not used here)"
+    assert "(can pin)" not in lines["lazily pinned host pool"].value
+
+
+def test_sizes_take_their_unit() -> None:
+    assert re.fullmatch(r"\d+\.\d\d [KMGT]iB", value("available host memory"))
+    assert re.fullmatch(r"unlimited|\d+ B|\d+\.\d\d [KMGT]iB", value("locked-memory limit"))

@@ -217,7 +217,7 @@ def test_torch_checkpoint_options_in_the_call_form() -> None:
         torchckpt.checkpoint(f, x, preserve_rng_state=False, policy=Recompute())
 
 
-# -- checkpointed_loop, run_schedule and SnapshotStore (NOTE [ Adjoint executor ] Rule 6) --------
+# -- checkpointed_loop, run_schedule and SnapshotStore (each raises at the call: adjoint/args.py) --------
 def _loop(**kw: object) -> object:
     from torchckpt.schedules import Revolve
 
@@ -256,7 +256,7 @@ def test_checkpointed_loop_schedule_argument(schedule: object) -> None:
 
 
 def test_checkpointed_loop_schedule_none_says_what_to_pass() -> None:
-    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(schedule=None\).*schedule=torchckpt\.Auto\(\)"):
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpointed_loop\(schedule=None\).*schedule=torchckpt\.adjoint\.AutoSchedule\(\)"):
         _loop(schedule=None, store=cpu_store(1 << 20))
 
 
@@ -332,3 +332,53 @@ def test_snapshot_store_bad_construction(kw: dict, exc: type, match: str) -> Non
 def test_snapshot_store_cuda_without_cuda() -> None:
     with pytest.raises(ValueError, match=r"^torchckpt: SnapshotStore\(device='cuda'\) needs CUDA.*device='cpu'"):
         torchckpt.SnapshotStore("cuda", gpu_bytes=1 << 20)
+
+
+# -- checkpoint_chain and offload: what was found, and what to pass (issue 22 item 4) -------------------------------
+@pytest.mark.parametrize("policy,found", [("recompute", r"str 'recompute'"), (Recompute, r"the class Recompute")])
+def test_checkpoint_chain_policy_given_as_string_or_class(policy: object, found: str) -> None:
+    blocks = [nn.Linear(2, 2), nn.Linear(2, 2)]
+    with pytest.raises(TypeError, match=rf"^torchckpt: checkpoint_chain\(policy=\.\.\.\) takes Recompute\(\) .*got "
+                       rf"{found}; .*pass e\.g\. policy=torchckpt\.Recompute\(\)"):
+        torchckpt.checkpoint_chain(blocks, 1, policy=policy)  # type: ignore[arg-type]
+    assert all("forward" not in b.__dict__ for b in blocks)
+
+
+def test_checkpoint_chain_names_what_it_found() -> None:
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpoint_chain\(blocks, \.\.\.\) expects .*got the function tanh "
+                       r"at index 1; pass modules"):
+        torchckpt.checkpoint_chain([nn.Linear(2, 2), torch.tanh], 1)  # type: ignore[list-item]
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpoint_chain\(blocks, \.\.\.\) expects .*got the module Linear; "
+                       r"pass e\.g\. list\(model\.layers\)"):
+        torchckpt.checkpoint_chain(nn.Linear(2, 2), 1)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^torchckpt: checkpoint_chain\(snapshots=\.\.\.\) takes an int >= 1 .*got str "
+                       r"'2'; pass e\.g\. snapshots=4"):
+        torchckpt.checkpoint_chain([nn.Linear(2, 2), nn.Linear(2, 2)], "2")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("store,found,fix", [
+    (torchckpt.Store, r"the class Store", r"pass an instance, e\.g\. store=torchckpt\.Store\(gpu_bytes=\.\.\.\)"),
+    ("cuda", r"str 'cuda'", r"pass store=torchckpt\.Store\(gpu_bytes=\.\.\.\), or None for the default store"),
+])
+def test_offload_store_names_what_it_found(store: object, found: str, fix: str) -> None:
+    with pytest.raises(TypeError, match=rf"^torchckpt: offload\(store=\.\.\.\) expects a torchckpt\.Store or None, got "
+                       rf"{found}; {fix}\.$"):
+        torchckpt.offload(store)  # type: ignore[arg-type]
+
+
+def test_format_bytes_picks_the_unit() -> None:
+    from torchckpt._errors import format_bytes
+
+    assert [format_bytes(n) for n in (0, 512, 1023, 1024, 6144, 1509949, (1 << 20) - 1, 3 << 30, 5 << 40, -(3 << 20))] == [
+        "0 B", "512 B", "1023 B", "1.00 KiB", "6.00 KiB", "1.44 MiB", "1.00 MiB", "3.00 GiB", "5.00 TiB", "-3.00 MiB"]
+
+
+def test_format_bytes_apart_never_prints_two_values_alike() -> None:
+    from torchckpt._errors import format_bytes_apart
+
+    assert format_bytes_apart(1509949, 1509949) == ["1.44 MiB", "1.44 MiB"]  # equal values read equal
+    assert format_bytes_apart(1509949, 1509949 + 1000, 1 << 30) == ["1.440 MiB", "1.441 MiB", "1.00 GiB"]
+    assert format_bytes_apart(1509949, 1509950) == ["1509949 B", "1509950 B"]  # rounding cannot tell them apart
+    for a, b in [(1, 2), (1 << 20, (1 << 20) - 1), (5 << 30, (5 << 30) + 7), (1000, 1000.4)]:
+        x, y = format_bytes_apart(a, b)
+        assert (x == y) == (round(a) == round(b)), (a, b, x, y)

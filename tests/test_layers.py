@@ -28,7 +28,7 @@ ALLOWED: dict[str, set[str]] = {
     "adjoint": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "store", "distributed"},
     "policies": {"_errors", "codecs", "store"},
     "api": {"_errors", "_args", "policies", "schedules", "store"},
-    "planner": {"_errors", "_args", "api", "codecs", "policies", "schedules", "store"},
+    "planner": {"_errors", "_args", "api", "codecs", "memory", "policies", "schedules", "store"},
 }
 
 

@@ -9,7 +9,7 @@ import torchckpt
 
 
 def test_top_level_names_are_few_and_resolve() -> None:
-    assert len(torchckpt.__all__) <= 20, torchckpt.__all__  # about a dozen classes and functions, and 3 subpackages
+    assert len(torchckpt.__all__) <= 16, torchckpt.__all__  # the classes and functions a user starts from
     assert len(set(torchckpt.__all__)) == len(torchckpt.__all__)
     for name in torchckpt.__all__:
         assert getattr(torchckpt, name) is not None
@@ -26,3 +26,17 @@ def test_package_all_is_exact(pkg: str) -> None:
     # __init__ re-exports only: every public non-module name it holds is in __all__.
     exported = {n for n in vars(s) if not n.startswith("_") and not isinstance(getattr(s, n), type(s))}
     assert exported == set(s.__all__)
+
+
+@pytest.mark.parametrize("mod", ["torchckpt", "torchckpt.adjoint"])
+def test_auto_is_a_deprecated_alias_of_auto_schedule(mod: str) -> None:
+    """The adjoint's ``Auto`` is ``AutoSchedule`` now (``torchckpt.auto`` plans a model): the old name warns."""
+    from torchckpt.adjoint import AutoSchedule
+    with pytest.warns(FutureWarning, match="torchckpt.adjoint.AutoSchedule"):
+        assert getattr(importlib.import_module(mod), "Auto") is AutoSchedule
+    assert "Auto" not in torchckpt.__all__ and "AutoSchedule" in torchckpt.adjoint.__all__
+
+
+def test_subpackages_stay_attributes() -> None:
+    assert {torchckpt.codecs.__name__, torchckpt.planner.__name__, torchckpt.schedules.__name__} == {
+        "torchckpt.codecs", "torchckpt.planner", "torchckpt.schedules"}

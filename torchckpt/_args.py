@@ -5,7 +5,7 @@ Each raises at the call that received the value, naming it and what to pass (STY
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 _UNITS = {
     "": 1, "b": 1,
@@ -47,6 +47,53 @@ def parse_bytes(value: object, arg: str) -> int:
     if value < 0:
         raise ValueError(f"torchckpt: {arg} must be >= 0 bytes, got {value}.")
     return value
+
+
+def found(value: object) -> str:
+    """``value`` named for an error message's "got ...": a class, a function, a tensor by its shape, else its type
+    and a short repr.
+
+    Example::
+
+        >>> found(int), found(len), found("x" * 100)[:12]
+        ('the class int', 'the function len', "str 'xxxxxxx")
+    """
+    import inspect
+    import reprlib
+
+    import torch
+
+    if isinstance(value, type):
+        return f"the class {value.__qualname__}"
+    if inspect.isroutine(value):
+        name = getattr(value, "__name__" if inspect.isbuiltin(value) else "__qualname__", None)
+        return f"the function {name or repr(value)}"
+    if isinstance(value, torch.Tensor):
+        return f"a {type(value).__name__} of shape {tuple(value.shape)}"
+    if isinstance(value, torch.nn.Module):
+        return f"the module {type(value).__name__}"
+    if isinstance(value, Mapping):
+        return f"a {type(value).__name__} with keys {reprlib.repr(list(value))}"
+    return f"{type(value).__name__} {reprlib.repr(value)}"
+
+
+def check_module(where: str, value: object, fix: str) -> None:
+    """``value`` must be an ``nn.Module`` instance; ``fix`` says what to pass instead (a class is told to make one).
+
+    Example::
+
+        >>> check_module("plan(model, ...)", len, "pass the model")
+        Traceback (most recent call last):
+          ...
+        TypeError: torchckpt: plan(model, ...) expects an nn.Module, got the function len; pass the model.
+    """
+    from torch import nn
+
+    if isinstance(value, nn.Module):
+        return
+    if isinstance(value, type) and issubclass(value, nn.Module):
+        fix = f"pass an instance, e.g. {value.__name__}(...)"
+    raise TypeError(f"torchckpt: {where} expects an nn.Module, got {found(value)}; {fix}.")
 
 
 def check_flag(owner: str, name: str, value: object) -> None:

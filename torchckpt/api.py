@@ -43,10 +43,12 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 
+from torchckpt._args import found
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.schedules import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
 from torchckpt.store.chain import Chain, ChainStats
+from torchckpt.store.mutation import CallState, check_recomputed
 from torchckpt.store.parts import run_in_parts
 from torchckpt.store.selective import selective_contexts
 
@@ -105,8 +107,9 @@ def offload(store: Store | None = None, *, keep: Iterable[torch.Tensor] = ()) ->
         store = default_store()
     elif not isinstance(store, Store):
         raise TypeError(
-            f"torchckpt: offload(store=...) expects a torchckpt.Store or None, got {type(store).__name__}; "
-            "pass store=torchckpt.Store(gpu_bytes=...)."
+            f"torchckpt: offload(store=...) expects a torchckpt.Store or None, got {found(store)}; "
+            f"pass {'an instance, e.g. ' if store is Store else ''}store=torchckpt.Store(gpu_bytes=...)"
+            f"{', or None for the default store' if store is not Store else ''}."
         )
     return store.hooks(_check_keep("offload(keep=...)", keep))
 
@@ -215,25 +218,30 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     ctx: Any = contextlib.nullcontext()
     if policy.store is not None:
         ctx = policy.store.hooks(_module_tensors(module))
+    state = None if torch.compiler.is_compiling() else CallState.of(fn, args, kwargs)  # NOTE [ Mutating forwards ]
     with ctx:  # the inputs saved at the boundary go to the store
         if policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12
-            return run_in_parts(  # type: ignore[no-any-return]
+            out = run_in_parts(
                 fn, args, kwargs, cuts=policy.parts, save=policy.save, store=policy.store, codec=policy.codec,
                 preserve_rng_state=policy.preserve_rng_state, determinism_check=policy.determinism_check,
                 debug=policy.debug, keep=_module_tensors(module))
-        extra: dict[str, Any] = {}
-        if policy.save is not None:  # NOTE [ Selective recompute ]
-            extra["context_fn"] = functools.partial(selective_contexts, policy.save, policy.store, policy.codec)
-        return _torch_checkpoint(  # type: ignore[no-any-return]
-            fn,
-            *args,
-            use_reentrant=False,
-            preserve_rng_state=policy.preserve_rng_state,
-            determinism_check=policy.determinism_check,
-            debug=policy.debug,
-            **extra,
-            **kwargs,
-        )
+        else:
+            extra: dict[str, Any] = {}
+            if policy.save is not None:  # NOTE [ Selective recompute ]
+                extra["context_fn"] = functools.partial(selective_contexts, policy.save, policy.store, policy.codec)
+            out = _torch_checkpoint(
+                fn,
+                *args,
+                use_reentrant=False,
+                preserve_rng_state=policy.preserve_rng_state,
+                determinism_check=policy.determinism_check,
+                debug=policy.debug,
+                **extra,
+                **kwargs,
+            )
+    if state is not None:  # Rule 2: raises on a change
+        check_recomputed(state, out, policy, module if module is not None else fn)
+    return out  # type: ignore[no-any-return]
 
 
 def _unwrapped(forward: Callable[..., Any]) -> Callable[..., Any]:
@@ -428,12 +436,20 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
         >>> chain.remove()
     """
     mods = list(blocks) if isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)) else None
-    if mods is None or not mods or not all(isinstance(m, nn.Module) for m in mods):
+    if mods is None or not mods:
         raise TypeError(f"torchckpt: checkpoint_chain(blocks, ...) expects a non-empty list of nn.Module blocks in "
-                        f"forward order, got {type(blocks).__name__}; pass e.g. list(model.layers).")
+                        f"forward order, got {found(blocks)}; pass e.g. list(model.layers).")
+    bad = next((k for k, m in enumerate(mods) if not isinstance(m, nn.Module)), None)
+    if bad is not None:
+        raise TypeError(f"torchckpt: checkpoint_chain(blocks, ...) expects a non-empty list of nn.Module blocks in "
+                        f"forward order, got {found(mods[bad])} at index {bad}; pass modules, e.g. list(model.layers) "
+                        "(a function can be wrapped in a module, or checkpointed alone with torchckpt.checkpoint(fn, ...)).")
     if len({id(m) for m in mods}) != len(mods):
         raise ValueError("torchckpt: checkpoint_chain(blocks, ...) got a module twice; a chain runs each block once a "
                          "step: pass each block once.")
+    if isinstance(policy, (str, type)):
+        raise TypeError(f"torchckpt: checkpoint_chain(policy=...) takes Recompute() without a store, or one per block, "
+                        f"got {found(policy)}; policies are values: pass e.g. policy=torchckpt.Recompute().")
     policies = list(policy) if isinstance(policy, Sequence) else [policy if policy is not None else Recompute()] * len(mods)
     if len(policies) != len(mods):
         raise ValueError(f"torchckpt: checkpoint_chain got {len(mods)} blocks and {len(policies)} policies; pass one "
@@ -447,9 +463,12 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
         if isinstance(m.__dict__.get("forward"), _InstanceForward):
             raise ValueError(f"torchckpt: block {k} of checkpoint_chain is already checkpointed "
                              f"({m.__dict__['forward']!r}); remove that first (ChainCheckpoint.remove(), Applied.remove()).")
-    if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int) or snapshots < 1):
+    if snapshots is not None and (isinstance(snapshots, bool) or not isinstance(snapshots, int)):
+        raise TypeError(f"torchckpt: checkpoint_chain(snapshots=...) takes an int >= 1 (block inputs kept, block 0's "
+                        f"included), got {found(snapshots)}; pass e.g. snapshots=4.")
+    if snapshots is not None and snapshots < 1:
         raise ValueError(f"torchckpt: checkpoint_chain(snapshots=...) takes an int >= 1 (block inputs kept, block 0's "
-                         f"included), got {snapshots!r}.")
+                         f"included), got {snapshots!r}; pass e.g. snapshots=4.")
     chain = Chain(len(mods), snapshots, schedule, store)
     undo: list[Any] = []
     for k, (m, p) in enumerate(zip(mods, policies)):

@@ -26,6 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import torchckpt
+from torchckpt._errors import format_bytes
 from torchckpt.codecs import TritonQuant
 
 
@@ -243,7 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     gpu_bytes = (1 << 30) if cuda else (2 << 20)
     where = torch.cuda.get_device_name(dev) if cuda else "CPU (the store's two tiers simulated with CPU tensors)"
     print(f"torchckpt {torchckpt.__version__} demo on {where}")
-    print(f"model: {nl} blocks, d={d}, heads={h}, seq={s}, batch={b}, {dtype}; GPU cache {gpu_bytes / 2**20:.0f} MiB; "
+    print(f"model: {nl} blocks, d={d}, heads={h}, seq={s}, batch={b}, {dtype}; GPU cache {format_bytes(gpu_bytes)}; "
           f"{args.steps} timed steps per mode, interleaved round-robin after {WARMUP} warm-up rounds"
           f"{'' if cuda else '; 1 CPU thread'}\n")
     runs: list[_Run] = []

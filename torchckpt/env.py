@@ -17,11 +17,21 @@ import dataclasses
 import os
 import platform
 import resource
+import sys
 
 import torch
 
 import torchckpt
+from torchckpt._errors import format_bytes
 from torchckpt._native import host_pool_available, host_pool_can_register, native_available, native_error
+
+HELP = """usage: python -m torchckpt env
+
+What torchckpt can use on this machine, one line per capability: CUDA and its devices, the native extension
+torchckpt._C, the lazily pinned host pool and the pool the stores make by default, the node registration lock,
+transparent huge pages, the locked-memory limit, whether freed memory goes back to a VM host, the available host
+memory, the VMM device arena and the codecs' GPU kernels (TritonQuant, Bitcomp, ZFP). Where one is missing, the
+line below it says what to do. Takes no options."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,7 +81,7 @@ def balloon_reporting(root: str = "/sys/bus/virtio/devices") -> bool | None:
 
 def _memlock() -> str:
     soft, _ = resource.getrlimit(resource.RLIMIT_MEMLOCK)
-    return "unlimited" if soft == resource.RLIM_INFINITY else f"{soft / (1 << 20):.0f} MiB"
+    return "unlimited" if soft == resource.RLIM_INFINITY else format_bytes(soft)
 
 
 def report() -> list[Line]:
@@ -97,7 +107,7 @@ def report() -> list[Line]:
         out.append(Line("native extension torchckpt._C", f"not loaded ({native_error()})",
                         "pip install --no-build-isolation -e . with torch installed first (pure-Python paths still work)"))
     if host_pool_can_register():
-        pool = "built with CUDA (can pin)"
+        pool = "built with CUDA (can pin)" if cuda else "built with CUDA, but cannot pin without a GPU (not used here)"
     elif host_pool_available():
         pool = "built without CUDA (cannot pin)"
     else:
@@ -127,7 +137,7 @@ def report() -> list[Line]:
                                                              True: "yes (virtio-balloon free page reporting)"}[rep],
                     "a pool made a few seconds after memory was freed touches several times slower; keep pools "
                     "alive rather than re-creating them" if rep else ""))
-    out.append(Line("available host memory", f"{available_memory_bytes() / (1 << 30):.1f} GiB"))
+    out.append(Line("available host memory", format_bytes(available_memory_bytes())))
     arena = device_arena.unavailable_reason() if cuda else "no CUDA device"
     out.append(Line("VMM device arena", "available" if arena is None else f"not available ({arena})"))
     triton = TritonQuant().unavailable_reason()
@@ -141,9 +151,14 @@ def report() -> list[Line]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print :func:`report`; exit status 0."""
+    """Print :func:`report` (``--help``: what it reports); exit status 0, or 2 for an argument (it takes none)."""
+    if argv in (["-h"], ["--help"]):
+        print(HELP)
+        return 0
     if argv:
-        print("usage: python -m torchckpt env")
+        print("usage: python -m torchckpt env", file=sys.stderr)
+        print(f"torchckpt: env takes no arguments, got {' '.join(argv)!r}; pass `python -m torchckpt env` "
+              "(`--help` says what it reports)", file=sys.stderr)
         return 2
     lines = report()
     width = max(len(line.name) for line in lines)

@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten
 import torchckpt
 from ckpt_models import small_pool
 from torchckpt import CheckpointError, SnapshotStore, Store, checkpointed_loop, run_schedule
-from torchckpt.adjoint import Auto, auto_schedule
+from torchckpt.adjoint import AutoSchedule, auto_schedule
 from torchckpt.store import SnapshotStats
 from torchckpt.schedules import (
     Adjoint, Free, Multistage, Prefetch, Restore, Revolve, Save, Schedule, Tier, Uniform, ZCut, simulate,
@@ -43,9 +43,9 @@ def host_in_use(pool: torchckpt.memory.HostPool) -> int:
 def make_schedule(name: str, n: int, state_bytes: int, slots: int) -> tuple[Schedule | str, Store]:
     """A schedule for ``n`` steps and the store to run it with."""
     if name == "auto":  # room on the GPU tier for everything: Revolve(n, n, GPU)
-        return Auto(), cpu_store()
+        return AutoSchedule(), cpu_store()
     if name == "auto-host":  # one GPU snapshot beyond the cache slots: Multistage over GPU and host
-        return Auto(), cpu_store(gpu_bytes=(slots + 1) * state_bytes)
+        return AutoSchedule(), cpu_store(gpu_bytes=(slots + 1) * state_bytes)
     sched: Schedule = {
         "revolve-gpu": lambda: Revolve(n, min(3, n)),
         "revolve-host": lambda: Revolve(n, min(3, n), tier=Tier.HOST),
@@ -282,7 +282,7 @@ def test_host_snapshots_released(mode: str) -> None:
 
 
 def test_default_store_and_auto_schedule() -> None:
-    """store=None uses the default CPU store; schedule=Auto() is the default."""
+    """store=None uses the default CPU store; schedule=AutoSchedule() is the default."""
     x0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
     step = torch.tanh
     ref = unrolled(step, x0, 7)
@@ -293,7 +293,7 @@ def test_default_store_and_auto_schedule() -> None:
     assert torch.equal(g, g_ref)
 
 
-@pytest.mark.parametrize("schedule", [Revolve(13, 3, tier=Tier.HOST), Auto()])
+@pytest.mark.parametrize("schedule", [Revolve(13, 3, tier=Tier.HOST), AutoSchedule()])
 def test_loop_takes_a_snapshot_store_and_leaves_it_open(schedule: object) -> None:
     """checkpointed_loop(store=SnapshotStore(...)): the caller's store is used as it is, keeps no snapshot
     afterwards and serves the next loop; gradients equal the unrolled loop's."""
@@ -316,22 +316,22 @@ def test_loop_takes_a_snapshot_store_and_leaves_it_open(schedule: object) -> Non
     snaps.close()
 
 
-@pytest.mark.parametrize("old,new", [("auto", Auto()), (Revolve, Auto()), (Uniform, Auto(kind=Uniform))])
-def test_auto_shorthands_warn_and_mean_auto(old: object, new: Auto) -> None:
-    """The string "auto" and the classes Revolve/Uniform still work, as Auto values, with a DeprecationWarning."""
+@pytest.mark.parametrize("old,new", [("auto", AutoSchedule()), (Revolve, AutoSchedule()), (Uniform, AutoSchedule(kind=Uniform))])
+def test_auto_shorthands_warn_and_mean_auto(old: object, new: AutoSchedule) -> None:
+    """The string "auto" and the classes Revolve/Uniform still work, as AutoSchedule values, with a DeprecationWarning."""
     x0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
-    with pytest.warns(DeprecationWarning, match="torchckpt.Auto"):
+    with pytest.warns(DeprecationWarning, match="torchckpt.adjoint.AutoSchedule"):
         a = checkpointed_loop(torch.tanh, x0, 9, schedule=old, store=cpu_store())  # type: ignore[arg-type]
     b = checkpointed_loop(torch.tanh, x0, 9, schedule=new, store=cpu_store())
     assert torch.equal(torch.autograd.grad(a.sum(), x0)[0], torch.autograd.grad(b.sum(), x0)[0])
 
 
 def test_auto_is_a_value() -> None:
-    assert Auto() == Auto(kind=Revolve, margin=0.25) and hash(Auto()) == hash(Auto())
-    with pytest.raises(TypeError, match="^torchckpt: Auto\\(kind=...\\) takes Revolve or Uniform"):
-        Auto(kind=int)  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="^torchckpt: Auto\\(margin=...\\)"):
-        Auto(margin=-1)
+    assert AutoSchedule() == AutoSchedule(kind=Revolve, margin=0.25) and hash(AutoSchedule()) == hash(AutoSchedule())
+    with pytest.raises(TypeError, match="^torchckpt: AutoSchedule\\(kind=...\\) takes Revolve or Uniform"):
+        AutoSchedule(kind=int)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="^torchckpt: AutoSchedule\\(margin=...\\)"):
+        AutoSchedule(margin=-1)
 
 
 # -- checkpointed_loop: bad arguments ---------------------------------------------------------

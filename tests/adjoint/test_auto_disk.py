@@ -1,4 +1,4 @@
-"""``Auto`` over GPU, host and disk (NOTE [ Auto schedule ]), ranked by bandwidth (NOTE [ Tier bandwidths ]), on the CPU.
+"""``AutoSchedule`` over GPU, host and disk (NOTE [ Auto schedule ]), ranked by bandwidth (NOTE [ Tier bandwidths ]), on the CPU.
 
 Schedules are checked by ``simulate``; loops against the plain unrolled loop, bit for bit.
 """
@@ -13,7 +13,7 @@ import torch
 
 import torchckpt
 from torchckpt import CheckpointError, SnapshotStore, checkpointed_loop
-from torchckpt.adjoint import Auto, auto_schedule
+from torchckpt.adjoint import AutoSchedule, auto_schedule
 from torchckpt.adjoint import auto as auto_mod
 from torchckpt.memory import DiskTier, HostPool, bandwidth
 from torchckpt.schedules import Multistage, Tier, optimal_forward_steps, simulate
@@ -97,20 +97,20 @@ def test_tiers_ranked_by_bandwidth(bw: Any, ranking: tuple[Tier, ...]) -> None:
 def test_bad_bandwidths(bad: Any) -> None:
     with pytest.raises(ValueError, match=r"^torchckpt: auto_schedule\(bandwidths=...\) must map"):
         auto_schedule(10, B, 0, B, disk_bytes=B, bandwidths=bad)
-    with pytest.raises(ValueError, match=r"^torchckpt: Auto\(bandwidths=...\) must map"):
-        Auto(bandwidths=bad)
+    with pytest.raises(ValueError, match=r"^torchckpt: AutoSchedule\(bandwidths=...\) must map"):
+        AutoSchedule(bandwidths=bad)
 
 
 def test_auto_value() -> None:
     bw = {Tier.HOST: 3e9, Tier.DISK: 1e9}
-    a = Auto(disk_bytes=10, bandwidths=bw)
-    assert a == Auto(disk_bytes=10, bandwidths=dict(bw)) and hash(a) == hash(Auto(disk_bytes=10))
-    assert a != Auto(disk_bytes=10, bandwidths={Tier.HOST: 1e9, Tier.DISK: 3e9})
+    a = AutoSchedule(disk_bytes=10, bandwidths=bw)
+    assert a == AutoSchedule(disk_bytes=10, bandwidths=dict(bw)) and hash(a) == hash(AutoSchedule(disk_bytes=10))
+    assert a != AutoSchedule(disk_bytes=10, bandwidths={Tier.HOST: 1e9, Tier.DISK: 3e9})
     bw[Tier.DISK] = 9e9  # the caller's dict is copied
     assert a.bandwidths is not None and a.bandwidths[Tier.DISK] == 1e9
     for bad in (-1, 1.5, True):
-        with pytest.raises(ValueError, match=r"^torchckpt: Auto\(disk_bytes=...\)"):
-            Auto(disk_bytes=bad)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=r"^torchckpt: AutoSchedule\(disk_bytes=...\)"):
+            AutoSchedule(disk_bytes=bad)  # type: ignore[arg-type]
 
 
 # -- measured bandwidths (NOTE [ Tier bandwidths ]) --------------------------------------------------
@@ -187,7 +187,7 @@ def test_loop_with_auto_over_a_disk_tier_is_bit_exact(tmp_path: Any, monkeypatch
     step, w, x0 = loop_case()
     pool = HostPool(capacity_bytes=1 << 20, chunk_bytes=1 << 20, pin=False)  # 4 snapshots
     with SnapshotStore("cpu", slots=2, host=pool, disk=tmp_path) as snaps:
-        out = checkpointed_loop(step, x0, n, schedule=Auto(bandwidths=given), store=snaps, slots=2)
+        out = checkpointed_loop(step, x0, n, schedule=AutoSchedule(bandwidths=given), store=snaps, slots=2)
         (s,) = picked
         # Two host snapshots, two blocks' room for disk snapshots in flight (NOTE [ Auto schedule ] Rule 2).
         assert isinstance(s, Multistage) and (s.gpu_slots, s.host_slots, s.disk_slots) == (0, 2, n - 3)
@@ -205,13 +205,13 @@ def test_loop_with_auto_over_a_disk_tier_is_bit_exact(tmp_path: Any, monkeypatch
 
 @pytest.mark.filterwarnings(IN_FLIGHT)
 def test_loop_with_a_training_store_lends_its_disk(tmp_path: Any) -> None:
-    """A ``Store(disk=...)`` lends its disk tier to the loop's snapshot store; ``Auto`` uses it."""
+    """A ``Store(disk=...)`` lends its disk tier to the loop's snapshot store; ``AutoSchedule`` uses it."""
     n = 30
     ref, g_ref = plain_grads(n)
     step, w, x0 = loop_case()
     pool = HostPool(capacity_bytes=1 << 20, chunk_bytes=1 << 20, pin=False)
     store = torchckpt.Store("cpu", gpu_bytes=0, host=pool, disk=tmp_path)
-    out = checkpointed_loop(step, x0, n, schedule=Auto(bandwidths={Tier.HOST: 2e9, Tier.DISK: 1e9}), store=store,
+    out = checkpointed_loop(step, x0, n, schedule=AutoSchedule(bandwidths={Tier.HOST: 2e9, Tier.DISK: 1e9}), store=store,
                             slots=1)
     got = torch.autograd.grad(out.square().sum(), [w, x0])
     assert all(torch.equal(a, b) for a, b in zip(got, g_ref))
@@ -228,9 +228,9 @@ def test_auto_disk_bytes_zero_keeps_off_the_disk(tmp_path: Any) -> None:
     step, w, x0 = loop_case()
     pool = HostPool(capacity_bytes=1 << 20, chunk_bytes=1 << 20, pin=False)
     with SnapshotStore("cpu", slots=2, host=pool, disk=tmp_path) as snaps:
-        s = Auto(disk_bytes=0).resolve(n, SNAP, 0, pool.capacity_bytes, 2, disk=snaps.disk, host=pool)
+        s = AutoSchedule(disk_bytes=0).resolve(n, SNAP, 0, pool.capacity_bytes, 2, disk=snaps.disk, host=pool)
         assert s == Multistage(n, 0, 4)
-        out = checkpointed_loop(step, x0, n, schedule=Auto(disk_bytes=0), store=snaps, slots=2)
+        out = checkpointed_loop(step, x0, n, schedule=AutoSchedule(disk_bytes=0), store=snaps, slots=2)
         got = torch.autograd.grad(out.square().sum(), [w, x0])
         assert all(torch.equal(a, b) for a, b in zip(got, g_ref))
         assert snaps.stats().disk.writes == 0  # type: ignore[union-attr]
@@ -239,13 +239,13 @@ def test_auto_disk_bytes_zero_keeps_off_the_disk(tmp_path: Any) -> None:
 def test_auto_default_disk_budget_is_half_the_free_space(tmp_path: Any) -> None:
     free = shutil.disk_usage(tmp_path).free
     with DiskTier(tmp_path, direct=False) as tier:
-        s = Auto(bandwidths={Tier.HOST: 2.0, Tier.DISK: 1.0}).resolve(
+        s = AutoSchedule(bandwidths={Tier.HOST: 2.0, Tier.DISK: 1.0}).resolve(
             10, free // 4, gpu_bytes=0, host_bytes=0, slots=1, disk=tier)
     assert isinstance(s, Multistage) and s.disk_slots in (1, 2, 3)  # half the free space: about 2 snapshots
 
 
 def test_no_disk_tier_no_disk_slots(tmp_path: Any) -> None:
-    a = Auto(disk_bytes=1 << 30, bandwidths={Tier.HOST: 2.0, Tier.DISK: 1.0})
+    a = AutoSchedule(disk_bytes=1 << 30, bandwidths={Tier.HOST: 2.0, Tier.DISK: 1.0})
     assert a.resolve(100, B, 0, 3 * B, 1) == Multistage(100, 0, 3)  # no tier: the budget is not spent
     tier = DiskTier(tmp_path, direct=False)
     assert a.resolve(100, B, 0, 3 * B, 1, disk=tier).disk_slots > 0  # type: ignore[attr-defined]

@@ -14,7 +14,7 @@ for bit against the plain unrolled loop (NOTE [ Checkpointed loop ] Rule 4).
   its old value, its old value driven by an ``x`` leaf, the old value itself, or a pool value as it is (a view of
   ``xs[k]``, a captured tensor); each ``y`` leaf is a pool value as it is (a copy where it would be one tensor at
   every step: see the xfail tests at the end).
-- **Schedules and stores.** ``Auto()`` (Revolve or Uniform), ``Revolve``/``Uniform(n, s)`` with s in 1..n on the
+- **Schedules and stores.** ``AutoSchedule()`` (Revolve or Uniform), ``Revolve``/``Uniform(n, s)`` with s in 1..n on the
   GPU or host tier, ``ZCut`` (segment chosen or drawn), ``Multistage``; a ``Store("cpu", ...)`` (GPU budget
   default, 0 or a few hundred bytes; sometimes ``codec=Identity()``) or a ``SnapshotStore("cpu", slots=k)`` or
   ``SnapshotStore("cpu", gpu_bytes=...)`` (sometimes with ``Identity()``); ``slots``, ``prefetch``; now and then a
@@ -50,7 +50,8 @@ from hypothesis import strategies as st
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ckpt_models import small_pool
-from torchckpt import Auto, SnapshotStore, Store, checkpointed_scan
+from torchckpt import SnapshotStore, Store, checkpointed_scan
+from torchckpt.adjoint import AutoSchedule
 from torchckpt.codecs import Identity
 from torchckpt.schedules import Multistage, Revolve, Tier, Uniform, ZCut
 
@@ -350,9 +351,9 @@ def make_schedule(case: Case) -> Any:
     n, s = case.length, case.schedule
     tier = {"gpu": Tier.GPU, "host": Tier.HOST}
     if s[0] == "auto":
-        return Auto()
+        return AutoSchedule()
     if s[0] == "auto_uniform":
-        return Auto(kind=Uniform)
+        return AutoSchedule(kind=Uniform)
     if s[0] == "revolve":
         return Revolve(n, s[1], tier=tier[s[2]])
     if s[0] == "uniform":

@@ -8,7 +8,7 @@ import torch
 
 import torchckpt
 from ckpt_models import Echo
-from torchckpt.adjoint import Auto, checkpointed_loop, run_schedule
+from torchckpt.adjoint import AutoSchedule, checkpointed_loop, run_schedule
 from torchckpt.codecs import Identity, Packed, TritonQuant
 from torchckpt.schedules import Revolve, Tier
 from torchckpt.memory import HostPool
@@ -345,7 +345,7 @@ def test_uniform_sized_by_the_budget_uses_the_room_a_codec_makes() -> None:
     gx = x0.grad.clone()
     x0.grad = None
     store = Store("cpu", gpu_bytes=8 * 2048 * 4, min_bytes=0, host=_pool(), codec=Identity())
-    checkpointed_loop(step, x0, 25, schedule=Auto(kind=Uniform), params=[w], store=store).sum().backward()
+    checkpointed_loop(step, x0, 25, schedule=AutoSchedule(kind=Uniform), params=[w], store=store).sum().backward()
     assert torch.equal(x0.grad, gx)
     from torchckpt.schedules import ZCut
 
@@ -366,7 +366,7 @@ class _CountingQuant(TritonQuant):
 
 
 def test_checkpointed_loop_compresses_the_first_state_once() -> None:
-    """Auto's estimate, the snapshot store's slot sizing and the first Save share one compression."""
+    """AutoSchedule's estimate, the snapshot store's slot sizing and the first Save share one compression."""
     torch.manual_seed(6)
     x0 = torch.randn(4096, requires_grad=True)
     codec = _CountingQuant()
@@ -375,7 +375,7 @@ def test_checkpointed_loop_compresses_the_first_state_once() -> None:
     ref_store = Store("cpu", min_bytes=0, host=_pool(), codec=ref_codec, gpu_bytes=40 * 4096 * 4)
     xs = [x0.detach().clone().requires_grad_() for _ in range(2)]  # alive throughout: their memory is theirs
     for x, s in zip(xs, (store, ref_store)):
-        checkpointed_loop(torch.tanh, x, 30, schedule=Auto(), store=s).sum().backward()
+        checkpointed_loop(torch.tanh, x, 30, schedule=AutoSchedule(), store=s).sum().backward()
     assert codec.calls.get(xs[0].data_ptr()) == 1, codec.calls  # estimate, slot sizing and Save(0): one compression
     assert torch.equal(xs[0].grad, xs[1].grad)  # the same gradients as a codec that does not count
 

@@ -1,9 +1,9 @@
-"""``Auto``: a schedule sized from a store's budgets, decided when the loop starts.
+"""``AutoSchedule``: a schedule sized from a store's budgets, decided when the loop starts.
 
 # NOTE [ Auto schedule ]
 # 1. Snapshots the budgets hold: GPU ones what the GPU budget holds beyond the ``slots``
 #    cache slots, host ones what the host pool's cap holds, disk ones (with a disk tier:
-#    ``Store(disk=...)`` / ``SnapshotStore(disk=...)``) what ``Auto(disk_bytes=...)`` holds,
+#    ``Store(disk=...)`` / ``SnapshotStore(disk=...)``) what ``AutoSchedule(disk_bytes=...)`` holds,
 #    by default half the free space of the tier's file system when the loop starts. With a
 #    codec a snapshot counts at its compressed size plus ``margin``.
 # 2. Revolve over the GPU alone when it holds every step; else Revolve over GPU and host
@@ -17,13 +17,13 @@
 #    F(n, gpu + host' + disk), fewer than Revolve over GPU and host alone (NOTE [ Binomial
 #    reversal ]).
 # 3. The tiers are ranked by bandwidth (NOTE [ Multi-tier Revolve ] Rule 4: the busiest slots
-#    on the fastest tier): ``Auto(bandwidths=...)`` if given, else measured the first time the
+#    on the fastest tier): ``AutoSchedule(bandwidths=...)`` if given, else measured the first time the
 #    disk is needed, once per process (NOTE [ Tier bandwidths ], memory/bandwidth.py). Ties, and
 #    no rates at all (``auto_schedule`` without ``bandwidths``), rank host above disk.
 # 4. ``kind=Uniform`` sizes one tier, GPU or host, whichever holds more; it never uses the disk.
 # 5. Known gap: the disk slots are used whenever GPU and host are short; whether a disk round
-#    trip beats recomputing the steps it saves (it needs the step's time, which ``Auto`` does not
-#    know) is not weighed. On a slow disk, pass ``Auto(disk_bytes=0)`` or a smaller budget.
+#    trip beats recomputing the steps it saves (it needs the step's time, which ``AutoSchedule`` does not
+#    know) is not weighed. On a slow disk, pass ``AutoSchedule(disk_bytes=0)`` or a smaller budget.
 """
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ from torchckpt.memory.bandwidth import tier_bandwidths
 from torchckpt.schedules import Multistage, Revolve, Tier, Uniform
 from torchckpt.schedules.schedule import Schedule
 
-__all__ = ["Auto", "auto_schedule"]
+__all__ = ["AutoSchedule", "auto_schedule"]
 
 
 def _check_bandwidths(where: str, bw: object) -> Mapping[Tier, float] | None:
@@ -57,8 +57,8 @@ def _check_bandwidths(where: str, bw: object) -> Mapping[Tier, float] | None:
 
 
 @dataclass(frozen=True)
-class Auto:
-    """``checkpointed_loop(schedule=Auto())``: size the schedule from the store's budgets (NOTE [ Auto schedule ]).
+class AutoSchedule:
+    """``checkpointed_loop(schedule=AutoSchedule())``: size the schedule from the store's budgets (NOTE [ Auto schedule ]).
 
     Revolve (or ``Uniform`` with ``kind=Uniform``) over as many snapshots as the store's GPU
     budget (beyond the cache slots) and host pool hold (``auto_schedule``); with a disk tier
@@ -78,9 +78,9 @@ class Auto:
 
     Example::
 
-        >>> Auto().resolve(100, snapshot_bytes=1 << 20, gpu_bytes=8 << 20, host_bytes=0, slots=4)
+        >>> AutoSchedule().resolve(100, snapshot_bytes=1 << 20, gpu_bytes=8 << 20, host_bytes=0, slots=4)
         Revolve(n_steps=100, snapshots=4, tier=Tier.GPU)
-        >>> Auto(bandwidths={Tier.HOST: 20e9, Tier.DISK: 2e9}).resolve(
+        >>> AutoSchedule(bandwidths={Tier.HOST: 20e9, Tier.DISK: 2e9}).resolve(
         ...     100, 1 << 20, gpu_bytes=6 << 20, host_bytes=6 << 20, slots=4, disk_bytes=10 << 20).capacity
         {Tier.GPU: 2, Tier.HOST: 2, Tier.DISK: 10}
     """
@@ -92,14 +92,14 @@ class Auto:
 
     def __post_init__(self) -> None:
         if self.kind not in (Revolve, Uniform):
-            raise TypeError(f"torchckpt: Auto(kind=...) takes Revolve or Uniform, got {self.kind!r}.")
+            raise TypeError(f"torchckpt: AutoSchedule(kind=...) takes Revolve or Uniform, got {self.kind!r}.")
         if not isinstance(self.margin, (int, float)) or isinstance(self.margin, bool) or not self.margin >= 0:
-            raise ValueError(f"torchckpt: Auto(margin=...) must be a number >= 0, got {self.margin!r}; e.g. margin=0.25.")
+            raise ValueError(f"torchckpt: AutoSchedule(margin=...) must be a number >= 0, got {self.margin!r}; e.g. margin=0.25.")
         if self.disk_bytes is not None and (not isinstance(self.disk_bytes, int) or isinstance(self.disk_bytes, bool)
                                             or self.disk_bytes < 0):
-            raise ValueError(f"torchckpt: Auto(disk_bytes=...) must be an int >= 0 (bytes) or None, got "
+            raise ValueError(f"torchckpt: AutoSchedule(disk_bytes=...) must be an int >= 0 (bytes) or None, got "
                              f"{self.disk_bytes!r}; pass e.g. disk_bytes=100 << 30, or None for half the free space.")
-        object.__setattr__(self, "bandwidths", _check_bandwidths("Auto", self.bandwidths))
+        object.__setattr__(self, "bandwidths", _check_bandwidths("AutoSchedule", self.bandwidths))
 
     def snapshot_bytes(self, flat: list[torch.Tensor], codec: Codec | None) -> int:
         """Bytes one snapshot of ``flat`` takes: as it is, or compressed by ``codec`` plus ``margin``."""
@@ -120,9 +120,9 @@ class Auto:
 
         Args:
             n_steps, snapshot_bytes, gpu_bytes, host_bytes, slots: as for ``auto_schedule``.
-            disk: the store's disk tier (``None``, or closed: no disk, whatever ``Auto(disk_bytes=...)`` says).
+            disk: the store's disk tier (``None``, or closed: no disk, whatever ``AutoSchedule(disk_bytes=...)`` says).
             host, device: the store's host pool and device, for measuring the host link (Rule 3).
-            disk_bytes: the disk budget, overriding ``Auto(disk_bytes=...)`` and the tier's free space.
+            disk_bytes: the disk budget, overriding ``AutoSchedule(disk_bytes=...)`` and the tier's free space.
 
         Returns:
             A schedule.
@@ -132,7 +132,7 @@ class Auto:
         if disk_bytes is not None:
             room = disk_bytes
         elif disk is None:
-            room = 0  # no tier: Auto(disk_bytes=...) has nothing to spend
+            room = 0  # no tier: AutoSchedule(disk_bytes=...) has nothing to spend
         else:
             room = self.disk_bytes if self.disk_bytes is not None else shutil.disk_usage(disk.root).free // 2
         bw = self.bandwidths
@@ -168,14 +168,14 @@ def _disk_slots(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: i
 def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: int, slots: int = 4,
                   kind: type[Revolve] | type[Uniform] = Revolve, disk_bytes: int = 0,
                   bandwidths: Mapping[Tier, float] | None = None) -> Schedule:
-    """The schedule ``Auto`` picks: Revolve over as many snapshots as the budgets hold (NOTE [ Auto schedule ]).
+    """The schedule ``AutoSchedule`` picks: Revolve over as many snapshots as the budgets hold (NOTE [ Auto schedule ]).
 
     GPU snapshots get what the GPU budget holds beyond ``slots`` cache slots; host snapshots
     what the host budget holds; disk snapshots, only when those two hold fewer than
     ``n_steps - 1``, what closes the gap and ``disk_bytes`` holds (the host then keeps
     ``slots`` snapshots' worth free for disk snapshots in flight). With room for every step on
     the GPU nothing is recomputed. ``kind=Uniform`` sizes a ``Uniform`` schedule instead
-    (``Auto(kind=Uniform)``): as many snapshots as the tier with more room holds (GPUZIP:
+    (``AutoSchedule(kind=Uniform)``): as many snapshots as the tier with more room holds (GPUZIP:
     Uniform gains from more snapshots), GPU or host.
 
     Args:

@@ -63,7 +63,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchckpt._args import check_flag
 from torchckpt._errors import CheckpointError
 from torchckpt.adjoint.args import check_actions, check_callable, check_params, check_slots, check_store
-from torchckpt.adjoint.auto import Auto
+from torchckpt.adjoint.auto import AutoSchedule
 from torchckpt.codecs.base import Packed
 from torchckpt.adjoint.captures import (
     Age, Swap, descendants, exits, grad_leaf, node_mark, owned_nodes, probe, unfound,
@@ -80,18 +80,18 @@ __all__ = ["checkpointed_loop", "checkpointed_scan"]
 
 
 def _auto_value(schedule: Any) -> Any:
-    """``"auto"``, ``Revolve`` or ``Uniform`` (the class) as the ``Auto`` value they stand for, with a warning."""
+    """``"auto"``, ``Revolve`` or ``Uniform`` (the class) as the ``AutoSchedule`` value they stand for, with a warning."""
     if isinstance(schedule, str):
         if schedule != "auto":
-            raise ValueError(f"torchckpt: schedule must be a schedule object or torchckpt.Auto(), got {schedule!r}; "
-                             "pass e.g. schedule=Revolve(n_steps, 4) or schedule=torchckpt.Auto().")
-        warnings.warn("torchckpt: checkpointed_loop(schedule='auto') is deprecated; pass schedule=torchckpt.Auto() "
+            raise ValueError(f"torchckpt: schedule must be a schedule object or torchckpt.adjoint.AutoSchedule(), got {schedule!r}; "
+                             "pass e.g. schedule=Revolve(n_steps, 4) or schedule=torchckpt.adjoint.AutoSchedule().")
+        warnings.warn("torchckpt: checkpointed_loop(schedule='auto') is deprecated; pass schedule=torchckpt.adjoint.AutoSchedule() "
                       "(the default).", DeprecationWarning, stacklevel=3)
-        return Auto()
+        return AutoSchedule()
     if schedule is Revolve or schedule is Uniform:
         warnings.warn(f"torchckpt: checkpointed_loop(schedule={schedule.__name__}) is deprecated; pass "
-                      f"schedule=torchckpt.Auto(kind={schedule.__name__}).", DeprecationWarning, stacklevel=3)
-        return Auto(kind=schedule)
+                      f"schedule=torchckpt.adjoint.AutoSchedule(kind={schedule.__name__}).", DeprecationWarning, stacklevel=3)
+        return AutoSchedule(kind=schedule)
     return schedule
 
 
@@ -125,7 +125,7 @@ class _LoopRun:
         self.through_old = through_old  # NOTE [ Captured tensors ] Rule 1: a step running autograd makes nodes on other threads
         # The executor's state (NOTE [ Executor ] Rule 1): the sweep, the current state, the adjoints.
         self.backward = False
-        self.first_packs: list[Packed] | None = None  # the initial state, compressed by Auto (or None)
+        self.first_packs: list[Packed] | None = None  # the initial state, compressed by AutoSchedule (or None)
         self.owns_snaps = True  # False: the caller's SnapshotStore
         self.x: list[torch.Tensor] | None = None
         self.g: list[torch.Tensor | None] = []  # the adjoint of the current state
@@ -354,7 +354,7 @@ def checkpointed_loop(
     state: Any,
     n_steps: int,
     *,
-    schedule: Schedule | Auto | Iterable[Any] = Auto(),
+    schedule: Schedule | AutoSchedule | Iterable[Any] = AutoSchedule(),
     store: Store | SnapshotStore | None = None,
     slots: int = 4,
     prefetch: bool = True,
@@ -382,16 +382,16 @@ def checkpointed_loop(
         state: the initial state.
         n_steps: number of steps (>= 1).
         schedule: a schedule for ``n_steps`` (``Revolve``, ``ZCut``, ``Uniform``, ``Multistage``)
-            or ``Auto()`` (the default): Revolve over as many snapshots as ``store``'s budgets
+            or ``AutoSchedule()`` (the default): Revolve over as many snapshots as ``store``'s budgets
             hold (with a ``Store(codec=...)``, counted at the compressed size of the initial state
-            plus ``Auto.margin``: compression buys snapshots, hence less recomputation);
+            plus ``AutoSchedule.margin``: compression buys snapshots, hence less recomputation);
             with a disk tier (``store``'s ``disk=``) and GPU and host short, ``Multistage`` over GPU,
-            host and disk, the busiest slots on the fastest tier by measured bandwidth (NOTE [ Auto
-            schedule ]); ``Auto(kind=Uniform)``: a ``Uniform`` schedule sized the same way. (``"auto"`` and the
-            classes ``Revolve``/``Uniform`` still mean ``Auto()``/``Auto(kind=...)``, with a
+            host and disk, the busiest slots on the fastest tier by measured bandwidth (NOTE [ AutoSchedule
+            schedule ]); ``AutoSchedule(kind=Uniform)``: a ``Uniform`` schedule sized the same way. (``"auto"`` and the
+            classes ``Revolve``/``Uniform`` still mean ``AutoSchedule()``/``AutoSchedule(kind=...)``, with a
             ``DeprecationWarning``.)
         store: where the snapshots go. A ``SnapshotStore`` is used as it is (its device, slots,
-            host pool, codec and disk tier; ``Auto`` then keeps every snapshot off the GPU, behind its
+            host pool, codec and disk tier; ``AutoSchedule`` then keeps every snapshot off the GPU, behind its
             slots); the loop frees its snapshots and leaves the store open for the next loop. A
             ``Store`` lends its device, GPU budget, host pool, codec and disk tier to a snapshot
             store of ``slots`` slots made for the loop (``None``: the default store).
@@ -438,7 +438,7 @@ def checkpointed_scan(
     *,
     length: int | None = None,
     index: bool = False,
-    schedule: Schedule | Auto | Iterable[Any] = Auto(),
+    schedule: Schedule | AutoSchedule | Iterable[Any] = AutoSchedule(),
     store: Store | SnapshotStore | None = None,
     slots: int = 4,
     prefetch: bool = True,
@@ -542,22 +542,22 @@ def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, 
     if store is None:
         store = default_store(flat[0].device)
     schedule = _auto_value(schedule)
-    first_packs = None  # with a codec, Auto's compression of the initial state, reused by its Save (compressed once)
-    if isinstance(schedule, Auto):
+    first_packs = None  # with a codec, AutoSchedule's compression of the initial state, reused by its Save (compressed once)
+    if isinstance(schedule, AutoSchedule):
         nbytes, first_packs = schedule.estimate(flat, store.codec)
-        # A SnapshotStore's GPU memory is all slots: Auto keeps every snapshot on the host tier behind them.
+        # A SnapshotStore's GPU memory is all slots: AutoSchedule keeps every snapshot on the host tier behind them.
         gpu = store.cache.capacity if isinstance(store, Store) else 0
         # NOTE [ Auto schedule ]: with the store's disk tier, Multistage over GPU, host and disk when the first two are short.
         schedule = schedule.resolve(n_steps, nbytes, gpu, store.host.capacity_bytes, slots, disk=store.disk,
                                     host=store.host, device=store.device)
     if isinstance(schedule, type):
         raise TypeError(
-            f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), Auto() or Auto(kind=...); "
+            f"torchckpt: schedule must be a schedule object (e.g. ZCut(n_steps, ...)), AutoSchedule() or AutoSchedule(kind=...); "
             f"got {schedule!r}. Only Revolve and Uniform can be sized from the budgets: build other schedules yourself."
         )
     if schedule is None:
         raise TypeError(f"torchckpt: {name}(schedule=None): expected a schedule (e.g. Revolve(n_steps, "
-                        "4)) or torchckpt.Auto(); pass schedule=torchckpt.Auto() (the default) to size Revolve from the "
+                        "4)) or torchckpt.adjoint.AutoSchedule(); pass schedule=torchckpt.adjoint.AutoSchedule() (the default) to size Revolve from the "
                         "store.")
     sched_n = getattr(schedule, "n_steps", n_steps)
     if not isinstance(schedule, Schedule):

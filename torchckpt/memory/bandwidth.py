@@ -1,6 +1,6 @@
 """The snapshot tiers' bandwidths, measured once per process: the host link by a copy, the disk by its files.
 
-What ``Auto`` ranks the tiers by (the autotuner of a multilayer buffer system, MLBS: layers ranked
+What ``AutoSchedule`` ranks the tiers by (the autotuner of a multilayer buffer system, MLBS: layers ranked
 by measured bandwidth; NOTE [ Multi-tier Revolve ] Rule 4, schedules/multistage.py).
 
 # NOTE [ Tier bandwidths ]
@@ -11,13 +11,14 @@ by measured bandwidth; NOTE [ Multi-tier Revolve ] Rule 4, schedules/multistage.
 #    A disk snapshot passes through host memory on its way to its file (NOTE [ Snapshot store ]
 #    Rule 11), so the disk tier's time per byte is the host link's plus the files' (written and
 #    read back by ``DiskTier.measure_bandwidth``): 1/disk = 1/host + 1/file. Measured so, the
-#    disk never ranks above the host tier of the same store; given rates (``Auto(bandwidths=...)``)
+#    disk never ranks above the host tier of the same store; given rates (``AutoSchedule(bandwidths=...)``)
 #    can say otherwise.
 # 2. Measured once per process and key: the host link per (device, pinned or not), the disk per
 #    file system (the ``st_dev`` of the tier's directory), each with one snapshot's bytes clamped
 #    to [1 MiB, 64 MiB]. A later call with another size reuses the first figure.
-# 3. On CUDA the copies run on a side stream, timed by events after one warm-up copy; on the CPU
-#    (the simulated store) they are memory copies timed by the host clock. With buffered I/O the
+# 3. One measurement of the host link (``host_link``), which the planner's link model reads too: on CUDA
+#    the copies run on a side stream, timed by events, the median of 5 each way after one warm-up copy; on
+#    the CPU (the simulated store) they are memory copies timed by the host clock. With buffered I/O the
 #    files' read may come from the page cache and overstate the disk (``DiskTier.direct``).
 """
 from __future__ import annotations
@@ -32,11 +33,11 @@ from torchckpt.memory.disk import DiskTier
 from torchckpt.memory.host_pool import HostPoolBase
 from torchckpt.schedules.actions import Tier
 
-__all__ = ["disk_file_bandwidth", "host_link_bandwidth", "tier_bandwidths"]
+__all__ = ["disk_file_bandwidth", "host_link", "host_link_bandwidth", "tier_bandwidths"]
 
 _MIN, _MAX = 1 << 20, 64 << 20
 _lock = threading.Lock()
-_host: dict[tuple[str, int | None, bool], float] = {}
+_host: dict[tuple[str, int | None, bool], tuple[float, float]] = {}
 _disk: dict[int, float] = {}
 
 
@@ -46,6 +47,65 @@ def _size(nbytes: int) -> int:
 
 def _round_trip(out_bps: float, in_bps: float) -> float:
     return 2.0 / (1.0 / out_bps + 1.0 / in_bps)
+
+
+def host_link(device: torch.device, pinned: bool, nbytes: int = _MAX, reps: int = 5) -> tuple[float, float]:
+    """Bytes/s of a copy from ``device`` to host memory and of one back: the one host-link measurement
+    (Rules 2-3; cached per device and pinning). The planner's link model and ``host_link_bandwidth`` read it.
+
+    Args:
+        device: the device (``cpu``: memory copies, what an offload there does).
+        pinned: whether the host buffer is pinned (only on CUDA).
+        nbytes: bytes per copy (clamped to [1 MiB, 64 MiB]).
+        reps: copies timed each way, after one warm-up copy; the median counts.
+
+    Returns:
+        ``(device_to_host, host_to_device)`` bytes per second.
+
+    Example::
+
+        >>> d2h, h2d = host_link(torch.device("cpu"), pinned=False, nbytes=1 << 20)
+        >>> d2h > 0 and h2d > 0
+        True
+    """
+    n = _size(nbytes)
+    pinned = bool(pinned) and device.type == "cuda"
+    key = (device.type, device.index, pinned)
+    with _lock:
+        if key in _host:
+            return _host[key]
+    dst = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)  # not from a pool: its cap stays for the store
+    src = torch.zeros(n, dtype=torch.uint8, device=device)
+    times: tuple[list[float], list[float]] = ([], [])
+    if device.type == "cuda":
+        stream = torch.cuda.Stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)  # warm-up
+            src.copy_(dst, non_blocking=True)
+            for _ in range(reps):
+                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+                ev[0].record(stream)
+                dst.copy_(src, non_blocking=True)
+                ev[1].record(stream)
+                src.copy_(dst, non_blocking=True)
+                ev[2].record(stream)
+                ev[2].synchronize()
+                times[0].append(ev[0].elapsed_time(ev[1]) * 1e-3)
+                times[1].append(ev[1].elapsed_time(ev[2]) * 1e-3)
+    else:
+        dst.copy_(src)  # warm-up (touches the pages)
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            t1 = time.perf_counter()
+            src.copy_(dst)
+            t2 = time.perf_counter()
+            times[0].append(t1 - t0)
+            times[1].append(t2 - t1)
+    d2h, h2d = (n / max(sorted(ts)[len(ts) // 2], 1e-9) for ts in times)
+    with _lock:
+        return _host.setdefault(key, (d2h, h2d))
 
 
 def host_link_bandwidth(device: torch.device, pool: HostPoolBase, nbytes: int = _MAX) -> float:
@@ -65,38 +125,7 @@ def host_link_bandwidth(device: torch.device, pool: HostPoolBase, nbytes: int = 
         >>> host_link_bandwidth(torch.device("cpu"), HostPool(chunk_bytes=1 << 20, pin=False), 1 << 20) > 0
         True
     """
-    n = _size(nbytes)
-    pinned = bool(pool.pin) and device.type == "cuda"
-    key = (device.type, device.index, pinned)
-    with _lock:
-        if key in _host:
-            return _host[key]
-    dst = torch.empty(n, dtype=torch.uint8, pin_memory=pinned)  # not from the pool: its cap stays for the store
-    src = torch.zeros(n, dtype=torch.uint8, device=device)
-    if device.type == "cuda":
-        stream = torch.cuda.Stream(device)
-        stream.wait_stream(torch.cuda.current_stream(device))
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)  # warm-up
-            ev[0].record(stream)
-            dst.copy_(src, non_blocking=True)
-            ev[1].record(stream)
-            src.copy_(dst, non_blocking=True)
-            ev[2].record(stream)
-        ev[2].synchronize()
-        d2h = n / max(ev[0].elapsed_time(ev[1]) * 1e-3, 1e-9)
-        h2d = n / max(ev[1].elapsed_time(ev[2]) * 1e-3, 1e-9)
-    else:
-        dst.copy_(src)  # warm-up (touches the pages)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        t1 = time.perf_counter()
-        src.copy_(dst)
-        t2 = time.perf_counter()
-        d2h, h2d = n / max(t1 - t0, 1e-9), n / max(t2 - t1, 1e-9)
-    with _lock:
-        return _host.setdefault(key, _round_trip(d2h, h2d))
+    return _round_trip(*host_link(device, bool(pool.pin), nbytes))
 
 
 def disk_file_bandwidth(disk: DiskTier, nbytes: int = _MAX) -> float:

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from torchckpt._errors import CheckpointError, internal_error
+from torchckpt._errors import CheckpointError, format_bytes, internal_error
 from torchckpt._native import touch_pages
 from torchckpt.memory.sysinfo import physical_memory_bytes
 
@@ -205,7 +205,7 @@ class Blocks:
 
     def pageable(self, nbytes: int, why: str | None = None) -> HostBlock:
         """A plain pageable block past the cap (Rule 4), with the one warning."""
-        self.warn(why or f"the host pool reached its cap of {self.capacity_bytes / 2**30:.2f} GiB")
+        self.warn(why or f"the host pool reached its cap of {format_bytes(self.capacity_bytes)}")
         try:
             t = torch.empty(nbytes, dtype=torch.uint8)
         except RuntimeError as e:
@@ -358,7 +358,7 @@ class HostPool(HostPoolBase):
         try:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
         except RuntimeError as e:  # cudaHostAlloc refused: stay correct, go pageable (Rule 4)
-            b.warn(f"pinning a {size >> 20} MiB chunk failed ({e})")
+            b.warn(f"pinning a {format_bytes(size)} chunk failed ({e})")
             return False
         b.chunks.append(Chunk(buf, self.pin))
         b.reserved += size

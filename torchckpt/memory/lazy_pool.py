@@ -65,10 +65,10 @@ from typing import Any
 
 import torch
 
-from torchckpt._errors import CheckpointError
+from torchckpt._errors import CheckpointError, format_bytes_apart
 from torchckpt._native import host_pool_can_register, native_host_pool, native_host_pool_class
 from torchckpt.memory.host_pool import ALIGN, Blocks, Chunk, HostBlock, HostPoolBase, HostPoolStats
-from torchckpt.memory.link_model import LinkProfile, cached_profile, choose_strategy, measure_link
+from torchckpt.memory.link_model import LinkProfile, cached_profile, choose_strategy, measure_link_profile
 from torchckpt.memory.sysinfo import available_memory_bytes, device_index, huge_page_bytes, page_bytes, physical_memory_bytes
 from torchckpt.memory.node_lock import default_lock_path
 
@@ -226,9 +226,10 @@ class LazyHostPool(HostPoolBase):
         eager = capacity_bytes if ahead_bytes is None else min(capacity_bytes, first_chunk_bytes + ahead_bytes)
         phys = physical_memory_bytes()
         if (phys and capacity_bytes > phys) or eager > avail:
+            cap, touch, free, total = format_bytes_apart(capacity_bytes, eager, avail, phys)
             raise CheckpointError(
-                f"torchckpt: a LazyHostPool of {capacity_bytes / 2**30:.2f} GiB (touching {eager / 2**30:.2f} GiB up "
-                f"front) does not fit this host: {avail / 2**30:.2f} GiB available of {phys / 2**30:.2f} GiB physical "
+                f"torchckpt: a LazyHostPool of {cap} (touching {touch} up "
+                f"front) does not fit this host: {free} available of {total} physical "
                 "memory; pass a smaller capacity_bytes, or ahead_bytes=... to touch only what is used."
             )
         if pin is None:
@@ -313,7 +314,7 @@ class LazyHostPool(HostPoolBase):
                 break
             time.sleep(0.002)
         try:
-            prof = measure_link(self.device_index)
+            prof = measure_link_profile(self.device_index)
         except Exception as e:  # the pool works with either strategy: keep "concurrent"
             warnings.warn(f"torchckpt: could not measure the host link for strategy='auto' ({e}); using "
                           "'concurrent'.", RuntimeWarning, stacklevel=2)

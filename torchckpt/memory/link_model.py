@@ -2,7 +2,7 @@
 
 # NOTE [ Lazy pool strategy model ]
 # ``strategy="auto"`` chooses between the paper's two strategies with a small model fed by
-# bandwidths measured once per process and device (``measure_link``, 16 MiB copies, ~tens of ms,
+# bandwidths measured once per process and device (``measure_link_profile``, 16 MiB copies, ~tens of ms,
 # run in a background thread once the pool's first chunk is registered, so that neither creating
 # the pool nor its first pinned copy waits for it; the pool runs "concurrent" until the model has
 # spoken):
@@ -35,7 +35,7 @@ from torchckpt._native import native_host_pool
 from torchckpt.memory.node_lock import default_lock_path
 from torchckpt.memory.sysinfo import device_index, page_bytes
 
-__all__ = ["LinkProfile", "cached_profile", "choose_strategy", "measure_link"]
+__all__ = ["LinkProfile", "cached_profile", "choose_strategy", "measure_link_profile"]
 
 _MiB = 1 << 20
 _REGISTERED = 2  # the native pool's chunk state once registered (csrc/host_pool.cpp)
@@ -68,7 +68,7 @@ def choose_strategy(profile: LinkProfile, write_rate: float | None = None) -> st
     """The model of NOTE [ Lazy pool strategy model ]: ``"concurrent"`` or ``"sequential"``.
 
     Args:
-        profile: measured bandwidths (``measure_link``).
+        profile: measured bandwidths (``measure_link_profile``).
         write_rate: checkpoint bytes written per second (``None``: half the pinned D2H bandwidth).
 
     Returns:
@@ -101,7 +101,7 @@ _profiles: dict[int, LinkProfile] = {}
 _profile_lock = threading.Lock()
 
 
-def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _MiB) -> LinkProfile:
+def measure_link_profile(device: int | torch.device | None = None, nbytes: int = 16 * _MiB) -> LinkProfile:
     """Measure the bandwidths of NOTE [ Lazy pool strategy model ] on ``device`` (cached per device).
 
     Args:
@@ -114,11 +114,11 @@ def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _M
     Example::
 
         >>> if torch.cuda.is_available() and host_pool_can_register():  # doctest: +SKIP
-        ...     measure_link().pinned_d2h > 0
+        ...     measure_link_profile().pinned_d2h > 0
         True
     """
     if not torch.cuda.is_available():
-        raise CheckpointError("torchckpt: measure_link needs CUDA; torch.cuda.is_available() is False.")
+        raise CheckpointError("torchckpt: measure_link_profile needs CUDA; torch.cuda.is_available() is False.")
     idx = device_index(device)
     dev = torch.device("cuda", idx)
     with _profile_lock:
@@ -180,6 +180,6 @@ def measure_link(device: int | torch.device | None = None, nbytes: int = 16 * _M
 
 
 def cached_profile(index: int) -> LinkProfile | None:
-    """The profile ``measure_link`` measured for device ``index``, if it has."""
+    """The profile ``measure_link_profile`` measured for device ``index``, if it has."""
     with _profile_lock:
         return _profiles.get(index)

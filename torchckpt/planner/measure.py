@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from torchckpt.memory.bandwidth import host_link
 from torchckpt.planner.costs import CodecCost, Link
 
 __all__ = ["Clock", "measure_codec", "measure_link"]
@@ -47,29 +48,11 @@ class Clock:
         return out
 
 
-_LINKS: dict[str, Link] = {}
-
-
 def measure_link(device: torch.device, nbytes: int = 64 << 20, reps: int = 5) -> Link:
-    """Host-link bandwidth each way on ``device`` (median of ``reps`` copies of pinned memory), once per process.
-
-    On the CPU it is the bandwidth of a copy within host memory (what an offload there does).
-    """
-    key = str(device)
-    if key in _LINKS:
-        return _LINKS[key]
-    d = torch.empty(nbytes, dtype=torch.uint8, device=device)
-    h = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
-    clock = Clock(device)
-
-    def median(fn: Callable[[], Any]) -> float:
-        ts = sorted(clock.times(fn, reps + 1)[1:])  # the first copy warms up
-        return ts[len(ts) // 2]
-
-    link = Link(d2h=nbytes / median(lambda: h.copy_(d, non_blocking=True)),
-                h2d=nbytes / median(lambda: d.copy_(h, non_blocking=True)))
-    _LINKS[key] = link
-    return link
+    """Host-link bandwidth each way on ``device``: the one measurement, ``memory.bandwidth.host_link`` (pinned
+    memory on CUDA; a copy within host memory on the CPU, what an offload there does), once per process."""
+    d2h, h2d = host_link(device, pinned=device.type == "cuda", nbytes=nbytes, reps=reps)
+    return Link(d2h=d2h, h2d=h2d)
 
 
 def measure_codec(codec: Any, sample: torch.Tensor, reps: int = 3) -> CodecCost:

@@ -40,7 +40,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 
-from torchckpt._errors import CheckpointError
+from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.planner.costs import (
     KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, Terms, balanced_parts, chain_states,
     device_bytes, host_bytes, materialised_bytes, replay, terms,
@@ -144,9 +144,10 @@ class Search:
         if not fit and family != "all":
             raise PlanError(f"torchckpt: no {family} plan fits a budget of {size(budget)}.")
         if not fit:
+            asked, floor = format_bytes_apart(budget, self.floor)
             raise PlanError(
-                f"torchckpt: no plan fits a budget of {size(budget)}: the lowest peak this model reaches is "
-                f"{size(self.floor)} ({self.floor} bytes a step adds, gradients and the blocks' inputs included); "
+                f"torchckpt: no plan fits a budget of {asked}: the lowest peak this model reaches is "
+                f"{floor} ({self.floor} bytes a step adds, gradients and the blocks' inputs included); "
                 f"pass budget >= {self.floor}, or make the step smaller (batch, sequence length)."
             )
         return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
@@ -164,8 +165,8 @@ def _in(family: str, plan: tuple[Decision, ...], chain: Chain) -> bool:
 
 
 def size(n: float) -> str:
-    """``n`` bytes in GiB, or MiB below 1 GiB (error messages, ``explain``)."""
-    return f"{n / 2**30:.2f} GiB" if abs(n) >= 2**30 else f"{n / 2**20:.2f} MiB"
+    """``n`` bytes for a message (``torchckpt._errors.format_bytes``)."""
+    return format_bytes(n)
 
 
 def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:

@@ -37,16 +37,18 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchckpt._args import parse_bytes
+from torchckpt._args import check_flag, check_module, found, parse_bytes
+from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.api import ChainCheckpoint, checkpoint, checkpoint_chain
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import (
@@ -57,7 +59,9 @@ from torchckpt.planner.rebuild import schedule as revolve_schedule
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.chain import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
-from torchckpt.planner.trace import Profile, SavedTensor, _loss_of, profile, profile_blocks
+from torchckpt.planner.mutation import UseCacheOff, warn_mutating
+from torchckpt.planner.restore import untouched
+from torchckpt.planner.trace import Profile, SavedTensor, StepRaised, _loss_of, profile, profile_blocks
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
@@ -67,6 +71,7 @@ _FORMAT = 3
 _REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
 _VERIFY_STEPS = 3  # Rule 4: measured steps, after one that builds the store's prefetch plan
 _SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
+_SMALL_DIV = 100  # explain(verbose=True) sums a block's tensors sent to host under 1% of its largest one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,16 +177,32 @@ class Plan:
     measured_step_time: float | None = None
 
     # -- reading ----------------------------------------------------------------------------
-    def explain(self, file: Any = None) -> str:
-        """One row per block and per offloaded tensor: decision, bytes, cost, prefetch point; printed and returned."""
+    def explain(self, file: Any = None, *, verbose: bool = False) -> None:
+        """Print the plan (``summary``): one row per block with its decision, bytes, cost and prefetch point.
+
+        Args:
+            file: where to print (default: ``sys.stdout``); ``summary()`` returns the same text.
+            verbose: also the kept ops, the parts, and every tensor sent to host (small ones summed per block).
+        """
+        print(self.summary(verbose=verbose), file=file)
+
+    def __str__(self) -> str:
+        return self.summary()
+
+    def summary(self, *, verbose: bool = False) -> str:
+        """What ``explain`` prints, as a string: a header, then one row per block (``verbose``: and per tensor)."""
+        figures = [self.budget, self.peak_bytes, self.none_peak_bytes, self.floor_bytes]
+        if self.measured_peak_bytes is not None:
+            figures.append(self.measured_peak_bytes)
+        budget, peak, none_peak, floor, *measured = format_bytes_apart(*figures)
         lines = [
-            f"torchckpt plan on {self.device}: budget {size(self.budget)}, predicted peak "
-            f"{size(self.peak_bytes)}, step {self.step_time * 1e3:.1f} ms "
-            f"(no checkpointing{'' if self.none_measured else ', predicted'}: {size(self.none_peak_bytes)}, "
+            f"torchckpt plan on {self.device}: budget {budget}, predicted peak "
+            f"{peak}, step {self.step_time * 1e3:.1f} ms "
+            f"(no checkpointing{'' if self.none_measured else ', predicted'}: {none_peak}, "
             f"{self.none_step_time * 1e3:.1f} ms, "
             f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
-            f"floor {size(self.floor_bytes)}"
-            + (f"; measured peak {size(self.measured_peak_bytes)}" if self.measured_peak_bytes is not None else "")
+            f"floor {floor}"
+            + (f"; measured peak {measured[0]}" if measured else "")
             + (f", step {self.measured_step_time * 1e3:.1f} ms" if self.measured_step_time is not None else ""),
             f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
         ]
@@ -191,18 +212,19 @@ class Plan:
             sched = self.schedule()
             again = sum(b.revolve_s for b in self.blocks)
             lines.append(f"block inputs: {sched!r} over the chain (checkpoint_chain): snapshots hold at most "
-                         f"{size(self.revolve)}, the others are rebuilt by running blocks again ({again * 1e3:.1f} ms)")
-        lines.append(f"{'block':<28} {'decision':<30} {'saved MiB':>9} {'on device':>9} {'cost ms':>8}  prefetch")
+                         f"{format_bytes(self.revolve)}, the others are rebuilt by running blocks again "
+                         f"({again * 1e3:.1f} ms)")
+        rows = []
         d2h = self.link[0]
         for i, b in enumerate(self.blocks):
             if b.mode == "offload":
                 what = f"offload {len(b.offload)}/{sum(1 for t in b.tensors if t.nbytes)}" + (" compressed" if b.compress
                                                                                               else "")
                 moved = b.saved_bytes - b.device_bytes
-                cost = f"{moved / d2h * 1e3:8.2f}"
+                cost = f"{moved / d2h * 1e3:.2f}"
                 pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
             elif b.mode == "recompute":
-                what, cost, pre = "recompute", f"{(max(0.0, b.fwd_s - b.keep_s) + b.parts_s) * 1e3:8.2f}", "-"
+                what, cost, pre = "recompute", f"{(max(0.0, b.fwd_s - b.keep_s) + b.parts_s) * 1e3:.2f}", "-"
                 if b.keep_ops:
                     what = f"recompute, keep {len(b.keep_ops)} ops"
                 if b.parts:
@@ -212,28 +234,48 @@ class Plan:
                     pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
                 if b.revolve:
                     what += ", input by Revolve"
-                    cost = f"{(b.fwd_s + b.parts_s + b.revolve_s) * 1e3:8.2f}"
+                    cost = f"{(b.fwd_s + b.parts_s + b.revolve_s) * 1e3:.2f}"
             else:
-                what, cost, pre = "keep", f"{0:8.2f}", "-"
-            lines.append(f"{b.name:<28} {what:<30} {b.saved_bytes / 2**20:9.1f} {b.device_bytes / 2**20:9.1f} {cost}  {pre}")
-            if b.keep_ops:
-                names = ", ".join(f"{n.replace('aten.', '').replace('.default', '')}#{k}"
-                                  for n, k in zip(b.keep_names, b.keep_ops))
-                lines.append(f"    keeps {b.keep_bytes / 2**20:.1f} MiB of op outputs{' on the host' if b.host else ''}"
-                             f"{(' compressed' + (' (lossy)' if self.lossy else '')) if b.compress else ''} "
-                             f"instead of recomputing them ({b.keep_s * 1e3:.2f} ms): {names}")
-            if b.parts:
-                sizes = part_bytes([t.nbytes for t in b.tensors], b.parts)
-                lines.append(f"    parts cut before saved tensors {', '.join(map(str, b.parts))}: "
-                             f"{', '.join(f'{x / 2**20:.1f}' for x in sizes)} MiB, one held at a time")
-            if b.mode == "offload":
-                for k in b.offload:
-                    t = b.tensors[k]
-                    lines.append(f"    tensor {k:<3} {str(list(t.shape)):<28} {t.dtype:<9} {t.nbytes / 2**20:9.1f} MiB "
-                                 f"to host" + (" (lossy)" if b.compress and self.lossy else ""))
-        text = "\n".join(lines)
-        print(text, file=file)
-        return text
+                what, cost, pre = "keep", f"{0:.2f}", "-"
+            rows.append((b.name, what, *format_bytes_apart(b.saved_bytes, b.device_bytes), cost, pre))
+        head = ("block", "decision", "saved", "on device", "cost ms", "prefetch")
+        w = [max(len(r[c]) for r in [head, *rows]) for c in range(5)]
+        for i, r in enumerate([head, *rows]):
+            lines.append(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}  {r[4]:>{w[4]}}  {r[5]}")
+            if verbose and i:
+                lines.extend(self._details(self.blocks[i - 1]))
+        more = {what: None for b in self.blocks for what, has in (("the kept ops", b.keep_ops), ("the parts", b.parts),
+                                                                   ("the tensors sent to host", b.offload)) if has}
+        if more and not verbose:
+            lines.append(f"explain(verbose=True) lists {', '.join(more)} of each block")
+        return "\n".join(lines)
+
+    def _details(self, b: BlockPlan) -> list[str]:
+        """``summary(verbose=True)``'s lines under block ``b``: its kept ops, its parts, its tensors sent to host."""
+        lines = []
+        if b.keep_ops:
+            names = ", ".join(f"{n.replace('aten.', '').replace('.default', '')}#{k}"
+                              for n, k in zip(b.keep_names, b.keep_ops))
+            lines.append(f"    keeps {format_bytes(b.keep_bytes)} of op outputs{' on the host' if b.host else ''}"
+                         f"{(' compressed' + (' (lossy)' if self.lossy else '')) if b.compress else ''} "
+                         f"instead of recomputing them ({b.keep_s * 1e3:.2f} ms): {names}")
+        if b.parts:
+            sizes = part_bytes([t.nbytes for t in b.tensors], b.parts)
+            lines.append(f"    parts cut before saved tensors {', '.join(map(str, b.parts))}: "
+                         f"{', '.join(format_bytes_apart(*sizes))}, one held at a time")
+        if b.mode == "offload":
+            moved = [(k, b.tensors[k]) for k in b.offload]
+            small = max(t.nbytes for _, t in moved) / _SMALL_DIV  # smaller tensors: one line for all of them
+            lossy = " (lossy)" if b.compress and self.lossy else ""
+            for k, t in moved:
+                if t.nbytes >= small:
+                    lines.append(f"    tensor {k:<3} {str(list(t.shape)):<28} {t.dtype:<9} {format_bytes(t.nbytes):>10} "
+                                 f"to host{lossy}")
+            rest = [t.nbytes for _, t in moved if t.nbytes < small]
+            if rest:
+                lines.append(f"    and {len(rest)} tensor{'s' if len(rest) > 1 else ''} under "
+                             f"{format_bytes(small)} each: {format_bytes(sum(rest))} to host{lossy}")
+        return lines
 
     @property
     def revolve(self) -> int:
@@ -277,12 +319,20 @@ class Plan:
     def apply(self, model: nn.Module, store: Store | None = None, codec: Codec | None = None) -> Applied:
         """Make every later step of ``model`` follow this plan (NOTE [ Applying a plan ]).
 
+        While it is applied, a transformers model's training forwards run with ``use_cache=False``, with a warning
+        (NOTE [ Mutating forwards ] Rule 6): a recomputed block would append to the KV cache a second time.
+
         Args:
             model: the model planned (its blocks are found by name).
             store: the store offloads go through (default: one made for the plan, Rule 2).
             codec: the codec for compressed offloads (the one passed to ``plan``; needed when the
                 plan was loaded from JSON and compresses).
         """
+        check_module("Plan.apply(model, ...)", model, "pass the model this plan was made for: plan.apply(model)")
+        if store is not None and not isinstance(store, Store):
+            raise TypeError(f"torchckpt: Plan.apply(store=...) expects a torchckpt.Store or None, got {found(store)}; "
+                            "pass None for a store made for the plan, or e.g. store=torchckpt.Store(gpu_bytes=1 << 30).")
+        _check_codec("Plan.apply(codec=...)", codec)
         if any(b.compress for b in self.blocks) and codec is None:
             raise ValueError(f"torchckpt: this plan compresses with {self.codec}; pass the codec: plan.apply(model, "
                              "codec=...).")
@@ -298,11 +348,12 @@ class Plan:
             dev = first.device if first is not None else torch.device(self.device)
             store = Store(device=dev, gpu_bytes=cache_bytes([b.host_bytes for b in self.blocks]), min_bytes=0)
         undo = []
+        off = UseCacheOff(model, mods)  # NOTE [ Mutating forwards ] Rule 6: no KV cache in training forwards
         if self.revolve:  # NOTE [ Revolve over the chain ]: every block recomputed, inputs by the schedule
             chain = checkpoint_chain(mods, schedule=self.schedule(), policy=[
                 Recompute(save=frozenset(b.keep_ops) if b.keep_ops else None, parts=b.parts or None)
                 for b in self.blocks])
-            return Applied(self, store, [], chain)
+            return Applied(self, store, [], chain, off)
         for b, mod in zip(self.blocks, mods):
             if b.mode == "keep":
                 continue
@@ -313,20 +364,28 @@ class Plan:
                 Offload(store, codec if b.compress else None, tensors=frozenset(b.offload), expect=len(b.tensors)))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))
-        return Applied(self, store, undo)
+        return Applied(self, store, undo, cache_off=off)
 
 
 class Applied:
     """A plan in force on a model; ``remove()`` puts the blocks back as they were."""
 
     def __init__(self, plan: Plan, store: Store | None, undo: list[tuple[nn.Module, bool, Any]],
-                 chain: ChainCheckpoint | None = None) -> None:
+                 chain: ChainCheckpoint | None = None, cache_off: UseCacheOff | None = None) -> None:
         self.plan = plan
         self.store = store
         self._undo = undo
         self.chain = chain
+        self._cache_off = cache_off  # NOTE [ Mutating forwards ] Rule 6
+
+    def cache_off(self, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
+        """``use_cache`` turned off for a call of ``mod`` already under way (NOTE [ Mutating forwards ] Rule 6)."""
+        return self._cache_off.adjust(mod, args, kwargs) if self._cache_off is not None else None
 
     def remove(self) -> None:
+        if self._cache_off is not None:
+            self._cache_off.remove()
+            self._cache_off = None
         if self.chain is not None:
             self.chain.remove()
             self.chain = None
@@ -344,10 +403,12 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
     """Profile one step of ``model`` on an example batch and plan its saved tensors under ``budget``.
 
     The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]),
-    then once more forward only, to time each op; their gradients are left in the parameters'
-    ``.grad``, and batch-norm statistics and the RNG move as those steps move them (``auto`` puts
-    all of it back). Plan a model with no torchckpt policy on its blocks: the profile measures what
-    runs. Then the search of NOTE [ Plan search ]
+    then once more forward only, to time each op. These steps, and those that verify the plan,
+    leave no trace (NOTE [ Planning leaves no trace ]): the parameters' and the batch's ``.grad``
+    (``None`` included), the buffers (batch-norm statistics), the CPU and CUDA RNG states and each
+    module's training mode are put back, so training after ``plan(...)`` and ``apply`` trains the
+    weights it would without torchckpt, bit for bit. Plan a model with no torchckpt policy on its
+    blocks: the profile measures what runs. Then the search of NOTE [ Plan search ]
     picks, per block, keep / recompute / offload of chosen tensors (compressed when ``codec`` is
     given), with the fastest predicted step whose predicted peak is at most ``budget``. On CUDA,
     with ``verify``, two steps then run under the plan and the second one's peak is measured; if
@@ -373,6 +434,11 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
     Raises:
         PlanError: ``budget`` is below the lowest peak reachable (the message names it), or
             verification found every plan that fits the prediction over the budget.
+        TypeError / ValueError: an argument of another kind than expected, checked at the call (the
+            message says what to pass), among them a batch that does not fit ``model.forward``'s
+            parameters, or one dict of its keyword arguments (pass ``**batch``).
+        CheckpointError: the model (or ``loss_fn``) raised in the profiling step; the model's own
+            exception is chained (``__cause__``).
 
     Example::
 
@@ -382,9 +448,11 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         >>> [b.mode for b in p.blocks]
         ['keep', 'keep', 'keep', 'keep']
     """
+    _check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
     nbytes = parse_bytes(budget, "plan(budget=...)")
-    return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
-                            progress=progress).plan(nbytes)
+    with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
+        return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                                progress=progress, call="plan").plan(nbytes)
 
 
 def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], codec: Codec | None = None,
@@ -394,7 +462,9 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
     """``plan`` for several budgets from one profiling step: ``{budget in bytes: Plan}``.
 
     Budgets under the lowest reachable peak, or for which verification found no plan within
-    them, are left out (``plan`` raises for them); the arguments are those of ``plan``.
+    them, are left out (``plan`` raises for them); the arguments are those of ``plan``, checked
+    as ``plan`` checks them, and ``budgets`` a non-empty list. As with ``plan``, the model is left
+    as it was found: ``.grad``, buffers, RNG states and training modes are put back.
 
     Example::
 
@@ -404,14 +474,20 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
         >>> list(ps)
         [1073741824]
     """
+    _check_args("plans", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+    if not isinstance(budgets, (list, tuple)) or not budgets:
+        raise TypeError(f"torchckpt: plans(budgets=...) expects a non-empty list of byte counts, got {found(budgets)}; "
+                        "pass e.g. budgets=['2GiB', '4GiB'] (plan(model, ..., budget=...) plans one).")
     sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
-    p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify, progress=progress)
     out = {}
-    for b in sizes:
-        try:
-            out[b] = p.plan(b)
-        except PlanError:
-            continue
+    with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
+        p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                             progress=progress, call="plans")
+        for b in sizes:
+            try:
+                out[b] = p.plan(b)
+            except PlanError:
+                continue
     return out
 
 
@@ -429,17 +505,13 @@ class _Planned:
     @staticmethod
     def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
                 blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
-                link: Link | None, verify: bool = True, by_blocks: bool = False, progress: bool = False) -> _Planned:
-        if codec is not None and not isinstance(codec, Codec):
-            raise TypeError(f"torchckpt: plan(codec=...) expects a torchckpt.codecs.Codec or None, got "
-                            f"{type(codec).__name__}; pass e.g. codec=torchckpt.codecs.TritonQuant(bits=4).")
+                link: Link | None, verify: bool = True, by_blocks: bool = False, progress: bool = False,
+                call: str = "plan") -> _Planned:
+        """Profile ``model`` and search; ``call`` (``plan``, ``plans``, ``auto``, which checked the arguments) names
+        the entry point in errors."""
         named = None
         if blocks is not None:
             names = {id(m): n for n, m in model.named_modules()}
-            missing = [b for b in blocks if id(b) not in names]
-            if missing:
-                raise ValueError("torchckpt: plan(blocks=...) must be submodules of the model, in forward order; "
-                                 f"{type(missing[0]).__name__} is not one.")
             named = [(names[id(b)], b) for b in blocks]
         chain_mods = named if named is not None else find_blocks(model)
         sample: list[torch.Tensor] = []
@@ -448,8 +520,15 @@ class _Planned:
             f"({chain_mods[0][0]} ... {chain_mods[-1][0]})")
         t0 = time.perf_counter()
         how = profile_blocks if by_blocks else profile  # by_blocks: as if the plain step did not fit (tests)
-        prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
-                   keep_sample=sample if codec is not None else None)
+        off = UseCacheOff(model, [m for _, m in chain_mods])  # NOTE [ Mutating forwards ] Rule 6
+        try:
+            prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
+                       keep_sample=sample if codec is not None else None)
+        except StepRaised as e:  # NOTE [ Profiling step ] Rule 8
+            raise _rejected(call, model, args, kwargs, e) from e.error
+        finally:
+            off.remove()
+        warn_mutating(prof.names, prof.mutates)  # NOTE [ Mutating forwards ] Rule 5
         say(f"profiled in {time.perf_counter() - t0:.1f} s: step {prof.step_s * 1e3:.1f} ms, peak {size(prof.peak_none)}"
             + (" (every block recomputed: the plain step did not fit)" if prof.by_blocks else ""))
         ln = link if link is not None else measure_link(torch.device(prof.device))
@@ -511,7 +590,8 @@ class _Planned:
             assert p.measured_peak_bytes is not None and p.measured_step_time is not None
             assert best.measured_step_time is not None
             if p.measured_peak_bytes <= limit and p.measured_step_time < best.measured_step_time:
-                self.say(f"budget {size(budget)}: the plan verified for {size(p.budget)} fits and measured faster "
+                asked, other = format_bytes_apart(budget, p.budget)
+                self.say(f"budget {asked}: the plan verified for {other} fits and measured faster "
                          f"({p.measured_step_time * 1e3:.1f} against {best.measured_step_time * 1e3:.1f} ms)")
                 best = dataclasses.replace(p, budget=budget)
         self.verified.append(best)
@@ -531,8 +611,9 @@ class _Planned:
             if got is None:
                 return p, tried
             measured, seconds = got
-            self.say(f"budget {size(budget)} ({family}): predicted {size(pred.peak_bytes)}, {pred.step_s * 1e3:.1f} ms; "
-                     f"measured {size(measured)}, {seconds * 1e3:.1f} ms")
+            asked, predicted, peaked = format_bytes_apart(budget, pred.peak_bytes, measured)
+            self.say(f"budget {asked} ({family}): predicted {predicted}, {pred.step_s * 1e3:.1f} ms; "
+                     f"measured {peaked}, {seconds * 1e3:.1f} ms")
             p = dataclasses.replace(p, measured_peak_bytes=measured, measured_step_time=seconds)
             limit = budget - _slack(budget)
             if measured <= limit:
@@ -541,10 +622,11 @@ class _Planned:
             if target < self.found.floor:
                 break
         assert measured is not None
+        asked, predicted, peaked, floor = format_bytes_apart(budget, pred.peak_bytes, measured, self.found.floor)
         raise PlanError(
-            f"torchckpt: no plan fits a budget of {size(budget)} when measured: the last one predicted "
-            f"{size(pred.peak_bytes)} and peaked at {size(measured)}; the lowest predicted peak is "
-            f"{size(self.found.floor)}. Pass a larger budget (e.g. budget={measured})."
+            f"torchckpt: no plan fits a budget of {asked} when measured: the last one predicted "
+            f"{predicted} and peaked at {peaked}; the lowest predicted peak is "
+            f"{floor}. Pass a larger budget (e.g. budget={measured})."
         )
 
 
@@ -594,14 +676,15 @@ class AutoPlan:
 
 
 def auto(model: nn.Module, *, budget: int | str, codec: Codec | None = None, blocks: Sequence[nn.Module] | None = None,
-         loss_fn: Callable[[Any], torch.Tensor] | None = None, verify: bool = True) -> AutoPlan:
+         loss_fn: Callable[[Any], torch.Tensor] | None = None, verify: bool = True, progress: bool = False) -> AutoPlan:
     """Plan ``model`` on its first training step, then run every step under the plan.
 
     The first call of ``model`` with gradients enabled is profiled and planned as ``plan`` does
     (its own steps, on that call's arguments), then the call goes on under the plan. Those extra
     steps leave no trace: the parameters' and the arguments' ``.grad``, the model's buffers (batch
     norm statistics) and the RNG states are put back as they were, so the first step computes
-    what it would have without ``auto``. Arguments as for ``plan``.
+    what it would have without ``auto``. Arguments as for ``plan`` (``progress``: print each phase
+    of that planning to stderr).
 
     Returns:
         An ``AutoPlan``: ``.plan`` once made, ``.remove()``.
@@ -615,53 +698,117 @@ def auto(model: nn.Module, *, budget: int | str, codec: Codec | None = None, blo
         >>> [b.mode for b in a.plan.blocks]
         ['keep', 'keep', 'keep', 'keep']
     """
+    _check_args("auto", model, None, codec, blocks, loss_fn, None, verify, progress)
     nbytes = parse_bytes(budget, "auto(budget=...)")
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"torchckpt: auto(model, ...) expects an nn.Module, got {type(model).__name__}.")
     handle = AutoPlan(model)
 
-    def first_call(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def first_call(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
         if not torch.is_grad_enabled():
-            return
+            return None
         handle._hook.remove()
         handle._hook = None
-        tensors = [t for t in _inputs(args, kwargs) if t.requires_grad]
-        grads = [(p, p.grad) for p in list(model.parameters()) + tensors]
-        bufs = [(b, b.detach().clone()) for b in model.buffers()]
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        try:
-            for p, _ in grads:
-                p.grad = None
-            planned = _Planned.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify)
+        with untouched(model, (args, kwargs)):  # NOTE [ Planning leaves no trace ]
+            planned = _Planned.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify, progress=progress,
+                                       call="auto")
             handle.plan = planned.plan(nbytes)
-        finally:
-            with torch.no_grad():
-                for p, g in grads:
-                    p.grad = g
-                for b, saved in bufs:
-                    b.copy_(saved)
-            torch.set_rng_state(rng)
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state_all(cuda_rng)
         handle.applied = handle.plan.apply(model, codec=codec)
+        return handle.applied.cache_off(mod, args, kwargs)  # NOTE [ Mutating forwards ] Rule 6: this call too
 
     handle._hook = model.register_forward_pre_hook(first_call, with_kwargs=True)
     return handle
 
 
-def _inputs(args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[torch.Tensor]:
-    out: list[torch.Tensor] = []
-    stack: list[Any] = [args, kwargs]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, torch.Tensor):
-            out.append(x)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif isinstance(x, dict):
-            stack.extend(x.values())
-    return out
+def _check_args(call: str, model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]] | None, codec: object,
+                blocks: object, loss_fn: object, link: object, verify: object, progress: object) -> None:
+    """The arguments of ``plan``, ``plans`` and ``auto`` (``call``), checked at the call (STYLE.md 6); ``batch``:
+    the example batch of ``plan`` and ``plans`` (``auto`` gets the model's own call)."""
+    check_module(f"{call}(model, ...)", model, "pass the model to plan (an nn.Module; its repeated blocks are found); "
+                 "to checkpoint a function, use torchckpt.checkpoint(fn, *args, policy=...)")
+    _check_codec(f"{call}(codec=...)", codec)
+    if blocks is not None:
+        if not isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)):
+            raise TypeError(f"torchckpt: {call}(blocks=...) expects a list of the model's blocks (submodules, in forward "
+                            f"order) or None, got {found(blocks)}; pass e.g. blocks=list(model.layers), or None to "
+                            "find them.")
+        if len(blocks) == 0:
+            raise ValueError(f"torchckpt: {call}(blocks=...) got no blocks; pass the blocks to plan in forward order "
+                             "(e.g. blocks=list(model.layers)), or None to find them.")
+        names = {id(m) for _, m in model.named_modules()}
+        bad = next((k for k, b in enumerate(blocks) if not isinstance(b, nn.Module) or id(b) not in names), None)
+        if bad is not None:
+            raise ValueError(f"torchckpt: {call}(blocks=...) must be submodules of the model, in forward order; item "
+                             f"{bad}, {found(blocks[bad])}, is not one. Pass modules of this model, e.g. "
+                             "blocks=list(model.layers).")
+        if len({id(b) for b in blocks}) != len(blocks):
+            raise ValueError(f"torchckpt: {call}(blocks=...) got a module twice; pass each block once, in forward order.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"torchckpt: {call}(loss_fn=...) expects a function of the model's output returning a scalar "
+                        f"loss, or None, got {found(loss_fn)}; pass e.g. loss_fn=lambda out: out.loss.")
+    if link is not None and not isinstance(link, Link):
+        raise TypeError(f"torchckpt: {call}(link=...) expects a torchckpt.planner.Link or None (measured), got "
+                        f"{found(link)}; pass e.g. link=torchckpt.planner.Link(d2h=25e9, h2d=25e9) in bytes/s.")
+    check_flag(call, "verify", verify)
+    check_flag(call, "progress", progress)
+    if batch is not None:
+        _check_batch(call, model, *batch)
+
+
+def _check_codec(where: str, codec: object) -> None:
+    if codec is not None and not isinstance(codec, Codec):
+        raise TypeError(f"torchckpt: {where} expects a torchckpt.codecs.Codec or None, got {found(codec)}; pass e.g. "
+                        "codec=torchckpt.codecs.TritonQuant(bits=4).")
+
+
+def _check_batch(call: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    """An example batch that cannot be bound to ``model.forward``'s parameters, or one dict whose keys are those
+    parameters (the batch of a transformers model, to be passed as ``**batch``), is an error at the call."""
+    if model._forward_pre_hooks:  # a hook may rewrite the arguments before forward sees them
+        return
+    try:
+        sig = inspect.signature(model.forward)
+    except (TypeError, ValueError):
+        return
+    bare = [q.replace(annotation=inspect.Parameter.empty) for q in sig.parameters.values()]
+    name = f"{type(model).__name__}.forward{sig.replace(parameters=bare, return_annotation=inspect.Signature.empty)}"
+    if len(args) == 1 and not kwargs and isinstance(args[0], Mapping) and args[0] and all(
+            isinstance(k, str) and k in sig.parameters for k in args[0]) and next(iter(sig.parameters), None) in args[0]:
+        first = next(iter(sig.parameters))
+        raise TypeError(f"torchckpt: {call}(model, batch, ...) got one {type(args[0]).__name__} whose keys "
+                        f"({', '.join(args[0])}) are arguments of {name}; pass them as keyword arguments, as the model "
+                        f"is called: {call}(model, **batch, ...) (or, if {first} is that dict itself, "
+                        f"{call}(model, {first}=batch, ...)).")
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        got = _batch_words(args, kwargs)
+        raise TypeError(f"torchckpt: {call}(model, *batch, ...) calls {name} with {got}, which does not fit it ({e}); "
+                        f"pass an example batch of the shape training uses, as the model is called: model(*args, "
+                        f"**kwargs) is planned by {call}(model, *args, ..., **kwargs).") from None
+
+
+def _batch_words(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
+    items = [found(a) for a in args] + [f"{k}={found(v)}" for k, v in kwargs.items()]
+    return f"the batch ({'; '.join(items)})" if items else "no batch"
+
+
+def _rejected(call: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
+              e: StepRaised) -> CheckpointError:
+    """The error for a profiling step the model, the loss or the backward failed (NOTE [ Profiling step ] Rule 8)."""
+    if e.where == "the backward of the loss":
+        fix = ("planning runs plain training steps: check that loss_fn(model(*args, **kwargs)).backward() runs "
+               "without torchckpt on this batch, or pass another loss_fn=... (a scalar loss of the model's output)")
+    elif e.where != "the model's forward":
+        fix = ("pass loss_fn=... returning a scalar loss of the model's output (default: its .loss, the output if it is "
+               "a scalar, else the mean square of its tensors)")
+    elif len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
+        fix = (f"the batch is one {type(args[0]).__name__}: if its keys are the model's arguments (input_ids=..., "
+               f"labels=...), pass them as keyword arguments: {call}(model, **batch, ...)")
+    else:
+        fix = (f"pass an example batch the model takes, as training calls it: model(*args, **kwargs) is planned by "
+               f"{call}(model, *args, ..., **kwargs)")
+    return CheckpointError(f"torchckpt: {call}(model, ...) profiles a training step of {type(model).__name__} on "
+                           f"{_batch_words(args, kwargs)}, and {e.where} raised {type(e.error).__name__}: {e.error}; "
+                           f"{fix}.")
 
 
 def _say(msg: str) -> None:

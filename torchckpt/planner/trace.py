@@ -50,6 +50,13 @@
 #    mode: the buffer's version moves during the profiled forward) is never offered recomputation:
 #    a recomputation would write them a second time, so the step would not compute what plain
 #    autograd computes (``torch.utils.checkpoint`` has the same effect; the planner avoids it).
+#    Nor is a block whose forward changes other state that a recomputation would change again (what it
+#    is called with, such as a KV cache it appends to, or its modules' attributes; ``Profile.mutates``
+#    says what): NOTE [ Mutating forwards ] Rule 5 in store/mutation.py.
+# 8. What the model's forward, the loss or the backward raises in a step (a batch or a loss the model does not take)
+#    comes out as ``StepRaised``, naming which of the three, with the exception as its ``__cause__``; the planner's
+#    entry points raise it as an error naming their call, chained to it. torchckpt's own errors and running out of
+#    device memory (Rule 6) pass through as they are.
 """
 from __future__ import annotations
 
@@ -66,13 +73,14 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from torchckpt._errors import internal_error
+from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.planner.chain import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, Chain, CodecCost, Link
 from torchckpt.planner.measure import Clock
+from torchckpt.store.mutation import CallState, module_state
 from torchckpt.store.selective import OpCounter, keepable
 
-__all__ = ["OpCost", "Profile", "SavedTensor", "profile", "profile_blocks"]
+__all__ = ["OpCost", "Profile", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,6 +142,7 @@ class Profile:
     bwd_start_bytes: tuple[int, ...] = ()
     saved_after: tuple[tuple[int, ...], ...] = ()
     writes_buffers: tuple[bool, ...] = ()
+    mutates: tuple[str, ...] = ()  # Rule 7: what each block's forward changed besides its outputs ("": nothing)
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -164,7 +173,8 @@ class Profile:
                 # A node saves its inputs before its op runs (count k) and its outputs after (k + 1): tensors two
                 # counts apart or more were saved by different nodes (NOTE [ Step model ] Rule 2c).
                 cuts = tuple(c for c in range(1, len(after)) if after[c] >= after[c - 1] + 2)
-            fixed = i < len(self.writes_buffers) and self.writes_buffers[i]  # Rule 7: never recomputed
+            fixed = (i < len(self.writes_buffers) and self.writes_buffers[i]) or (
+                i < len(self.mutates) and bool(self.mutates[i]))  # Rule 7: never recomputed
             out.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
                              recomputable=not fixed))
@@ -238,6 +248,7 @@ class _Recorder:
         self.keep_sample = False
         self.sample: torch.Tensor | None = None
         self.writes_buffers = [False] * len(blocks)  # Rule 7: blocks whose forward writes their buffers
+        self.mutates = [""] * len(blocks)  # Rule 7: what else each block's forward changed
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -275,6 +286,7 @@ class _Recorder:
         outer, self.current = self.current, i
         bufs = list(self.blocks[i][1].buffers()) if i < len(self.blocks) else []
         versions = [b._version for b in bufs]
+        state = (CallState.of(None, args, kwargs), module_state(self.blocks[i][1])) if i < len(self.blocks) else ()
         start = self.clock.mark()
         try:
             yield
@@ -283,6 +295,9 @@ class _Recorder:
             self.current = outer
             if any(b._version != v for b, v in zip(bufs, versions)):  # Rule 7
                 self.writes_buffers[i] = True
+            changed = "; ".join(st.describe(w) for st in state for w in [st.changes()] if w)
+            if changed:  # Rule 7: NOTE [ Mutating forwards ] Rule 5
+                self.mutates[i] = changed
 
     def output(self, i: int, out: Any) -> None:
         y = _first_grad_tensor(out)
@@ -333,19 +348,37 @@ def _setup(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]] | None,
     return chain, params, device, Clock(device), loss_fn if loss_fn is not None else _loss_of
 
 
+class StepRaised(CheckpointError):
+    """``where`` in a profiling step (the model's forward, the loss, the backward) raised ``error`` (Rule 8)."""
+
+    def __init__(self, where: str, error: Exception) -> None:
+        super().__init__(f"torchckpt: {where} raised {type(error).__name__} in a profiling step: {error}")
+        self.where, self.error = where, error
+
+
 def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_of: Callable[[Any], torch.Tensor],
           rec: _Recorder | None, clock: Clock, wraps: list[Callable[[], None]]) -> None:
     """One step, recorded by ``rec`` when given (the output held through backward, as training code holds it), then
-    the blocks' forwards put back (``wraps``: their undos)."""
+    the blocks' forwards put back (``wraps``: their undos). What the model, the loss or the backward raises comes as
+    ``StepRaised`` (Rule 8)."""
+    where = "the model's forward"
     try:
         ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
                else contextlib.nullcontext())
         with ctx:
             out = model(*args, **kwargs)
+            where = "the loss of the model's output"
             loss = loss_of(out)
         if rec is not None:
             rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
+        where = "the backward of the loss"
         loss.backward()
+    except torch.cuda.OutOfMemoryError:  # Rule 6
+        raise
+    except Exception as e:
+        if isinstance(e, StepRaised) or str(e).startswith("torchckpt:"):
+            raise
+        raise StepRaised(where, e) from e
     finally:
         for undo in wraps:
             undo()
@@ -419,7 +452,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         step_s=step_s, peak_none=int(peak), device=str(device),
         bwd_start_bytes=tuple(b - start_bytes for b in rec.bwd_start) if clock.cuda and all(
             s is not None for s in rec.grad_at_out) else (),
-        saved_after=after, writes_buffers=tuple(rec.writes_buffers),
+        saved_after=after, writes_buffers=tuple(rec.writes_buffers), mutates=tuple(rec.mutates),
     )
 
 
@@ -512,7 +545,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         other_saved_bytes=rec.other, other_fwd_s=max(0.0, fwd_total - sum(fwd)),
         other_bwd_s=max(0.0, step_s - fwd_total - sum(fwd) - sum(bwd)), step_s=step_s, peak_none=int(peak),
         device=str(device), by_blocks=True, saved_after=tuple(after),
-        writes_buffers=tuple(r.writes_buffers[0] for r in per),
+        writes_buffers=tuple(r.writes_buffers[0] for r in per), mutates=tuple(r.mutates[0] for r in per),
     )
 
 

@@ -5,7 +5,7 @@ checkpointing", SIAM J. Sci. Comput. 31(3), 1946-1967, study the same question: 
 recomputation of single-level Revolve with the slots of two levels, the slower level
 used as little as possible. A third level (disk) is placed the same way, the tiers ranked
 fastest first as a multilayer buffer system's autotuner ranks its layers by measured
-bandwidth (``Auto`` measures them: torchckpt/adjoint/auto.py).
+bandwidth (``AutoSchedule`` measures them: torchckpt/adjoint/auto.py).
 
 # NOTE [ Multi-tier Revolve ]
 # 1. The actions are Revolve's with s = gpu_slots + host_slots + disk_slots (NOTE [ Binomial
@@ -113,7 +113,7 @@ class Multistage(Schedule):
         host_slots: snapshot slots in host memory (>= 0).
         disk_slots: snapshot slots on disk (>= 0; gpu_slots + host_slots + disk_slots >= 1).
         ranking: the three tiers, fastest first (Rule 4); the default suits a disk tier behind
-            host memory. ``Auto`` ranks them by measured bandwidth.
+            host memory. ``AutoSchedule`` ranks them by measured bandwidth.
 
     Returns:
         A schedule; iterate it for its actions.

@@ -90,7 +90,7 @@ def _in_backward() -> bool:
 
 
 _TRACE_MIN = 1 << 16  # Rule 10: records a step may hold at least before the trace stops
-_STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes", "disk")]
+_STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes", "disk", "min_bytes")]
 
 
 class _Entry:
@@ -191,7 +191,7 @@ class Store(DiskSpill):
         disk: a directory (the store makes a ``torchckpt.memory.DiskTier`` there and closes it in
             ``close()``) or a ``DiskTier``: tensors the host pool has no room for under its cap go
             to files there (NOTE [ Spill to disk ]), and adjoint loops run with this store may keep
-            snapshots there (``Auto``). ``None``: host memory only.
+            snapshots there (``AutoSchedule``). ``None``: host memory only.
 
     Example::
 
@@ -288,6 +288,25 @@ class Store(DiskSpill):
         """
         return (_store_from_config, (self._config,))
 
+    def __repr__(self) -> str:
+        """The store's settings as ``Store(...)`` takes them, e.g.
+        ``Store(device='cpu', gpu_bytes='64MiB', min_bytes='1MiB', codec=None, disk=None)``; ``prefetch``,
+        ``timing`` and ``host`` appear when they are not the defaults (a given pool by its type and capacity)."""
+        def arg(n: int) -> str:  # exact, and readable where a unit divides it
+            for unit, k in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+                if n and n % (1 << k) == 0:
+                    return repr(f"{n >> k}{unit}")
+            return str(n)
+
+        c = self._config
+        args = [f"device={str(self.device)!r}", f"gpu_bytes={arg(self.cache.capacity)}", f"min_bytes={arg(self.min_bytes)}"]
+        args += [f"{k}={c[k]!r}" for k in ("prefetch", "timing") if c[k] is not True]
+        if c["host"] is not None:
+            cap = getattr(self.host, "capacity_bytes", None)
+            args.append(f"host={type(self.host).__name__}(capacity_bytes={'None' if cap is None else arg(cap)}, ...)")
+        args += [f"codec={self.codec!r}", f"disk={c['disk']!r}"]
+        return f"Store({', '.join(args)})"
+
     def hooks(self, keep: Iterable[torch.Tensor] = (), codec: Codec | None = None,
               only: frozenset[int] | None = None) -> torch.autograd.graph.saved_tensors_hooks:
         """A context manager routing every tensor autograd saves through this store.
@@ -324,7 +343,8 @@ class Store(DiskSpill):
             c = dict(self._c)
             if self._live == 0 and (self._trace or not self._tracing):  # the step has ended; no pack has closed it yet
                 c["steps"] += 1
-            return Stats(**c, gpu_peak_bytes=self.cache.peak, host=self.host.stats(), disk=self._disk_stats())
+            return Stats(**c, gpu_peak_bytes=self.cache.peak, host=self.host.stats(), disk=self._disk_stats(),
+                         min_bytes=self.min_bytes)
 
     def reset_stats(self) -> None:
         """Zero the counters (the plan and the pools are kept)."""
@@ -348,8 +368,12 @@ class Store(DiskSpill):
         if reason is None and keep_ptrs and t.untyped_storage().data_ptr() in keep_ptrs:
             reason = "caller"
         if reason is not None:
+            nbytes = t.numel() * t.element_size()
             c["kept"] += 1
-            c["kept_bytes"] += t.numel() * t.element_size()
+            c["kept_bytes"] += nbytes
+            if reason == "small":
+                c["small"] += 1
+                c["small_bytes"] += nbytes
             return Kept(t)
         storage = t.untyped_storage()
         sptr = storage.data_ptr()

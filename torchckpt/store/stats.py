@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from torchckpt._errors import format_bytes, format_bytes_apart
 from torchckpt.memory import DiskStats, HostPoolStats
 
 
@@ -21,6 +22,7 @@ class Stats:
         packed: tensors autograd saved through this store.
         kept: saved tensors kept by reference (parameters, buffers, small, other device).
         kept_bytes: their bytes.
+        small / small_bytes: of them, those kept for being under the store's ``min_bytes``, and their bytes.
         deduplicated: saves served by an existing entry (another view of one storage).
         offloaded: entries copied device-to-host.
         offloaded_bytes: bytes of the entries copied device-to-host (before compression).
@@ -46,12 +48,15 @@ class Stats:
             instead, the host pool being at its cap (``Store(disk=...)``, NOTE [ Spill to disk ]),
             and the bytes written (compressed, with a codec).
         disk: the disk tier's counters since it was made (``Store(disk=...)``), else ``None``.
+        min_bytes: the store's ``min_bytes`` (``Store(min_bytes=...)``).
     """
 
     steps: int = 0
     packed: int = 0
     kept: int = 0
     kept_bytes: int = 0
+    small: int = 0
+    small_bytes: int = 0
     deduplicated: int = 0
     offloaded: int = 0
     offloaded_bytes: int = 0
@@ -75,6 +80,7 @@ class Stats:
     gpu_peak_bytes: int = 0
     host: HostPoolStats | None = None
     disk: DiskStats | None = None
+    min_bytes: int = 0
 
     @property
     def exposed_transfer_s(self) -> float:
@@ -86,15 +92,33 @@ class Stats:
         return self.cache_hits + self.prefetch_hits + self.misses
 
     def summary(self) -> str:
-        """One line for logs and progress output."""
-        gib = 2**30
-        return (
-            f"offloaded {self.offloaded_bytes / gib:.2f} GiB in {self.offloaded} tensors, "
-            f"loaded {self.loaded_bytes / gib:.2f} GiB; unpacks: {self.cache_hits} cache hits, "
+        """One line for logs and progress output; when tensors were saved but none moved, it says why.
+
+        Example::
+
+            >>> line = Stats(packed=3, kept=3, kept_bytes=3072).summary()
+            >>> line[line.index("moved none"):line.index(":", line.index("moved none"))]
+            'moved none of the 3 saved tensors (3.00 KiB)'
+        """
+        offloaded, loaded = format_bytes_apart(self.offloaded_bytes, self.loaded_bytes)
+        line = (
+            f"offloaded {offloaded} in {self.offloaded} tensors, "
+            f"loaded {loaded}; unpacks: {self.cache_hits} cache hits, "
             f"{self.prefetch_hits} prefetch hits ({self.late_prefetches} late, {self.late_wait_s * 1e3:.1f} ms), "
             f"{self.misses} misses ({self.miss_wait_s * 1e3:.1f} ms); exposed transfer "
             f"{self.exposed_transfer_s * 1e3:.1f} ms"
         )
+        small = ""
+        if self.small:
+            small = (f"; {self.small} of them ({format_bytes(self.small_bytes)}) under the store's min_bytes of "
+                     f"{format_bytes(self.min_bytes)}: Store(min_bytes=0) moves small tensors too")
+        if self.kept and self.kept == self.packed:  # every tensor the store was given stayed where it was
+            return (f"{line}; moved none of the {self.kept} saved tensors ({format_bytes(self.kept_bytes)}): parameters, "
+                    "buffers, other devices' tensors and tensors under the store's min_bytes stay where they are"
+                    + small)
+        if self.kept:
+            return f"{line}; kept {self.kept} saved tensors ({format_bytes(self.kept_bytes)}) where they were{small}"
+        return line
 
 
 @dataclasses.dataclass(frozen=True)
