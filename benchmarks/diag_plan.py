@@ -10,7 +10,7 @@ import torch
 import torchckpt
 from common import GiB
 from frontier import Stack
-from torchckpt.planner.plan import _Planned
+from torchckpt.planner.plan import _Profiled
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 2.3
 codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if "--q4" in sys.argv else None
@@ -18,7 +18,7 @@ torch.manual_seed(0)
 dev = torch.device("cuda")
 m = Stack(2048, 16, 16).to(dev, torch.bfloat16)
 x = torch.randn(8, 2048, 2048, device=dev, dtype=torch.bfloat16, requires_grad=True)
-planned = _Planned.prepare(m, (x,), {}, codec, None, None, None)
+planned = _Profiled.prepare(m, (x,), {}, codec, None, None, None)
 pl = planned.plan(int(budget * GiB))
 pl.explain()
 

@@ -54,7 +54,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import torchckpt
 from common import GiB, GPTBlock, out_dir, pyplot, save_figure
 from torchckpt.planner import PlanError
-from torchckpt.planner.plan import _Planned
+from torchckpt.planner.plan import _Profiled
 aten = torch.ops.aten
 SAVE = {getattr(aten, op).default for op in (
     "mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
@@ -238,7 +238,7 @@ def main() -> None:
         codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name == "q4" else None
         t0 = time.perf_counter()
         try:
-            planned = _Planned.prepare(m, (bench.x,), bench.kwargs, codec, None, None, None)
+            planned = _Profiled.prepare(m, (bench.x,), bench.kwargs, codec, None, None, None)
             with open(os.path.join(out, f"profile{tag}{'_' + codec_name if codec_name else ''}.json"), "w") as f:
                 json.dump({"link": [planned.link.d2h, planned.link.h2d],
                            "codec": dataclasses.asdict(planned.codec) if planned.codec else None,

@@ -1,5 +1,5 @@
 """Models whose forward changes state besides its outputs (NOTE [ Mutating forwards ]): a toy KV cache, a block
-that counts its calls, and a transformers Llama built tiny from a config (tests/store/test_mutation.py,
+that counts its calls, and a transformers Llama built tiny from a config (tests/recompute/test_mutation.py,
 tests/planner/test_mutation.py)."""
 from __future__ import annotations
 

@@ -87,7 +87,8 @@ import fuzz_programs as fz
 import torchckpt
 from fuzz_programs import Op, Program, Setting
 from torchckpt.codecs import Identity
-from torchckpt.store import chain, identity, parts, selective
+from torchckpt.recompute import chain, parts, selective
+from torchckpt.store import identity
 
 EXAMPLES = int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500"))
 SEED = int(os.environ.get("TORCHCKPT_FUZZ_SEED", "0"))
@@ -265,7 +266,7 @@ def test_fuzzer_catches_parts_recomputed_without_the_rng_state(monkeypatch: pyte
     replay = parts._Frame.replay
 
     def bad_replay(self, args, kwargs):  # type: ignore[no-untyped-def]
-        self.fwd.preserve = False  # the captured RNG state (store/forward_state.py) is not restored
+        self.fwd.preserve = False  # the captured RNG state (recompute/forward_state.py) is not restored
         return replay(self, args, kwargs)
 
     prog = Program(ops=(Op("matmul", 0, 0, 2), Op("dropout", 0, 0, 1), Op("unary", 0, 0, 0)), dtype="float64")
@@ -286,7 +287,7 @@ def _chain_seed(structure: str, nseg: int, snapshots: int) -> int:
 def test_fuzzer_catches_a_wrong_rebuilt_chain_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain that rebuilds a block's input 1e-3 off is reported for the chain setting, against its twin (per-block
     Recompute()) and so against plain autograd, and for no other setting."""
-    run_again = chain.Chain.run_again
+    run_again = chain.ChainRuntime.run_again
 
     def bad_run_again(self, rec, x):  # type: ignore[no-untyped-def]
         y = run_again(self, rec, x)
@@ -298,7 +299,7 @@ def test_fuzzer_catches_a_wrong_rebuilt_chain_state(monkeypatch: pytest.MonkeyPa
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         assert not fz.check(prog, settings=settings)
-        monkeypatch.setattr(chain.Chain, "run_again", bad_run_again)
+        monkeypatch.setattr(chain.ChainRuntime, "run_again", bad_run_again)
         problems = fz.check(prog, settings=settings)
     failing = {p.split(" step")[0] for p in problems if p.startswith("Setting(")}
     assert failing == {"Setting('chain', None)"}, problems
@@ -308,10 +309,10 @@ def test_fuzzer_catches_a_wrong_rebuilt_chain_state(monkeypatch: pytest.MonkeyPa
 def test_fuzzer_catches_a_chain_rebuilt_without_the_rng_state(monkeypatch: pytest.MonkeyPatch) -> None:
     """A chain that runs a block with dropout again without restoring the forward's RNG state rebuilds the next
     block's input with another mask: reported."""
-    run_again = chain.Chain.run_again
+    run_again = chain.ChainRuntime.run_again
 
     def bad_run_again(self, rec, x):  # type: ignore[no-untyped-def]
-        rec.state.preserve = False  # the captured RNG state (store/forward_state.py) is not restored
+        rec.state.preserve = False  # the captured RNG state (recompute/forward_state.py) is not restored
         return run_again(self, rec, x)
 
     prog = Program(ops=(Op("dropout", 0, 0, 1), Op("unary", 0, 0, 0), Op("matmul", 0, 0, 2)), dtype="float64",
@@ -319,7 +320,7 @@ def test_fuzzer_catches_a_chain_rebuilt_without_the_rng_state(monkeypatch: pytes
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         assert not fz.check(prog, settings=[Setting("chain")])
-        monkeypatch.setattr(chain.Chain, "run_again", bad_run_again)
+        monkeypatch.setattr(chain.ChainRuntime, "run_again", bad_run_again)
         problems = fz.check(prog, settings=[Setting("chain")])
     assert any(p.startswith("Setting('chain', None) step 1: grad of") for p in problems), problems
 

@@ -1,7 +1,7 @@
 """The package's layers: imports point down only, and no module imports another package's private names.
 
 Layers, top to bottom (docs/architecture.md): the public entry points (``torchckpt``, ``api``,
-``policies``, ``demo``, ``env``) over ``adjoint`` over ``store`` over ``memory``, ``codecs`` and ``distributed``
+``policies``, ``demo``, ``env``) over ``adjoint`` and ``recompute`` over ``store`` over ``memory``, ``codecs`` and ``distributed``
 over ``schedules`` and ``_native``, with ``_errors``/``_args`` at the bottom. ``schedules`` imports no torch.
 """
 from __future__ import annotations
@@ -25,10 +25,11 @@ ALLOWED: dict[str, set[str]] = {
     "memory": {"_errors", "_native", "schedules"},  # schedules' Tier names the tiers a bandwidth belongs to
     "distributed": {"_errors", "schedules"},
     "store": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "distributed"},
+    "recompute": {"_errors", "_args", "codecs", "schedules", "store"},
     "adjoint": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "store", "distributed"},
-    "policies": {"_errors", "codecs", "store"},
-    "api": {"_errors", "_args", "policies", "schedules", "store"},
-    "planner": {"_errors", "_args", "api", "codecs", "memory", "policies", "schedules", "store"},
+    "policies": {"_errors", "codecs", "recompute", "store"},
+    "api": {"_errors", "_args", "policies", "recompute", "schedules", "store"},
+    "planner": {"_errors", "_args", "api", "codecs", "memory", "policies", "recompute", "schedules", "store"},
 }
 
 

@@ -47,10 +47,10 @@ from torchckpt._args import found
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.schedules import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
-from torchckpt.store.chain import Chain, ChainStats
-from torchckpt.store.mutation import CallState, check_recomputed
-from torchckpt.store.parts import run_in_parts
-from torchckpt.store.selective import selective_contexts
+from torchckpt.recompute.chain import ChainRuntime, ChainStats
+from torchckpt.recompute.mutation import CallState, check_recomputed
+from torchckpt.recompute.parts import run_in_parts
+from torchckpt.recompute.selective import selective_contexts
 
 T = TypeVar("T")
 _POLICY_TYPES = (Recompute, Offload, Keep)
@@ -318,9 +318,9 @@ def _wrap_instance(module: nn.Module, policy: Policy) -> nn.Module:
 
 
 class _ChainForward(_InstanceForward):
-    """The ``forward`` of block ``index`` of a ``checkpoint_chain`` (NOTE [ Chain of blocks ] in store/chain.py)."""
+    """The ``forward`` of block ``index`` of a ``checkpoint_chain`` (NOTE [ Chain of blocks ] in recompute/chain.py)."""
 
-    def __init__(self, module: nn.Module, policy: Recompute, inner: Callable[..., Any] | None, chain: Chain,
+    def __init__(self, module: nn.Module, policy: Recompute, inner: Callable[..., Any] | None, chain: ChainRuntime,
                  index: int) -> None:
         super().__init__(module, policy, inner)
         self.chain, self.index = chain, index
@@ -346,7 +346,7 @@ class ChainCheckpoint:
         schedule: the schedule the chain follows.
     """
 
-    def __init__(self, blocks: list[nn.Module], chain: Chain, undo: list[Any]) -> None:
+    def __init__(self, blocks: list[nn.Module], chain: ChainRuntime, undo: list[Any]) -> None:
         self.blocks = blocks
         self.schedule = chain.schedule
         self._chain = chain
@@ -389,7 +389,7 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
     blocks must form a chain: called in order once per step, each taking the previous block's
     first output, unchanged, as its first positional argument (HF, timm and ``nn.Sequential``
     layer stacks do); a step that does not keeps its inputs from there on, with a warning
-    (NOTE [ Chain of blocks ] in ``store/chain.py``). Gradients are those of plain autograd, bit
+    (NOTE [ Chain of blocks ] in ``recompute/chain.py``). Gradients are those of plain autograd, bit
     for bit, for deterministic blocks.
 
     A schedule may keep snapshots in host memory or on disk (``Tier.HOST``/``Tier.DISK``:
@@ -469,7 +469,7 @@ def checkpoint_chain(blocks: Sequence[nn.Module], snapshots: int | None = None, 
     if snapshots is not None and snapshots < 1:
         raise ValueError(f"torchckpt: checkpoint_chain(snapshots=...) takes an int >= 1 (block inputs kept, block 0's "
                          f"included), got {snapshots!r}; pass e.g. snapshots=4.")
-    chain = Chain(len(mods), snapshots, schedule, store)
+    chain = ChainRuntime(len(mods), snapshots, schedule, store)
     undo: list[Any] = []
     for k, (m, p) in enumerate(zip(mods, policies)):
         prev = m.__dict__.get("forward")

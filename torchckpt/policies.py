@@ -9,8 +9,8 @@ from typing import Any
 
 from torchckpt.codecs.base import Codec
 from torchckpt.store import Store
-from torchckpt.store.parts import check_parts
-from torchckpt.store.selective import check_save
+from torchckpt.recompute.parts import check_parts
+from torchckpt.recompute.selective import check_save
 
 _DETERMINISM = ("default", "none")
 
@@ -46,7 +46,7 @@ class Recompute:
             ``torchckpt.codecs.Codec`` (needs ``save`` and ``store``; the inputs go as the store
             sends them). A lossy codec (e.g. ``TritonQuant``) makes the recomputation start from
             outputs within its stated guarantee, so gradients are within it too, not bit-exact.
-        parts: recompute the block in parts (NOTE [ Recompute in parts ], store/parts.py): cuts
+        parts: recompute the block in parts (NOTE [ Recompute in parts ], recompute/parts.py): cuts
             ``(c1, ..., ck)``, increasing positions > 0 in the order the block's forward saves
             tensors for backward (0 first, parameters counted, as ``Offload(tensors=...)``
             numbers them), split those tensors into the parts ``[0, c1), ..., [ck, N)``. Backward
@@ -54,7 +54,7 @@ class Recompute:
             block's start until that part's last saved tensor, keeping only that part's tensors
             and releasing each as backward uses it: the block holds its largest part's bytes at
             once instead of all it saves, for running its early ops more than once. Cut between the
-            tensors of different ops (``torchckpt.store.parts.PartsStats.nodes``): one op's saved
+            tensors of different ops (``torchckpt.recompute.parts.PartsStats.nodes``): one op's saved
             tensors come back together. Every cut must be below the number of tensors the block
             saves (checked at each forward). Works with
             ``save``, ``store`` and ``codec`` (kept outputs are handed to every recomputation that

@@ -13,7 +13,7 @@ from torch import nn
 import torchckpt
 from torchckpt.planner import Decision, Link, PlanError, profile
 from torchckpt.planner.costs import Prediction
-from torchckpt.planner.plan import _make, _Planned
+from torchckpt.planner.plan import _make, _Profiled
 
 D = 32
 
@@ -87,7 +87,7 @@ def test_sizes_in_the_header_never_read_alike() -> None:
 
 def test_plan_error_names_a_floor_that_reads_unlike_the_budget() -> None:
     m, x = Net(3), torch.randn(16, D)
-    planned = _Planned.prepare(m, (x,), {}, None, None, None, Link(1e9, 1e9))
+    planned = _Profiled.prepare(m, (x,), {}, None, None, None, Link(1e9, 1e9))
     floor = planned.found.floor
     with pytest.raises(PlanError) as e:
         planned.plan(floor - 1)

@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Chain, CodecCost, Decision, Link, simulate
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, StepCosts, CodecCost, Decision, Link, predict
 from torchckpt.planner.costs import balanced_parts, device_bytes, host_bytes, materialised_bytes, part_bytes
 from torchckpt.planner.optimize import PlanError, ladder, search
 from torchckpt.planner.rebuild import states
@@ -18,7 +18,7 @@ MiB = 1 << 20
 
 
 @st.composite
-def chains(draw: st.DrawFn) -> Chain:
+def chains(draw: st.DrawFn) -> StepCosts:
     n = draw(st.integers(1, 7))
     blocks = []
     for i in range(n):
@@ -32,13 +32,13 @@ def chains(draw: st.DrawFn) -> Chain:
     codec = draw(st.sampled_from([None, CodecCost("q4", 3.8, 5e11, 5e11, True, "test bound")]))
     link = Link(draw(st.floats(1e9, 1e11)), draw(st.floats(1e9, 1e11)))
     peak_none = draw(st.integers(0, 512)) * MiB + sum(b.saved_bytes for b in blocks)
-    return Chain.calibrated(blocks, peak_none, draw(st.integers(0, 16)) * MiB, draw(st.floats(0, 1e-2)),
+    return StepCosts.calibrated(blocks, peak_none, draw(st.integers(0, 16)) * MiB, draw(st.floats(0, 1e-2)),
                             draw(st.floats(0, 1e-2)), link, codec)
 
 
 @settings(max_examples=150, deadline=None)
 @given(chains(), st.lists(st.floats(0, 1.2), min_size=1, max_size=8))
-def test_budget_is_respected_and_time_never_rises_with_it(chain: Chain, fracs: list[float]) -> None:
+def test_budget_is_respected_and_time_never_rises_with_it(chain: StepCosts, fracs: list[float]) -> None:
     found = search(chain)
     none = found.plans[0][1]
     assert found.plans[0][0] == (KEEP,) * len(chain.blocks)
@@ -52,14 +52,14 @@ def test_budget_is_respected_and_time_never_rises_with_it(chain: Chain, fracs: l
             continue
         plan, pred = found.best(budget)
         assert pred.peak_bytes <= budget
-        assert simulate(chain, plan) == pred  # the recorded prediction is the plan's
+        assert predict(chain, plan) == pred  # the recorded prediction is the plan's
         times.append(pred.step_s)
     assert all(b <= a + 1e-12 for a, b in zip(times, times[1:])), times
 
 
 @settings(max_examples=100, deadline=None)
 @given(chains())
-def test_a_budget_at_the_no_checkpointing_peak_keeps_everything(chain: Chain) -> None:
+def test_a_budget_at_the_no_checkpointing_peak_keeps_everything(chain: StepCosts) -> None:
     found = search(chain)
     none = found.plans[0][1]
     plan, pred = found.best(none.peak_bytes)
@@ -69,39 +69,39 @@ def test_a_budget_at_the_no_checkpointing_peak_keeps_everything(chain: Chain) ->
 
 @settings(max_examples=100, deadline=None)
 @given(chains(), st.integers(0, 1 << 30))
-def test_keep_everything_peaks_at_the_measured_peak(chain: Chain, extra: int) -> None:
+def test_keep_everything_peaks_at_the_measured_peak(chain: StepCosts, extra: int) -> None:
     """NOTE [ Step model ] Rule 4: the calibration reproduces the measured peak whenever it can."""
     bare = dataclasses.replace(chain, fixed_bytes=0)
-    floor = simulate(bare, [KEEP] * len(chain.blocks)).peak_bytes
-    c = Chain.calibrated(chain.blocks, floor + extra, chain.other_saved_bytes, chain.other_fwd_s, chain.other_bwd_s,
+    floor = predict(bare, [KEEP] * len(chain.blocks)).peak_bytes
+    c = StepCosts.calibrated(chain.blocks, floor + extra, chain.other_saved_bytes, chain.other_fwd_s, chain.other_bwd_s,
                          chain.link, chain.codec)
-    p = simulate(c, [KEEP] * len(chain.blocks))
+    p = predict(c, [KEEP] * len(chain.blocks))
     assert p.peak_bytes == floor + extra
     assert p.step_s == pytest.approx(chain.other_fwd_s + chain.other_bwd_s + sum(b.fwd_s + b.bwd_s for b in chain.blocks))
 
 
-def _chain(n: int, link: float = 25e9, codec: CodecCost | None = None, parts: bool = False) -> Chain:
+def _chain(n: int, link: float = 25e9, codec: CodecCost | None = None, parts: bool = False) -> StepCosts:
     saved = (128 * MiB,) * 4 + (64 * MiB,) * 4 + (32 * MiB,) * 4 + (16 * MiB,) * 4
     at = tuple(3.1e-3 * (k + 1) / len(saved) for k in range(len(saved)))
     blocks = [Block(f"h.{i}", 3.1e-3, 6.9e-3, 32 * MiB, saved, "blk", bwd_bytes=400 * MiB if parts else 0,
                     saved_at=at if parts else (), cuts=tuple(range(1, len(saved))) if parts else ()) for i in range(n)]
-    return Chain.calibrated(blocks, (4 << 30) + sum(b.saved_bytes for b in blocks), 100 * MiB, 2e-3, 4e-3,
+    return StepCosts.calibrated(blocks, (4 << 30) + sum(b.saved_bytes for b in blocks), 100 * MiB, 2e-3, 4e-3,
                             Link(link, link), codec)
 
 
 def test_recompute_costs_a_forward_and_offload_hides_behind_compute() -> None:
     ch = _chain(4)
-    keep = simulate(ch, [KEEP] * 4)
-    rec = simulate(ch, [RECOMPUTE] + [KEEP] * 3)
+    keep = predict(ch, [KEEP] * 4)
+    rec = predict(ch, [RECOMPUTE] + [KEEP] * 3)
     assert rec.recompute_s == pytest.approx(3.1e-3) and rec.step_s == pytest.approx(keep.step_s + 3.1e-3)
     small = Decision("offload", (15,))  # 16 MiB of the first block: hidden behind three blocks' compute
-    off = simulate(ch, [small] + [KEEP] * 3)
+    off = predict(ch, [small] + [KEEP] * 3)
     assert off.stall_s == 0 and off.step_s == pytest.approx(keep.step_s)
     assert off.peak_bytes == keep.peak_bytes  # the store's cache holds it: one offload alone frees nothing
-    assert simulate(ch, [small] + [KEEP] * 3, cache=False).peak_bytes == keep.peak_bytes - 16 * MiB
-    many = simulate(ch, [small] * 3 + [KEEP])  # three: the cache holds two of them
+    assert predict(ch, [small] + [KEEP] * 3, cache=False).peak_bytes == keep.peak_bytes - 16 * MiB
+    many = predict(ch, [small] * 3 + [KEEP])  # three: the cache holds two of them
     assert many.peak_bytes == keep.peak_bytes - 16 * MiB
-    last = simulate(ch, [KEEP] * 3 + [Decision("offload", tuple(range(16)))])  # the last block: nothing to hide it
+    last = predict(ch, [KEEP] * 3 + [Decision("offload", tuple(range(16)))])  # the last block: nothing to hide it
     assert last.stall_s > 0
 
 
@@ -145,11 +145,11 @@ def test_selective_recompute_keeps_time_for_bytes() -> None:
     """NOTE [ Step model ] Rule 2b: keeping the matmul-like ops costs their bytes and saves their time."""
     ops = ((3, 64 * MiB, 2e-3), (7, 64 * MiB, 0.5e-3), (9, 256 * MiB, 0.2e-3))  # (position, bytes, seconds)
     b = Block("b", 3.1e-3, 6.9e-3, 32 * MiB, (256 * MiB,) * 4, bwd_bytes=0, ops=ops)
-    ch = Chain.calibrated([b] * 3, 4 << 30, 0, 0.0, 0.0, Link(25e9, 25e9))
+    ch = StepCosts.calibrated([b] * 3, 4 << 30, 0, 0.0, 0.0, Link(25e9, 25e9))
     sel = [d for d in ladder(b, compress=False) if d.keep]
     assert Decision("recompute", keep=(3,)) in sel  # the most time per byte first
-    full = simulate(ch, [RECOMPUTE] * 3)
-    part = simulate(ch, [Decision("recompute", keep=(3,))] * 3)
+    full = predict(ch, [RECOMPUTE] * 3)
+    part = predict(ch, [Decision("recompute", keep=(3,))] * 3)
     assert part.recompute_s == pytest.approx(full.recompute_s - 3 * 2e-3)
     assert part.peak_bytes > full.peak_bytes
     # On the host (Rule 2b): nothing stays on the device; the inputs and the kept output cross the link, the
@@ -157,16 +157,16 @@ def test_selective_recompute_keeps_time_for_bytes() -> None:
     host = Decision("recompute", host=True, keep=(3,))
     assert host in sel
     assert device_bytes(b, host) == 0 and host_bytes(b, host) == 32 * MiB + 64 * MiB
-    moved = simulate(ch, [host] * 3)
+    moved = predict(ch, [host] * 3)
     assert moved.recompute_s == pytest.approx(part.recompute_s)
     assert moved.d2h_bytes == 3 * 96 * MiB
     assert moved.peak_bytes < part.peak_bytes
     # Compressed (a codec on the chain): only the kept output is squeezed, and its codec time is paid both ways.
     codec = CodecCost("q", ratio=4.0, compress=1e12, decompress=1e12, lossy=True)
-    chc = Chain.calibrated([b] * 3, 4 << 30, 0, 0.0, 0.0, Link(25e9, 25e9), codec)
+    chc = StepCosts.calibrated([b] * 3, 4 << 30, 0, 0.0, 0.0, Link(25e9, 25e9), codec)
     squeezed = Decision("recompute", host=True, keep=(3,), compress=True)
     assert squeezed in ladder(b, compress=True) and squeezed not in ladder(b, compress=False)
-    small = simulate(chc, [squeezed] * 3)
+    small = predict(chc, [squeezed] * 3)
     assert small.d2h_bytes == 3 * (32 * MiB + 16 * MiB)
     assert small.recompute_s == pytest.approx(moved.recompute_s + 3 * 64 * MiB / 1e12)
     with pytest.raises(ValueError, match="compress=True takes"):
@@ -183,11 +183,11 @@ def test_backward_calibrated_on_its_own_when_measured() -> None:
     peak_none = transient + 4 * 128 * MiB
     grads = 16 * MiB  # held through the backward
     bwd_start = [grads + 128 * MiB * (i + 1) for i in range(4)]  # saved bytes of blocks 0..i, plus the gradients
-    plain = Chain.calibrated(blocks, peak_none, 0, 0.0, 0.0, link)
-    both = Chain.calibrated(blocks, peak_none, 0, 0.0, 0.0, link, bwd_start=bwd_start)
+    plain = StepCosts.calibrated(blocks, peak_none, 0, 0.0, 0.0, link)
+    both = StepCosts.calibrated(blocks, peak_none, 0, 0.0, 0.0, link, bwd_start=bwd_start)
     assert both.bwd_fixed_bytes == grads and plain.bwd_fixed_bytes is None
-    assert simulate(both, [KEEP] * 4).peak_bytes == simulate(plain, [KEEP] * 4).peak_bytes == peak_none
-    rec_plain, rec_both = simulate(plain, [RECOMPUTE] * 4), simulate(both, [RECOMPUTE] * 4)
+    assert predict(both, [KEEP] * 4).peak_bytes == predict(plain, [KEEP] * 4).peak_bytes == peak_none
+    rec_plain, rec_both = predict(plain, [RECOMPUTE] * 4), predict(both, [RECOMPUTE] * 4)
     assert rec_both.peak_bytes < rec_plain.peak_bytes
     assert rec_both.peak_bytes >= grads + 3 * 8 * MiB + 128 * MiB + 32 * MiB  # inputs, one block, its gradients
 
@@ -195,7 +195,7 @@ def test_backward_calibrated_on_its_own_when_measured() -> None:
 def test_op_times_lose_the_timer_gap_not_a_share() -> None:
     """NOTE [ Profiling step ] Rule 5: each op timed alone carries the same launch gap; taking it off every op (none
     below zero) leaves a matmul's time nearly whole, where scaling by the forward would shrink it by the same share."""
-    from torchckpt.planner.trace import _less_gaps
+    from torchckpt.planner.profiling import _less_gaps
 
     timed = [1.0e-3] + [30e-6] * 10 + [5e-6] * 5  # one matmul, ten small ops, five views; 1.325 ms in all
     got = _less_gaps(timed, 1.1e-3)  # the block's forward: 1.1 ms
@@ -229,9 +229,9 @@ def test_recompute_in_parts_holds_one_part_and_pays_the_earlier_parts_forward() 
     b = ch.blocks[0]
     cuts = balanced_parts(b.saved, 2)
     assert max(part_bytes(b.saved, cuts)) < b.saved_bytes
-    whole = simulate(ch, [RECOMPUTE] * 4)
+    whole = predict(ch, [RECOMPUTE] * 4)
     parts = Decision("recompute", parts=cuts)
-    split = simulate(ch, [parts] * 4)
+    split = predict(ch, [parts] * 4)
     held = max(part_bytes(b.saved, cuts)) + b.input_bytes
     assert materialised_bytes(b, parts) == max(held, b.saved_bytes - b.bwd_bytes)
     assert whole.at.startswith("backward") and split.peak_bytes == whole.peak_bytes - (
@@ -268,7 +268,7 @@ def test_revolve_over_the_chain_reaches_below_keeping_every_input_on_the_device(
         again = optimal_forward_steps(n, s) - (n - 1)  # Revolve's count less its forward sweep (the model's calls)
         assert p.recompute_s == pytest.approx(n * fwd + again * fwd)
     with pytest.raises(ValueError, match="every block of a plan has the same"):
-        simulate(ch, [Decision("recompute", revolve=32 * MiB)] + [Decision("recompute", revolve=64 * MiB)] * (n - 1))
+        predict(ch, [Decision("recompute", revolve=32 * MiB)] + [Decision("recompute", revolve=64 * MiB)] * (n - 1))
     with pytest.raises(ValueError, match="revolve=...\\) takes Decision\\(mode='recompute'\\) without host"):
         Decision("recompute", host=True, revolve=MiB)
 
@@ -297,7 +297,7 @@ def test_planning_32_blocks_of_unequal_inputs_takes_under_2_seconds() -> None:
     """Revolve over blocks of unequal input size plans each amount of memory with a dynamic program of its own."""
     blocks = [Block(f"h.{i}", 3e-3 * (1 + i % 3), 6e-3, (32 + 16 * (i % 4)) * MiB, (64 * MiB,) * 8, "blk")
               for i in range(32)]
-    ch = Chain.calibrated(blocks, 8 << 30, 100 * MiB, 2e-3, 4e-3, Link(2e10, 2e10))
+    ch = StepCosts.calibrated(blocks, 8 << 30, 100 * MiB, 2e-3, 4e-3, Link(2e10, 2e10))
     t = time.perf_counter()
     found = search(ch)
     dt = time.perf_counter() - t

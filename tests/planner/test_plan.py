@@ -111,10 +111,10 @@ def test_plans_at_budgets_between_floor_and_peak_are_exact_and_within_budget() -
     m = Net(6)
     x = torch.randn(64, D)
     ref = _grads(m, x)
-    from torchckpt.planner.plan import _Planned
+    from torchckpt.planner.plan import _Profiled
 
     slow = Link(2e8, 2e8)  # a slow link makes recomputation win some blocks
-    planner = _Planned.prepare(m, (x,), {}, None, None, None, slow)  # one profile: CPU times vary between two
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, slow)  # one profile: CPU times vary between two
     top = planner.plan(1 << 40)
     assert [b.mode for b in top.blocks] == ["keep"] * 6
     modes = set()
@@ -179,7 +179,7 @@ def test_offload_of_chosen_positions_moves_only_those() -> None:
 
 def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     """NOTE [ Applying a plan ] Rule 4 with a stand-in for the measured step (the CPU has no allocator peak)."""
-    from torchckpt.planner.plan import _REPLANS, _Planned
+    from torchckpt.planner.plan import _REPLANS, _Profiled
 
     m = Net(6)
     x = torch.randn(64, D)
@@ -192,19 +192,19 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
             return p.peak_bytes + extra, p.step_time
         return step
 
-    ok = _Planned(prof, Link(2e8, 2e8), None, over_by(0))
+    ok = _Profiled(prof, Link(2e8, 2e8), None, over_by(0))
     hi = ok.found.plans[0][1].peak_bytes
     budget = (ok.found.floor + hi) // 2
     budget += max(budget // 100, min(2 << 20, budget // 10)) + 1  # the slack of Rule 4
     assert ok.plan(budget).measured_peak_bytes <= budget
     seen.clear()
     extra = (hi - ok.found.floor) // 6  # a step peaks a little above each prediction: planned again, lower
-    p = _Planned(prof, Link(2e8, 2e8), None, over_by(extra))._verified(budget, "all")[0]
+    p = _Profiled(prof, Link(2e8, 2e8), None, over_by(extra))._verified(budget, "all")[0]
     assert p.measured_peak_bytes <= budget and p.budget == budget
     assert len(seen) >= 2 and seen == sorted(seen, reverse=True)
     seen.clear()
     with pytest.raises(PlanError, match="when measured"):
-        _Planned(prof, Link(2e8, 2e8), None, over_by(hi)).plan(budget)
+        _Profiled(prof, Link(2e8, 2e8), None, over_by(hi)).plan(budget)
     assert 1 <= len(seen) <= _REPLANS + 1
 
 
@@ -317,8 +317,8 @@ def test_another_count_of_saved_tensors_warns_once_and_offloads_all() -> None:
 
 def test_profiling_block_by_block_records_what_the_plain_step_records() -> None:
     """NOTE [ Profiling step ] Rule 6: the same saved tensors and inputs, the step's own gradients, exact plans."""
-    from torchckpt.planner.plan import _Planned
-    from torchckpt.planner.trace import profile_blocks
+    from torchckpt.planner.plan import _Profiled
+    from torchckpt.planner.profiling import profile_blocks
 
     torch.manual_seed(4)
     m = Net(4)
@@ -333,7 +333,7 @@ def test_profiling_block_by_block_records_what_the_plain_step_records() -> None:
     for p, g in zip(m.parameters(), ref):  # one step's gradients: the blocks' own runs left none
         assert torch.equal(p.grad, g)
     m.zero_grad(set_to_none=True)
-    planner = _Planned(blocks, Link(2e8, 2e8), None, lambda p: None)
+    planner = _Profiled(blocks, Link(2e8, 2e8), None, lambda p: None)
     top = planner.plan(1 << 40)
     assert not top.none_measured and "predicted" in top.summary()
     p = planner.plan((top.floor_bytes + top.none_peak_bytes) // 2)
@@ -378,7 +378,7 @@ def test_verification_returns_the_fastest_measured_family() -> None:
     """NOTE [ Applying a plan ] Rule 5: when the measured steps say the copies cost more than predicted, the best
     plan that moves nothing over the host link wins the race."""
     from torchckpt.planner.costs import host_bytes
-    from torchckpt.planner.plan import _Planned
+    from torchckpt.planner.plan import _Profiled
 
     m = Net(6)
     x = torch.randn(64, D)
@@ -390,7 +390,7 @@ def test_verification_returns_the_fastest_measured_family() -> None:
         measured.append((p.peak_bytes, p.step_time * (5 if moves else 1)))
         return measured[-1]
 
-    planner = _Planned(prof, Link(1e13, 1e13), None, step)  # the model: copies are free
+    planner = _Profiled(prof, Link(1e13, 1e13), None, step)  # the model: copies are free
     chain = planner.found.chain
     budgets = [pred.peak_bytes * 10 // 9 + 1 for _, pred in planner.found.plans]  # room for Rule 4's slack
     moving = [b for b in budgets if any(host_bytes(blk, d) for blk, d in zip(chain.blocks, planner.found.best(b)[0]))]
@@ -418,12 +418,12 @@ def test_blocks_that_write_their_buffers_are_never_recomputed() -> None:
     import copy
 
     from torchckpt.planner.optimize import ladder
-    from torchckpt.planner.plan import _Planned
+    from torchckpt.planner.plan import _Profiled
 
     torch.manual_seed(4)
     base = nn.Sequential(nn.Linear(D, D), *[BNBlk() for _ in range(4)], nn.Linear(D, 2))
     x = torch.randn(64, D)
-    planner = _Planned.prepare(copy.deepcopy(base), (x,), {}, None, None, lambda y: y.square().mean(), None)
+    planner = _Profiled.prepare(copy.deepcopy(base), (x,), {}, None, None, lambda y: y.square().mean(), None)
     assert planner.prof.writes_buffers == (True,) * 4
     for b in planner.prof.blocks():
         assert not b.recomputable and all(d.mode != "recompute" for d in ladder(b, compress=False))
@@ -441,7 +441,7 @@ def test_blocks_that_write_their_buffers_are_never_recomputed() -> None:
     for (n, b), c in zip(plain.named_buffers(), planned.buffers()):
         assert torch.equal(b, c), n
     eval_only = copy.deepcopy(base).eval()  # in eval mode nothing is written: recomputation is offered again
-    prof = _Planned.prepare(eval_only, (x,), {}, None, None, lambda y: y.square().mean(), None).prof
+    prof = _Profiled.prepare(eval_only, (x,), {}, None, None, lambda y: y.square().mean(), None).prof
     assert prof.writes_buffers == (False,) * 4
 
 
@@ -475,7 +475,7 @@ def test_a_plan_with_revolve_over_the_chain_is_exact_and_runs_what_the_model_cou
 def test_measured_step_time_never_rises_with_the_budget() -> None:
     """NOTE [ Applying a plan ] Rule 6: a larger budget whose own plan measures slower gets a faster plan verified
     for a smaller budget, when that plan's measured peak fits."""
-    from torchckpt.planner.plan import _Planned
+    from torchckpt.planner.plan import _Profiled
 
     m = Net(6)
     x = torch.randn(64, D)
@@ -485,7 +485,7 @@ def test_measured_step_time_never_rises_with_the_budget() -> None:
     def step(p: Plan) -> tuple[int, float]:  # every plan measures as predicted, except those made slow
         return p.peak_bytes, p.step_time * (3 if p.budget in slow else 1)
 
-    planner = _Planned(prof, Link(1e10, 1e10), None, step)
+    planner = _Profiled(prof, Link(1e10, 1e10), None, step)
     peaks = sorted({pred.peak_bytes for _, pred in planner.found.plans})
     small, large = peaks[len(peaks) // 2] * 10 // 9 + 1, peaks[-1] * 10 // 9 + 1
     first = planner.plan(small)
@@ -495,7 +495,7 @@ def test_measured_step_time_never_rises_with_the_budget() -> None:
     assert second.measured_step_time <= first.measured_step_time and second.budget == large
     assert second.blocks == first.blocks  # the smaller budget's plan, which measured faster
     slow.clear()
-    third = _Planned(prof, Link(1e10, 1e10), None, step).plan(large)  # alone: its own plan, faster still
+    third = _Profiled(prof, Link(1e10, 1e10), None, step).plan(large)  # alone: its own plan, faster still
     assert third.measured_step_time is not None and third.measured_step_time <= first.measured_step_time
 
 

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ckpt_models import Block
 from torchckpt.planner import PlanError
-from torchckpt.planner.plan import _Planned
+from torchckpt.planner.plan import _Profiled
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -55,7 +55,7 @@ def _check(dtype: torch.dtype) -> None:
     ref = _grads(m, x)
     assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x))), "plain autograd is not reproducible here"
     m.zero_grad(set_to_none=True)
-    planner = _Planned.prepare(m, (x,), {}, None, None, None, None)  # one profile for every budget
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None)  # one profile for every budget
     top = planner.plan(1 << 40)
     m.zero_grad(set_to_none=True)
     lo, hi = top.floor_bytes, top.none_peak_bytes
@@ -96,7 +96,7 @@ def test_block_by_block_profiles_give_verified_exact_plans_on_the_gpu() -> None:
     m = Stack(512, 8, 8).cuda().to(torch.bfloat16)
     x = torch.randn(4, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
     ref = _grads(m, x)
-    planner = _Planned.prepare(m, (x,), {}, None, None, None, None, by_blocks=True)
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None, by_blocks=True)
     top = planner.plan(1 << 40)
     assert not top.none_measured
     m.zero_grad(set_to_none=True)
@@ -135,7 +135,7 @@ def test_recompute_in_parts_at_the_profiled_cuts_holds_one_part_and_is_exact() -
     autograd's gradients, bit for bit."""
     import torchckpt
     from torchckpt.planner.costs import balanced_parts
-    from torchckpt.store import parts
+    from torchckpt.recompute import parts
 
     torch.manual_seed(0)
     m = Stack(512, 8, 8).cuda().to(torch.bfloat16)
@@ -143,7 +143,7 @@ def test_recompute_in_parts_at_the_profiled_cuts_holds_one_part_and_is_exact() -
     ref = _grads(m, x)
     assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x))), "plain autograd is not reproducible here"
     m.zero_grad(set_to_none=True)
-    blk = _Planned.prepare(m, (x,), {}, None, None, None, None).prof.blocks()[1]
+    blk = _Profiled.prepare(m, (x,), {}, None, None, None, None).prof.blocks()[1]
     m.zero_grad(set_to_none=True)
     cuts = balanced_parts(blk.saved, 2, blk.cuts)
     assert cuts, blk

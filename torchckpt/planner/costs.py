@@ -8,13 +8,13 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 # ``keep`` (on the device), ``recompute`` (only the block's inputs are kept; the block's forward
 # runs again right before its backward, as ``torch.utils.checkpoint`` does) or ``offload``
 # (a chosen subset of its saved tensors is copied to host memory, optionally compressed; the rest
-# is kept). ``simulate`` replays the step on one compute stream and one copy engine per direction:
+# is kept). ``predict`` replays the step on one compute stream and one copy engine per direction:
 # 1. Forward: block i computes for ``fwd_s`` (plus the compression of what it offloads); at its end
 #    its offloaded bytes queue on the device-to-host engine (FIFO, ``Link.d2h`` bytes/s of wire
 #    bytes, i.e. after compression). An offloaded tensor occupies the device until its copy ends.
 # 1b. The store's GPU cache (Rule 3) evicts only entries whose copy to host has ended (NOTE [ Store ]
 #    Rule 3): when the bytes not yet copied exceed it, the compute stream waits for the oldest
-#    copies (a stall in the forward). Without the cache (``simulate(cache=False)``), nothing waits.
+#    copies (a stall in the forward). Without the cache (``predict(cache=False)``), nothing waits.
 # 2. Backward: the work outside the blocks (the head, the loss) runs first, and frees what it
 #    saved (``other_saved_bytes`` count in the forward only), then block i's
 #    backward, ``bwd_s``, plus ``fwd_s`` again if recomputed, plus decompression. The copy back of
@@ -46,14 +46,14 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    GPU cache (``cache_bytes``: room for the block in use and the one prefetched) keeps the
 #    most recent offloaded tensors resident up to its size, so offloaded bytes count at least
 #    ``min(cache, offloaded bytes not yet used)`` in both sweeps. ``peak`` is the largest sum, sampled at
-#    every block boundary of both sweeps, plus ``Chain.fixed_bytes``: what a step adds besides
+#    every block boundary of both sweeps, plus ``StepCosts.fixed_bytes``: what a step adds besides
 #    saved tensors (gradients allocated during backward, the transient working memory at the
 #    no-checkpointing peak). Memory allocated before the step (parameters, optimiser state) is
 #    not counted: a budget is what one step may add.
 # 4. ``fixed_bytes`` is chosen so that keeping every block predicts the measured
-#    no-checkpointing peak (``Chain.calibrated``), or, for a step that only fits with its blocks
+#    no-checkpointing peak (``StepCosts.calibrated``), or, for a step that only fits with its blocks
 #    recomputed, so that recomputing every block predicts that step's measured peak
-#    (``Chain.calibrated_on``). What the forward's end holds besides saved tensors (the loss's
+#    (``StepCosts.calibrated_on``). What the forward's end holds besides saved tensors (the loss's
 #    temporaries) is gone by the blocks' backward, so when the profiling step measured what was
 #    allocated as each block's backward began, the backward gets its own ``bwd_fixed_bytes``: the
 #    most of those allocations less the saved bytes of the blocks not yet through backward, and
@@ -72,10 +72,10 @@ from collections.abc import Sequence
 from torchckpt._args import part_bytes
 from torchckpt.planner.rebuild import States, states
 
-__all__ = ["Block", "Chain", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
+__all__ = ["Block", "StepCosts", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
            "chain_states",
            "device_bytes", "host_bytes", "kept_bytes", "materialised_bytes", "part_bytes", "parts_seconds",
-           "recompute_seconds", "replay", "simulate", "split_bytes", "terms"]
+           "recompute_seconds", "replay", "predict", "split_bytes", "terms"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +153,7 @@ class Block:
 
 
 @dataclasses.dataclass(frozen=True)
-class Chain:
+class StepCosts:
     """A step's measured costs: its blocks in forward order and everything else.
 
     Args:
@@ -179,29 +179,29 @@ class Chain:
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
                    other_bwd_s: float, link: Link, codec: CodecCost | None = None,
-                   bwd_start: Sequence[int] = ()) -> Chain:
+                   bwd_start: Sequence[int] = ()) -> StepCosts:
         """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4).
 
         ``bwd_start``: what was allocated when each block's backward began in that step, if measured; it
         calibrates the backward on its own (Rule 4).
         """
         if len(bwd_start) != len(blocks) or not blocks:
-            return Chain.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
+            return StepCosts.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
                                        other_bwd_s, link, codec)
         held, bwd_fixed = 0, 0
         for b, at in zip(blocks, bwd_start):
             held += b.saved_bytes
             bwd_fixed = max(bwd_fixed, at - held)
-        bare = Chain(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec, bwd_fixed)
-        fixed = max(0, peak_none - simulate(bare, [KEEP] * len(blocks)).fwd_peak_bytes)
+        bare = StepCosts(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec, bwd_fixed)
+        fixed = max(0, peak_none - predict(bare, [KEEP] * len(blocks)).fwd_peak_bytes)
         return dataclasses.replace(bare, fixed_bytes=fixed)
 
     @staticmethod
     def calibrated_on(blocks: Sequence[Block], plan: Sequence[Decision], peak: int, other_saved_bytes: int,
-                      other_fwd_s: float, other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> Chain:
+                      other_fwd_s: float, other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> StepCosts:
         """A chain whose prediction for ``plan`` is ``peak``, that plan's measured peak (Rule 4)."""
-        bare = Chain(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
-        return dataclasses.replace(bare, fixed_bytes=max(0, peak - simulate(bare, plan).peak_bytes))
+        bare = StepCosts(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
+        return dataclasses.replace(bare, fixed_bytes=max(0, peak - predict(bare, plan).peak_bytes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -358,7 +358,7 @@ def cache_bytes(offloaded: Sequence[int], lookahead: int = 1) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class Prediction:
-    """What ``simulate`` predicts for one plan.
+    """What ``predict`` predicts for one plan.
 
     Attributes:
         peak_bytes: device bytes at the peak, ``fixed_bytes`` included.
@@ -381,7 +381,7 @@ class Prediction:
     fwd_peak_bytes: int = 0
 
 
-def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: bool = True) -> Prediction:
+def predict(chain: StepCosts, plan: Sequence[Decision], lookahead: int = 1, cache: bool = True) -> Prediction:
     """Replay one step of ``chain`` under ``plan`` (one decision per block) on the model of NOTE [ Step model ].
 
     ``cache=False`` leaves the store's GPU cache out of the memory (Rule 3): what the plan's
@@ -396,7 +396,7 @@ def simulate(chain: Chain, plan: Sequence[Decision], lookahead: int = 1, cache: 
                   chain_states(chain, plan[0].revolve) if n and plan[0].revolve else None)
 
 
-def chain_states(chain: Chain, memory: int) -> States:
+def chain_states(chain: StepCosts, memory: int) -> States:
     """What Revolve over ``chain``'s blocks with ``memory`` bytes of snapshots holds and runs again (Rule 5)."""
     return states([b.fwd_s for b in chain.blocks], [b.input_bytes for b in chain.blocks], memory)
 
@@ -404,8 +404,8 @@ def chain_states(chain: Chain, memory: int) -> States:
 Terms = tuple[int, int, int, float, float, int, bool, bool]
 
 
-def terms(chain: Chain, b: Block, d: Decision) -> Terms:
-    """What ``simulate`` needs of one block's decision: (bytes kept on the device, offloaded, over the link,
+def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
+    """What ``predict`` needs of one block's decision: (bytes kept on the device, offloaded, over the link,
     compression time, decompression and recomputation time, bytes its backward materialises, recomputed, with
     host). The search computes them once per option (NOTE [ Plan search ])."""
     codec = chain.codec
@@ -422,9 +422,9 @@ def terms(chain: Chain, b: Block, d: Decision) -> Terms:
     return kept, off, wire, extra_f, extra_b, max(materialised_bytes(b, d), kept) if rec else kept, rec, d.host
 
 
-def replay(chain: Chain, per: Sequence[Terms], lookahead: int = 1, cache: bool = True,
+def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bool = True,
            revolve: States | None = None) -> Prediction:
-    """``simulate`` on each block's ``terms`` (and, for a plan with Revolve over the chain, its ``chain_states``)."""
+    """``predict`` on each block's ``terms`` (and, for a plan with Revolve over the chain, its ``chain_states``)."""
     blocks = chain.blocks
     n = len(blocks)
     d2h_bw, h2d_bw = chain.link.d2h, chain.link.h2d

@@ -1,4 +1,4 @@
-"""The planner and forwards that change state besides their outputs (NOTE [ Mutating forwards ] in store/mutation.py).
+"""The planner and forwards that change state besides their outputs (NOTE [ Mutating forwards ] in recompute/mutation.py).
 
 Two things: transformers' ``use_cache`` turned off for training forwards while the planner runs its steps and
 while a plan is applied (Rule 6), as ``gradient_checkpointing_enable()`` does; and the warning ``plan`` gives for

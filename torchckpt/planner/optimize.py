@@ -10,7 +10,7 @@
 #    (NOTE [ Step model ] Rule 2c), inputs on the device or on the host (not with kept outputs on
 #    the host: on an H200 such a plan found none of them prefetched, 131 ms of exposed copies a
 #    step where the model predicted none). Every option is simulated with the
-#    whole chain (``simulate``), so the link's contention and the position of the block
+#    whole chain (``predict``), so the link's contention and the position of the block
 #    (offloading the last blocks cannot be hidden) are priced, not assumed.
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
 #    to a lower rung) that lowers the predicted peak for the least added time per byte saved,
@@ -42,7 +42,7 @@ import heapq
 
 from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.planner.costs import (
-    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, Chain, Decision, Prediction, Terms, balanced_parts, chain_states,
+    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, StepCosts, Decision, Prediction, Terms, balanced_parts, chain_states,
     device_bytes, host_bytes, materialised_bytes, replay, terms,
 )
 
@@ -127,7 +127,7 @@ def _selective(block: Block, rungs: int, first: int = 6) -> list[Decision]:
 class Search:
     """The plans the search recorded (NOTE [ Plan search ] Rule 2), keep-everything first."""
 
-    chain: Chain
+    chain: StepCosts
     plans: tuple[tuple[tuple[Decision, ...], Prediction], ...]
 
     @property
@@ -156,7 +156,7 @@ class Search:
 FAMILIES = ("all", "lossless", "local")
 
 
-def _in(family: str, plan: tuple[Decision, ...], chain: Chain) -> bool:
+def _in(family: str, plan: tuple[Decision, ...], chain: StepCosts) -> bool:
     if family == "lossless":
         return not any(d.compress for d in plan)
     if family == "local":
@@ -169,7 +169,7 @@ def size(n: float) -> str:
     return format_bytes(n)
 
 
-def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
+def search(chain: StepCosts, rungs: int = 4, lookahead: int = 1) -> Search:
     """Walk the plans from keep-everything down to the floor (NOTE [ Plan search ] Rules 2-3)."""
     blocks = chain.blocks
     options = [ladder(b, chain.codec is not None, rungs) for b in blocks]
@@ -191,7 +191,7 @@ def search(chain: Chain, rungs: int = 4, lookahead: int = 1) -> Search:
     return Search(chain, tuple(plans))
 
 
-def _revolve_plans(chain: Chain, options: list[list[Decision]],
+def _revolve_plans(chain: StepCosts, options: list[list[Decision]],
                    lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
     """Rule 6: every block recomputed (whole, or in its parts when every block has them) under Revolve over the
     chain, for each number of inputs its snapshots may hold."""
@@ -217,7 +217,7 @@ def _revolve_plans(chain: Chain, options: list[list[Decision]],
     return out
 
 
-def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
+def _walk(chain: StepCosts, options: list[list[Decision]], lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
     """One greedy walk over ``options`` (each block's ladder, keep first) (Rule 2).
 
     Lazy greedy: a move's score (added time per byte of peak saved) is kept from when it was last
@@ -284,7 +284,7 @@ def _walk(chain: Chain, options: list[list[Decision]], lookahead: int) -> list[t
     return plans
 
 
-def _group_move(chain: Chain, options: list[list[Decision]], nbytes: list[list[tuple[int, int]]],
+def _group_move(chain: StepCosts, options: list[list[Decision]], nbytes: list[list[tuple[int, int]]],
                 table: list[list[Terms]], pos: list[int], per: list[Terms], pred: Prediction,
                 lookahead: int) -> list[tuple[int, int]] | None:
     """Rule 2's move off a plateau: one option taken by every block whose ladder has it further down, the one that

@@ -28,7 +28,7 @@
 #    any plan; without compression; with nothing over the host link), each verified as in Rule 4,
 #    and returns the one whose measured step (the median of the verification steps) is fastest.
 #    Families whose best plan was already measured are not run again.
-# 6. Plans for several budgets from one profile (``plans``, or ``plan`` called again on one ``_Planned``) keep
+# 6. Plans for several budgets from one profile (``plans``, or ``plan`` called again on one ``_Profiled``) keep
 #    the measured step time from rising with the budget too: a budget whose own verified plan measured slower
 #    than one verified for another budget, whose measured peak is within this budget's slack, gets that plan
 #    (measurements of one plan differ by a few percent between steps; the model's predictions are monotone
@@ -57,11 +57,11 @@ from torchckpt.planner.costs import (
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.rebuild import schedule as revolve_schedule
 from torchckpt.planner.rebuild import states
-from torchckpt.planner.chain import find_blocks
+from torchckpt.planner.blocks import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.mutation import UseCacheOff, warn_mutating
 from torchckpt.planner.restore import untouched
-from torchckpt.planner.trace import Profile, SavedTensor, StepRaised, _loss_of, profile, profile_blocks
+from torchckpt.planner.profiling import Profile, SavedTensor, StepRaised, _loss_of, profile, profile_blocks
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
@@ -451,7 +451,7 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
     _check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
     nbytes = parse_bytes(budget, "plan(budget=...)")
     with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
-        return _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+        return _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
                                 progress=progress, call="plan").plan(nbytes)
 
 
@@ -481,7 +481,7 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
     sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
     out = {}
     with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
-        p = _Planned.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+        p = _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
                              progress=progress, call="plans")
         for b in sizes:
             try:
@@ -491,7 +491,7 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
     return out
 
 
-class _Planned:
+class _Profiled:
     """One profiling step and its search, planned for any budget."""
 
     def __init__(self, prof: Profile, link: Link, codec: CodecCost | None,
@@ -506,7 +506,7 @@ class _Planned:
     def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
                 blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
                 link: Link | None, verify: bool = True, by_blocks: bool = False, progress: bool = False,
-                call: str = "plan") -> _Planned:
+                call: str = "plan") -> _Profiled:
         """Profile ``model`` and search; ``call`` (``plan``, ``plans``, ``auto``, which checked the arguments) names
         the entry point in errors."""
         named = None
@@ -559,7 +559,7 @@ class _Planned:
             finally:
                 a.remove()
 
-        planned = _Planned(prof, ln, ccost, step)
+        planned = _Profiled(prof, ln, ccost, step)
         planned.say = say
         say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
         return planned
@@ -708,7 +708,7 @@ def auto(model: nn.Module, *, budget: int | str, codec: Codec | None = None, blo
         handle._hook.remove()
         handle._hook = None
         with untouched(model, (args, kwargs)):  # NOTE [ Planning leaves no trace ]
-            planned = _Planned.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify, progress=progress,
+            planned = _Profiled.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify, progress=progress,
                                        call="auto")
             handle.plan = planned.plan(nbytes)
         handle.applied = handle.plan.apply(model, codec=codec)

@@ -2,7 +2,7 @@
 
 # NOTE [ Revolve over the chain ]
 # 1. A plan may recompute every block and keep only some of their inputs, rebuilding the others in backward
-#    from the nearest one kept (``torchckpt.checkpoint_chain``, NOTE [ Chain of blocks ] in store/chain.py):
+#    from the nearest one kept (``torchckpt.checkpoint_chain``, NOTE [ Chain of blocks ] in recompute/chain.py):
 #    worth it where the blocks' inputs alone are a large part of the budget and the host link is busy or
 #    absent. ``Decision.revolve`` is the bytes the chain's snapshots may hold; every block of such a plan
 #    has the same.

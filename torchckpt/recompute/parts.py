@@ -96,10 +96,10 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchckpt._args import part_bytes
 from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.codecs.base import Codec
-from torchckpt.store.forward_state import ForwardState
+from torchckpt.recompute.forward_state import ForwardState
 from torchckpt.store.identity import storage_ptrs
 from torchckpt.store.saved import Store
-from torchckpt.store.selective import OpCounter, _Keeping, _Reusing
+from torchckpt.recompute.selective import OpCounter, _Keeping, _Reusing
 
 __all__ = ["PartsMeter", "PartsStats", "check_parts", "measure", "part_bytes", "run_in_parts"]
 
@@ -184,7 +184,7 @@ def measure() -> Iterator[PartsMeter]:
     Example::
 
         >>> import torchckpt
-        >>> from torchckpt.store import parts
+        >>> from torchckpt.recompute import parts
         >>> x = torch.randn(64, 64, requires_grad=True)
         >>> f = lambda x: x.exp().tanh()  # each saves its result: 16 KiB each
         >>> with parts.measure() as m:

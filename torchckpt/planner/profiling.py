@@ -44,7 +44,7 @@
 #    runs with every block under ``torch.utils.checkpoint`` instead, recording what is saved outside
 #    the blocks and each block's inputs; then each block runs alone on its inputs, forward and
 #    backward, and is recorded as in Rules 2-3 and 5 (``profile_blocks``). The chain is then
-#    calibrated on that step's peak, with every block recomputed (``Chain.calibrated_on``), and
+#    calibrated on that step's peak, with every block recomputed (``StepCosts.calibrated_on``), and
 #    the no-checkpointing figures are predictions.
 # 7. A block whose forward writes its own buffers (batch norm's running statistics in training
 #    mode: the buffer's version moves during the profiled forward) is never offered recomputation:
@@ -52,7 +52,7 @@
 #    autograd computes (``torch.utils.checkpoint`` has the same effect; the planner avoids it).
 #    Nor is a block whose forward changes other state that a recomputation would change again (what it
 #    is called with, such as a KV cache it appends to, or its modules' attributes; ``Profile.mutates``
-#    says what): NOTE [ Mutating forwards ] Rule 5 in store/mutation.py.
+#    says what): NOTE [ Mutating forwards ] Rule 5 in recompute/mutation.py.
 # 8. What the model's forward, the loss or the backward raises in a step (a batch or a loss the model does not take)
 #    comes out as ``StepRaised``, naming which of the three, with the exception as its ``__cause__``; the planner's
 #    entry points raise it as an error naming their call, chained to it. torchckpt's own errors and running out of
@@ -74,11 +74,11 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._errors import CheckpointError, internal_error
-from torchckpt.planner.chain import block_kind, find_blocks
-from torchckpt.planner.costs import RECOMPUTE, Block, Chain, CodecCost, Link
+from torchckpt.planner.blocks import block_kind, find_blocks
+from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
-from torchckpt.store.mutation import CallState, module_state
-from torchckpt.store.selective import OpCounter, keepable
+from torchckpt.recompute.mutation import CallState, module_state
+from torchckpt.recompute.selective import OpCounter, keepable
 
 __all__ = ["OpCost", "Profile", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
 
@@ -180,7 +180,7 @@ class Profile:
                              recomputable=not fixed))
         return out
 
-    def chain(self, link: Link, codec: CodecCost | None = None) -> Chain:
+    def chain(self, link: Link, codec: CodecCost | None = None) -> StepCosts:
         """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order).
 
         ``peak_none`` is the measured no-checkpointing peak, or with ``by_blocks`` (Rule 6) the
@@ -188,9 +188,9 @@ class Profile:
         """
         blocks = self.blocks()
         if self.by_blocks:
-            return Chain.calibrated_on(blocks, [RECOMPUTE] * len(blocks), self.peak_none, self.other_saved_bytes,
+            return StepCosts.calibrated_on(blocks, [RECOMPUTE] * len(blocks), self.peak_none, self.other_saved_bytes,
                                        self.other_fwd_s, self.other_bwd_s, link, codec)
-        return Chain.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
+        return StepCosts.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
                                 link, codec, self.bwd_start_bytes)
 
 

@@ -11,7 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torchckpt
 from torchckpt.schedules import Multistage, optimal_forward_steps
-from torchckpt.store.chain import SLOTS
+from torchckpt.recompute.chain import SLOTS
 
 pytestmark = pytest.mark.cuda
 

@@ -16,8 +16,8 @@ import torchckpt
 from ckpt_models import Block, cpu_store
 from torchckpt import Recompute
 from torchckpt._errors import CheckpointError
-from torchckpt.store import parts
-from torchckpt.store.parts import part_bytes
+from torchckpt.recompute import parts
+from torchckpt.recompute.parts import part_bytes
 
 aten = torch.ops.aten
 MATMULS = frozenset({aten.mm.default, aten.addmm.default, aten.bmm.default})

@@ -14,7 +14,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 import torchckpt
 from torchckpt import Recompute, Store
 from torchckpt._errors import CheckpointError
-from torchckpt.store.selective import keepable
+from torchckpt.recompute.selective import keepable
 
 aten = torch.ops.aten
 MATMULS = {aten.mm.default, aten.addmm.default}

@@ -24,7 +24,7 @@ blocks of unequal cost and size.
 #    saved states and the last block's. Each call records what running the block again needs: its function,
 #    its other arguments (tensors detached, keeping their ``requires_grad``), the CPU RNG state and those of
 #    its tensors' devices (unless the policy's ``preserve_rng_state`` is off), the autocast state and device
-#    context (``ForwardState``, store/forward_state.py, shared with ``Recompute(parts=...)``), the
+#    context (``ForwardState``, recompute/forward_state.py, shared with ``Recompute(parts=...)``), the
 #    state's shape, dtype and device. Autograd keeps the pack hook alive with every tensor saved under it,
 #    so the hook reaches the state through a box emptied when the block returns: nothing else of the
 #    forward holds the state.
@@ -60,7 +60,7 @@ blocks of unequal cost and size.
 #    and backward hold it. ``Tier.GPU`` snapshots stay detached references. Snapshot k is named ``k`` in a store
 #    the step made, ``k`` plus a base of the step's own in one passed (steps alive at once share it).
 # 9. A step releases its off-GPU snapshots once its stream passes ``Adjoint(0)`` (only ``Free``s follow): it
-#    closes a store it made (``Chain.snapshot_stats`` reads its counters later) or frees its snapshots in one
+#    closes a store it made (``ChainRuntime.snapshot_stats`` reads its counters later) or frees its snapshots in one
 #    passed. A step freed before (no backward, a broken or partial step) does so when it is garbage collected
 #    (``weakref.finalize`` on the step, whose callback holds the store, never the step: Rule 7).
 # 10. Version checks, as autograd's on saved tensors: a state the step holds from the forward (the current state,
@@ -87,13 +87,13 @@ from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.schedules import Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Revolve, Save, Schedule, Tier
 from torchckpt.schedules.execute import Walker, run, walk
 from torchckpt.schedules.planned import Planned
-from torchckpt.store.forward_state import ForwardState
+from torchckpt.recompute.forward_state import ForwardState
 from torchckpt.store.saved import default_store
 from torchckpt.store.lend import lend_snapshot_store
 from torchckpt.store.snapshots import SnapshotStore
 from torchckpt.store.stats import SnapshotStats
 
-__all__ = ["Chain", "ChainStats", "SLOTS"]
+__all__ = ["ChainRuntime", "ChainStats", "SLOTS"]
 
 SLOTS = 2  # device slots of the SnapshotStore a step makes (Rule 8): the fewest that overlap copies and compute
 _bases = itertools.count(1)  # Rule 8: a step's snapshot names in a store passed
@@ -219,7 +219,7 @@ class _Snaps:
 class _Step:
     """One forward of the chain and its backward (Rules 2-9)."""
 
-    def __init__(self, chain: Chain) -> None:
+    def __init__(self, chain: ChainRuntime) -> None:
         self.chain = chain
         n = chain.n
         self.records: list[_Record | None] = [None] * n
@@ -485,7 +485,7 @@ class _Follow(_Walk):
 
 
 class _Shape(Walker):
-    """What ``Chain`` checks of a schedule, in one walk (NOTE [ Executor ]): whether its forward sweep (the actions
+    """What ``ChainRuntime`` checks of a schedule, in one walk (NOTE [ Executor ]): whether its forward sweep (the actions
     before ``EndForward``) only saves and advances, in order from state 0; where it ends; whether it saves block
     0's input; whether any snapshot goes off the GPU."""
 
@@ -515,7 +515,7 @@ class _Shape(Walker):
         self.ended = True
 
 
-class Chain:
+class ChainRuntime:
     """The runtime of ``torchckpt.checkpoint_chain`` (NOTE [ Chain of blocks ]): ``call`` runs block ``i``.
 
     Args:

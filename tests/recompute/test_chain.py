@@ -1,4 +1,4 @@
-"""checkpoint_chain: Revolve over a chain of blocks (NOTE [ Chain of blocks ] in torchckpt/store/chain.py).
+"""checkpoint_chain: Revolve over a chain of blocks (NOTE [ Chain of blocks ] in torchckpt/recompute/chain.py).
 
 Every case compares with plain autograd bit for bit, and counts what the chain ran again against the schedule's
 optimum."""
@@ -17,7 +17,7 @@ import torchckpt
 from torchckpt.memory import HostPool
 from torchckpt.schedules import Multistage, Revolve, Tier, Uniform, optimal_forward_steps, plan_prefetch
 from torchckpt.store import SnapshotStore
-from torchckpt.store.chain import SLOTS
+from torchckpt.recompute.chain import SLOTS
 from zoo_models import ZOO, available, deterministic_cuda, to
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]

@@ -1,4 +1,4 @@
-"""Finding a model's chain of blocks (NOTE [ Profiling step ] Rule 1 in planner/trace.py)."""
+"""Finding a model's chain of blocks (NOTE [ Profiling step ] Rule 1 in planner/profiling.py)."""
 from __future__ import annotations
 
 from torch import nn
