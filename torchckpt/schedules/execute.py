@@ -67,45 +67,22 @@ def execute(action: Action, driver: Any, i: int) -> bool:
     raise unknown(action, i) if unknown is not None else Walker.unknown(driver, action, i)
 
 
-@execute.register
-def _(a: Advance, driver: Any, i: int) -> bool:
-    return driver.advance(a, i) is not False
+def _to(method: str) -> Any:
+    """The dispatch of one action class: the driver's ``method`` with the action and its position (Rules 1-2)."""
+    def call(a: Action, driver: Any, i: int) -> bool:
+        return getattr(driver, method)(a, i) is not False
+    return call
 
 
-@execute.register
-def _(a: Save, driver: Any, i: int) -> bool:
-    return driver.save(a, i) is not False
-
-
-@execute.register
-def _(a: Restore, driver: Any, i: int) -> bool:
-    return driver.restore(a, i) is not False
-
-
-@execute.register
-def _(a: Adjoint, driver: Any, i: int) -> bool:
-    return driver.adjoint(a, i) is not False
-
-
-@execute.register
-def _(a: Prefetch, driver: Any, i: int) -> bool:
-    return driver.prefetch(a, i) is not False
-
-
-@execute.register
-def _(a: Free, driver: Any, i: int) -> bool:
-    return driver.free(a, i) is not False
-
-
-@execute.register
-def _(a: EndForward, driver: Any, i: int) -> bool:
-    return driver.end_forward(a, i) is not False
+for _cls, _method in ((Advance, "advance"), (Save, "save"), (Restore, "restore"), (Adjoint, "adjoint"),
+                      (Prefetch, "prefetch"), (Free, "free"), (EndForward, "end_forward")):
+    execute.register(_cls, _to(_method))
 
 
 @execute.register
 def _(a: End, driver: Any, i: int) -> bool:
     driver.end(a, i)
-    return False
+    return False  # Rule 2: End stops the walk always
 
 
 def run(actions: Iterable[tuple[int, Action]], driver: Any) -> bool:
