@@ -1,4 +1,4 @@
-// torchckpt lazily pinned host pool (NOTE [ Lazy host pool ] in torchckpt/store/lazy_pool.py).
+// torchckpt lazily pinned host pool (NOTE [ Lazy host pool ] in torchckpt/memory/lazy_pool.py).
 //
 // One anonymous mmap of the whole pool, advised MADV_HUGEPAGE. A background std::thread walks
 // the pool chunk by chunk: it touches every page of a chunk (MADV_POPULATE_WRITE where the kernel
@@ -6,6 +6,7 @@
 // the chunk with cudaHostRegister, so that copies into it run at pinned bandwidth. Until then the
 // chunk is ordinary pageable memory: copies into it are correct, only slower.
 //
+// NOTE [ Native host pool ]
 // Rules (numbers cited below and from the Python side):
 //  1. Chunk k is [offset_k, offset_k + size_k); sizes start at `first_chunk_bytes` and double up
 //     to `chunk_bytes` (the last chunk holds the remainder). Every size is a multiple of the page

@@ -36,7 +36,7 @@
 //    memory_reserved() do not count it; ``mapped_bytes()`` does.
 // 10. No C++ exception leaves this file on a normal path, and messages are built with
 //    std::string, not streams: the constructor records a failure in ``init_error()`` and
-//    ``wait`` returns "" or the message; the Python wrapper (torchckpt/store/device_arena.py)
+//    ``wait`` returns "" or the message; the Python wrapper (torchckpt/memory/device_arena.py)
 //    validates arguments first and raises. Why: on the H100 test machine (torch 2.11.0+cu130,
 //    gcc 13.3, driver 580) a TORCH_CHECK thrown from this class after CUDA was initialized ended
 //    the process with SIGSEGV (constructor with nbytes < 0; view() after a background

@@ -212,7 +212,7 @@ def _apply(ctx: Ctx, vals: list[torch.Tensor], metas: list[Meta], i: int) -> Non
         metas.append(meta)
     names = ", ".join(f"v{j}" for j in range(n, len(vals)))
     ctx.lines.append(f"{names} = {o.name}(v{ia}, v{ib}, k={o.k}){'  # clobber' if o.clobber else ''}"
-                     f"{'  # cloned (Rule 3)' if i in ctx.clones else ''}")
+                     f"{'  # cloned (NOTE [ Fuzzer semantics ] Rule 3)' if i in ctx.clones else ''}")
 
 
 class Plain:
@@ -226,7 +226,7 @@ class Plain:
 
 
 def _ref_pack(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    if t.grad_fn is not None or t._base is not None:  # Rule 11: hold no graph (same storage, counter and bits)
+    if t.grad_fn is not None or t._base is not None:  # NOTE [ Fuzzer semantics ] Rule 11: hold no graph (same storage, counter and bits)
         return t.detach(), t._version
     return t, t._version
 
@@ -291,7 +291,7 @@ class Parts:
 
         def pack(t: torch.Tensor) -> None:
             nonlocal n
-            n += 1  # nothing kept: a saved output would hold its grad_fn, and the probe's graph (Rule 11)
+            n += 1  # nothing kept: a saved output would hold its grad_fn, and the probe's graph (NOTE [ Fuzzer semantics ] Rule 11)
 
         devices = sorted({a.device.index or 0 for a in args if a.device.type == "cuda"})
         with torch.random.fork_rng(devices=devices), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -346,7 +346,7 @@ class ChainRun:
         self.bump = r.random() < 0.5 or alias
         self.chain: Any = None  # torchckpt.ChainCheckpoint, once installed
         self.steps = 2 if form == "chain" and not mixed and not twin else 1  # a second step on the same chain
-        self.notes: list[str] = []  # the chain's own account, when it is wrong (Rule 10)
+        self.notes: list[str] = []  # the chain's own account, when it is wrong (NOTE [ Fuzzer semantics ] Rule 10)
 
     @property
     def has_parts(self) -> bool:
@@ -360,7 +360,7 @@ class ChainRun:
         if kind == "parts" and not self.twin:
             assert parts is not None
             return Recompute(parts=parts)
-        return Recompute()  # a parts block's twin: torch's whole recomputation (Rule 9)
+        return Recompute()  # a parts block's twin: torch's whole recomputation (NOTE [ Fuzzer semantics ] Rule 9)
 
     def _drive(self, leaves: list[torch.Tensor], call: Callable[..., Any], probe: bool = False) -> list[torch.Tensor]:
         """Run the blocks in the form's order, ``call(j, *args)`` running block j; every value (leaves first)."""
@@ -388,12 +388,12 @@ class ChainRun:
         return vals
 
     def _parts(self, leaves: list[torch.Tensor]) -> list[tuple[int, ...] | None]:
-        """Rule 9's cuts for each parts block, from a probe forward of the blocks (RNG forked)."""
+        """NOTE [ Fuzzer semantics ] Rule 9's cuts for each parts block, from a probe forward of the blocks (RNG forked)."""
         counts = [0] * len(self.blocks)
         j_now = [0]
 
         def pack(t: torch.Tensor) -> None:
-            counts[j_now[0]] += 1  # nothing kept (Rule 11)
+            counts[j_now[0]] += 1  # nothing kept (NOTE [ Fuzzer semantics ] Rule 11)
 
         def call(j: int, *args: torch.Tensor) -> Any:
             j_now[0] = j
@@ -492,7 +492,7 @@ def loss_of(vals: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
 
 
 def resolve(prog: Program, device: str = "cpu") -> frozenset[int]:
-    """The in-place ops that would modify a saved tensor in plain autograd (Rule 3)."""
+    """The in-place ops that would modify a saved tensor in plain autograd (NOTE [ Fuzzer semantics ] Rule 3)."""
     clones: set[int] = set()
     for _ in range(len(prog.ops) + 1):
         saved: list[tuple[torch.Tensor, int]] = []
@@ -500,7 +500,7 @@ def resolve(prog: Program, device: str = "cpu") -> frozenset[int]:
         ctx = Ctx(prog, params, frozenset(clones), saved)
 
         def pack(t: torch.Tensor) -> None:
-            saved.append((t, t._version))  # the probe's own list; the graph keeps nothing (Rule 11)
+            saved.append((t, t._version))  # the probe's own list; the graph keeps nothing (NOTE [ Fuzzer semantics ] Rule 11)
 
         try:
             seed_all(prog.seed, device)
@@ -581,9 +581,9 @@ def forward_only(prog: Program, layout: Layout, clones: frozenset[int], device: 
 
 
 def leaks(refs: Sequence[tuple[str, Any]], store: torchckpt.Store | None) -> list[str]:
-    """What ``forward_only`` left alive (Rule 11), empty when nothing: tensors still reachable, and the store's live
-    entries. Cycles through Python are collected first (only when something is alive: a collection is slow); a
-    cycle through C++ (a packed value that holds the ``grad_fn`` that holds it) is not collectable."""
+    """What ``forward_only`` left alive (NOTE [ Fuzzer semantics ] Rule 11), empty when nothing: tensors still
+    reachable, and the store's live entries. Cycles through Python are collected first (only when something is alive: a
+    collection is slow); a cycle through C++ (a packed value that holds the ``grad_fn`` that holds it) is not collectable."""
     def held() -> bool:
         return any(r() is not None for _, r in refs) or (store is not None and bool(store._live or store._entries))
 
@@ -603,8 +603,8 @@ def leaks(refs: Sequence[tuple[str, Any]], store: torchckpt.Store | None) -> lis
 
 
 def flush_failed_backward(device: str) -> None:
-    """Make PyTorch drop what a backward that raised left queued (Rule 11): the engine keeps the nodes still in
-    the thread's ready queue, and what they hold, until the next backward runs on that thread."""
+    """Make PyTorch drop what a backward that raised left queued (NOTE [ Fuzzer semantics ] Rule 11): the engine keeps
+    the nodes still in the thread's ready queue, and what they hold, until the next backward runs on that thread."""
     (torch.ones((), device=device, requires_grad=True) * 1).backward()
 
 
@@ -705,10 +705,10 @@ STORES: dict[str, dict[str, Any]] = {
 }
 
 
-# Rule 6: the ops Recompute(save=...) keeps in rec_save, and the error it raises when the program writes one of
-# their outputs in place later (plain autograd has nothing to object to there; keeping it would be wrong).
-# Attention (Rule 7): the fused kernels, kept when dropout_p=0 (the CPU's flash kernel; CUDA's flash, efficient
-# and cuDNN kernels), and the math path's softmax (its matmuls are bmm), taken when dropout_p > 0.
+# NOTE [ Fuzzer semantics ] Rule 6: the ops Recompute(save=...) keeps in rec_save, and the error it raises when the
+# program writes one of their outputs in place later (plain autograd has nothing to object to there; keeping it would be
+# wrong). Attention (NOTE [ Fuzzer semantics ] Rule 7): the fused kernels, kept when dropout_p=0 (the CPU's flash
+# kernel; CUDA's flash, efficient and cuDNN kernels), and the math path's softmax (its matmuls are bmm), taken when dropout_p > 0.
 ATTN_OPS = frozenset(getattr(torch.ops.aten, name).default for name in (
     "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention",
     "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention", "_safe_softmax")
@@ -737,10 +737,11 @@ class Setting:
 
     def layout(self, store: torchckpt.Store | None, nseg: int, twin: bool | None = None, seed: int = 0) -> Layout:
         """(outer, per-segment runners); the twin (NOTE [ Fuzzer semantics ] Rule 4) with ``twin=True``, or by
-        default with ``store=None``. ``seed`` (the program's) picks what a ``chain*`` setting draws (Rule 10)."""
+        default with ``store=None``. ``seed`` (the program's) picks what a ``chain*`` setting draws
+        (NOTE [ Fuzzer semantics ] Rule 10)."""
         s = store
         twin = s is None if twin is None else twin
-        if self.structure.startswith("chain"):  # Rule 10: chain, chain_mixed, chain_loose, chain_break[_alias]
+        if self.structure.startswith("chain"):  # NOTE [ Fuzzer semantics ] Rule 10: chain, chain_mixed, chain_loose, chain_break[_alias]
             parts = self.structure.split("_")
             form = parts[1] if len(parts) > 1 and parts[1] in CHAIN_FORMS else "chain"
             if self.structure not in ("chain", "chain_mixed", "chain_loose", "chain_break", "chain_break_alias"):
@@ -776,11 +777,11 @@ class Setting:
             return (plain, (Pol(Recompute(save=SAVE_OPS, store=s)) if not twin else Pol(Recompute(save=SAVE_OPS)),))
         if st == "rec_save_all":  # every op position named: what can be kept is (the planner names positions)
             return (plain, (Pol(Recompute(save=ALL_POSITIONS, store=s)) if not twin else Pol(Recompute(save=ALL_POSITIONS)),))
-        if st in ("rec_save_codec", "rec_save_all_codec"):  # Rule 8: the kept outputs through the store, compressed
+        if st in ("rec_save_codec", "rec_save_all_codec"):  # NOTE [ Fuzzer semantics ] Rule 8: the kept outputs through the store, compressed
             save = SAVE_OPS if st == "rec_save_codec" else ALL_POSITIONS
             kept = Recompute(save=save) if twin else Recompute(save=save, store=s, codec=Identity())
             return (plain, (Pol(kept),))
-        if st == "rec_parts":  # Rule 9: the twins are torch's whole recomputation's
+        if st == "rec_parts":  # NOTE [ Fuzzer semantics ] Rule 9: the twins are torch's whole recomputation's
             return (plain, (rec if twin else Parts(Recompute()),))
         if st == "rec_parts_store":
             return (plain, (rec_store if twin else Parts(Recompute(store=s)),))
@@ -855,17 +856,17 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
             err = twins[key].error
             kept_then_written = err is not None and KEPT_WRITTEN in err[1]
             bumped = err is not None and VERSION_PHRASE in err[1] and isinstance(tl[0], ChainRun) and tl[0].bump \
-                and tl[0].break_at is not None  # Rule 10: plain autograd has no bump
-            if (plain.error is None or not recompute) and not kept_then_written and not bumped:  # Rules 4, 6
+                and tl[0].break_at is not None  # NOTE [ Fuzzer semantics ] Rule 10: plain autograd has no bump
+            if (plain.error is None or not recompute) and not kept_then_written and not bumped:  # NOTE [ Fuzzer semantics ] Rules 4, 6
                 for d in compare(plain, twins[key], grad_tol=RECOMPUTE_TOL if recompute else None):
                     problems.append(f"twin of {s!r} ({key}) vs plain autograd: {d}")
         ref = twins[key]
-        if plain.error is not None and s.structure.startswith("rec_parts"):  # Rule 9
+        if plain.error is not None and s.structure.startswith("rec_parts"):  # NOTE [ Fuzzer semantics ] Rule 9
             continue
         store = make_store(s.store, device) if s.store is not None else None
         layout = s.layout(store, nseg, twin=False, seed=prog.seed)
         outer = layout[0]
-        if plain.error is not None and isinstance(outer, ChainRun) and outer.has_parts:  # Rule 9
+        if plain.error is not None and isinstance(outer, ChainRun) and outer.has_parts:  # NOTE [ Fuzzer semantics ] Rule 9
             continue
         try:
             n = steps if store is not None else getattr(outer, "steps", 1)
@@ -873,12 +874,12 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
                 got = run(prog, layout, clones, device)
                 for d in compare(ref, got):
                     problems.append(f"{s!r} step {step + 1}: {d}")
-                if isinstance(outer, ChainRun):  # Rule 10: the chain's own account
+                if isinstance(outer, ChainRun):  # NOTE [ Fuzzer semantics ] Rule 10: the chain's own account
                     problems += [f"{s!r} step {step + 1}: {note}" for note in outer.notes]
                     outer.notes.clear()
             if got.error is not None and got.phase == "backward":
                 flush_failed_backward(device)
-            refs = forward_only(prog, layout, clones, device)  # Rule 11
+            refs = forward_only(prog, layout, clones, device)  # NOTE [ Fuzzer semantics ] Rule 11
             problems += [f"{s!r} step {n + 1} (forward only): {d}" for d in leaks(refs, store)]
         finally:
             if isinstance(outer, ChainRun):
@@ -937,7 +938,7 @@ def programs(max_ops: int = 8) -> Any:
         cut = st.integers(1, max(1, len(ops) - 1))
         cuts = tuple(sorted(set(draw(st.lists(cut, max_size=2)))))
         dtype, seed = draw(st.sampled_from(DTYPES)), draw(st.integers(0, 1 << 16))
-        if draw(st.integers(0, 3)) == 0:  # now and then more cuts, up to one per op: longer chains (Rule 10)
+        if draw(st.integers(0, 3)) == 0:  # now and then more cuts, up to one per op: longer chains (NOTE [ Fuzzer semantics ] Rule 10)
             cuts = tuple(sorted(set(cuts) | set(draw(st.lists(cut, max_size=len(ops))))))
         return Program(ops=tuple(ops), dtype=dtype, shapes=shapes, cuts=tuple(c for c in cuts if c < len(ops)),
                        seed=seed)

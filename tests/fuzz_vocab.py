@@ -138,7 +138,7 @@ class Ctx:
         self.dtype = prog.torch_dtype
         self.params = params
         self.clones = clones
-        self.probe = probe  # saved tensors, while resolving (Rule 3)
+        self.probe = probe  # saved tensors, while resolving (NOTE [ Fuzzer semantics ] Rule 3)
         self.seg = 0
         self.index = 0
         self.op: Op = prog.ops[0] if prog.ops else Op("id")
@@ -151,7 +151,7 @@ class Ctx:
         return self.params[self.index]
 
     def target(self, x: torch.Tensor, meta: Meta) -> torch.Tensor:
-        """The tensor an in-place op modifies: ``x``, or a clone of it (Rules 2-3)."""
+        """The tensor an in-place op modifies: ``x``, or a clone of it (NOTE [ Fuzzer semantics ] Rules 2-3)."""
         base = x._base if x._base is not None else x
         structural = (
             meta.seg != self.seg
@@ -171,9 +171,9 @@ class Ctx:
             before, self._before = self._before, None
             for (t, _), (v, b) in zip(self.probe, before):
                 if t._version != v and not self.op.clobber:
-                    raise Invalidates(self.index)  # Rule 3
+                    raise Invalidates(self.index)  # NOTE [ Fuzzer semantics ] Rule 3
                 if t._version == v and not torch.equal(bits(t), b):
-                    raise Invalidates(self.index)  # Rule 3: bytes changed behind the version counter
+                    raise Invalidates(self.index)  # NOTE [ Fuzzer semantics ] Rule 3: bytes changed behind the version counter
 
 
 # -- the vocabulary ----------------------------------------------------------------------------

@@ -126,8 +126,9 @@ KNOWN = [
     # An attention kernel with dropout_p=0 kept by Recompute(save=...) (compressed, in rec_save_codec), then a
     # dropout: the recomputation must draw the forward's mask (NOTE [ Fuzzer semantics ] Rules 7-8).
     Program(ops=(Op("sdpa", 0, 0, 5), Op("matmul", 0, 0, 2)), dtype="float64"),
-    # checkpoint_chain (Rule 10): four blocks, dropout in block 0 and a kept attention kernel in block 1; seed 10 draws
-    # one snapshot for the chain form (blocks 1-2's inputs rebuilt from block 0's), parts and save= in chain_mixed.
+    # checkpoint_chain (NOTE [ Fuzzer semantics ] Rule 10): four blocks, dropout in block 0 and a kept attention kernel
+    # in block 1; seed 10 draws one snapshot for the chain form (blocks 1-2's inputs rebuilt from block 0's), parts and
+    # save= in chain_mixed.
     Program(ops=(Op("dropout", 0, 0, 1), Op("sdpa", 0, 0, 5), Op("unary", 0, 0, 1), Op("matmul", 0, 0, 2)),
             dtype="float64", cuts=(1, 2, 3), seed=10),
     # checkpoint_chain bug 1 (found by the fuzzer's chain_break_alias setting): a chain state modified in place after
@@ -137,7 +138,8 @@ KNOWN = [
     # NOTE [ Chain of blocks ] Rule 10; test_chain_bug_1_stays_fixed runs it under chain_break_alias.
     Program(ops=(Op("unary", 0, 0, 0), Op("slice", 0, 0, 0), Op("unary", 1, 0, 0), Op("unary", 1, 0, 1)), cuts=(1, 3)),
     # tanh saves its output; under the min_bytes store it is kept by reference, and was held with its grad_fn: a
-    # forward not followed by a backward was never freed (NOTE [ Saved tensor identity ] Rule 5; Rule 11 here).
+    # forward not followed by a backward was never freed (NOTE [ Saved tensor identity ] Rule 5;
+    # NOTE [ Fuzzer semantics ] Rule 11).
     Program(ops=(Op("unary", 0, 0, 1),)),
 ]
 
@@ -279,7 +281,8 @@ def test_fuzzer_catches_parts_recomputed_without_the_rng_state(monkeypatch: pyte
 
 
 def _chain_seed(structure: str, nseg: int, snapshots: int) -> int:
-    """A program seed for which ``Setting(structure)`` runs ``nseg`` blocks with ``snapshots`` (Rule 10)."""
+    """A program seed for which ``Setting(structure)`` runs ``nseg`` blocks with ``snapshots``
+    (NOTE [ Fuzzer semantics ] Rule 10)."""
     return next(seed for seed in range(1000)
                 if Setting(structure).layout(None, nseg, twin=False, seed=seed)[0].snapshots == snapshots)
 

@@ -3,11 +3,13 @@
 Layers, top to bottom (docs/architecture.md): the public entry points (``torchckpt``, ``api``,
 ``policies``, ``demo``, ``env``) over ``adjoint`` and ``recompute`` over ``store`` over ``memory``, ``codecs`` and ``distributed``
 over ``schedules`` and ``_native``, with ``_errors``/``_args`` at the bottom. ``schedules`` imports no torch.
+Rules are cited by their NOTE (``NOTE [ Name ] Rule N``), and every cited NOTE and rule exists.
 """
 from __future__ import annotations
 
 import ast
 import pathlib
+import re
 
 import pytest
 
@@ -117,3 +119,115 @@ def test_planner_cost_model_imports_no_torch() -> None:
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module else [])
             assert not any(m == "torch" or m.startswith("torch.") for m in mods), f
+
+
+# -- NOTE blocks and the references to their rules ------------------------------------------------------------------
+# A reference to a rule names its NOTE: ``NOTE [ Name ] Rule N``, ``NOTE [ Name ] Rules N-M``. Only a NOTE block's own
+# lines may cite its rules as bare ``Rule N``. The NOTEs are the package's, the tests' (the fuzzer's), the native
+# sources' (csrc/) and torch's own ``NOTE [ Nestable Checkpoint ]`` (torch/utils/checkpoint.py), which recompute/
+# cites.
+TESTS = pathlib.Path(__file__).parent
+CSRC = ROOT.parent / "csrc"
+_HEAD = re.compile(r"^\s*(?:#|//)\s*NOTE \[ (.+?) \]\s*$")
+_ITEM = re.compile(r"^\s*(?:(?:#|//)\s*)?(?:Rule )?(\d+[a-z]?)\.\s")
+_SUB = re.compile(r"^\s*(?:#|//)\s+([a-z])\.\s")
+_NUM = r"\d+[a-z]?"
+_REF = re.compile(rf"\bRules?\s+{_NUM}(?:(?:\s*,\s*(?:and\s+)?|\s+and\s+|\s*-\s*){_NUM}\b)*")
+_NAMED = re.compile(r"NOTE \[ ([^\]]+?) \] $")
+
+
+def _blocks(path: pathlib.Path) -> list[tuple[str, int, int, set[str]]]:
+    """(name, first line, end line, rule numbers) of each NOTE block in ``path``; lines 0-based, end excluded.
+
+    A block is its header and the comment lines after it (or, after a header in a docstring, the lines up to the
+    docstring's end); its rules are its items ``N.``, ``Nb.``, ``Rule N.`` (torch's) and ``a.`` under an item (``Na``).
+    """
+    lines = path.read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines):
+        m = _HEAD.match(line)
+        if not m:
+            continue
+        j, rules, item = i + 1, set(), ""
+        comment = j < len(lines) and lines[j].lstrip().startswith(("#", "//"))
+        while j < len(lines) and not _HEAD.match(lines[j]) and (
+                lines[j].lstrip().startswith(("#", "//")) if comment else '"""' not in lines[j]):
+            r, s = _ITEM.match(lines[j]), _SUB.match(lines[j])
+            if r:
+                item = r.group(1)
+                rules.add(item)
+            elif s and item:
+                rules.add(item + s.group(1))
+            j += 1
+        out.append((m.group(1), i, j, rules))
+    return out
+
+
+def _sources() -> list[pathlib.Path]:
+    return sorted(ROOT.rglob("*.py")) + sorted(TESTS.rglob("*.py"))
+
+
+def _notes() -> dict[str, set[str]]:
+    """Every NOTE a reference may name, and its rule numbers."""
+    import torch.utils.checkpoint
+
+    found: dict[str, list[tuple[pathlib.Path, set[str]]]] = {}
+    native = sorted(p for p in CSRC.rglob("*") if p.suffix in (".cpp", ".cu", ".h", ".cuh")) if CSRC.is_dir() else []
+    for path in _sources() + native + [pathlib.Path(torch.utils.checkpoint.__file__)]:
+        for name, _, _, rules in _blocks(path):
+            found.setdefault(name, []).append((path, rules))
+    twice = {n: [str(p) for p, _ in v] for n, v in found.items() if len(v) > 1}
+    assert not twice, f"NOTE names defined twice: {twice}"
+    return {n: v[0][1] for n, v in found.items()}
+
+
+def _flat(text: str) -> str:
+    """``text`` with comment markers at line starts, line breaks and breaks between string literals gone."""
+    text = re.sub(r'"\s*\n\s*[rf]?"', "", text)
+    text = re.sub(r"\n\s*(?:#|//)?\s*", " ", text)
+    return re.sub(r"\s+", " ", text)
+
+
+def _numbers(ref: str) -> list[str]:
+    """The rule numbers a reference names: a range ``N-M`` is every number from N to M."""
+    out: list[str] = []
+    for lo, hi in re.findall(rf"({_NUM})(?:\s*-\s*(\d+))?", ref.split(None, 1)[1]):
+        out.append(lo)
+        if hi:
+            out += [str(k) for k in range(int(re.sub(r"\D", "", lo)) + 1, int(hi) + 1)]
+    return out
+
+
+def _references(path: pathlib.Path) -> list[tuple[int, str, str | None]]:
+    """(line, reference, the NOTE it names or None) for every ``Rule N`` in ``path``; line 0-based."""
+    text = path.read_text()
+    out = []
+    for m in _REF.finditer(text):
+        named = _NAMED.search(_flat(text[max(0, m.start() - 300):m.start()]))
+        out.append((text.count("\n", 0, m.start()), m.group(0), re.sub(r"\s+", " ", named.group(1)) if named else None))
+    return out
+
+
+@pytest.mark.parametrize("path", sorted(ROOT.rglob("*.py")), ids=lambda p: str(p.relative_to(ROOT.parent)))
+def test_rule_references_name_their_note(path: pathlib.Path) -> None:
+    """Outside a NOTE block, a rule is cited as ``NOTE [ Name ] Rule N``: a bare ``Rule N`` leaves the reader to guess."""
+    own = [(a, b) for _, a, b, _ in _blocks(path)]
+    bare = [f"{path.relative_to(ROOT.parent)}:{line + 1}: {ref!r}" for line, ref, note in _references(path)
+            if note is None and not any(a < line < b for a, b in own)]
+    assert not bare, "bare rule references; write NOTE [ Name ] Rule N:\n" + "\n".join(bare)
+
+
+def test_rule_references_exist() -> None:
+    """Every ``NOTE [ Name ] Rule N`` names a NOTE that exists, and a rule that NOTE has."""
+    notes = _notes()
+    wrong = []
+    for path in _sources():
+        for line, ref, note in _references(path):
+            if note is None:
+                continue
+            where = f"{path.relative_to(ROOT.parent)}:{line + 1}: NOTE [ {note} ] {ref}"
+            if note not in notes:
+                wrong.append(f"{where}: no such NOTE")
+            elif missing := [n for n in _numbers(ref) if n not in notes[note]]:
+                wrong.append(f"{where}: the NOTE has no rule {', '.join(missing)} (it has {sorted(notes[note])})")
+    assert not wrong, "\n".join(wrong)

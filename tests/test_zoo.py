@@ -220,7 +220,7 @@ def check(z: Zoo, name: str, device: str) -> None:
         return
     st = store.stats()
     if s.scope != "model" and z.blocks_in_backward:
-        assert st.packed > 0 and st.kept == st.packed, st  # saved during backward: kept (Rule 1)
+        assert st.packed > 0 and st.kept == st.packed, st  # saved during backward: kept (NOTE [ Store ] Rule 1)
         return
     assert st.offloaded > 0, st
     assert st.steps == STEPS, st

@@ -55,7 +55,7 @@ from torchckpt.recompute.selective import selective_contexts
 T = TypeVar("T")
 _POLICY_TYPES = (Recompute, Offload, Keep)
 _POLICY_NAMES = {"recompute": "Recompute()", "offload": "Offload(store)", "keep": "Keep()"}
-# torch.utils.checkpoint.checkpoint's keywords: never passed to the block (Rule 4).
+# torch.utils.checkpoint.checkpoint's keywords: never passed to the block (NOTE [ checkpoint forms ] Rule 4).
 _TORCH_KEYWORDS = ("use_reentrant", "context_fn", "determinism_check", "debug", "preserve_rng_state")
 
 
@@ -239,7 +239,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
                 **extra,
                 **kwargs,
             )
-    if state is not None:  # Rule 2: raises on a change
+    if state is not None:  # NOTE [ Mutating forwards ] Rule 2: raises on a change
         check_recomputed(state, out, policy, module if module is not None else fn)
     return out  # type: ignore[no-any-return]
 
@@ -512,7 +512,7 @@ def _check_module_class(cls: type) -> type[nn.Module]:
 
 
 def _check_callable_without_arguments(fn: Callable[..., Any]) -> None:
-    """Rule 4: ``checkpoint(fn)`` calls ``fn()``; say so when ``fn`` cannot be called that way."""
+    """NOTE [ checkpoint forms ] Rule 4: ``checkpoint(fn)`` calls ``fn()``; say so when ``fn`` cannot be called that way."""
     try:
         sig = inspect.signature(fn)
     except (TypeError, ValueError):  # no signature to check (some builtins): let the call speak
@@ -596,7 +596,7 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
         >>> block(torch.randn(3, requires_grad=True)).shape
         torch.Size([3])
     """
-    if target is None or isinstance(target, _POLICY_TYPES):  # Rule 1
+    if target is None or isinstance(target, _POLICY_TYPES):  # NOTE [ checkpoint forms ] Rule 1
         if args or kwargs:
             raise TypeError(
                 "torchckpt: checkpoint(policy) returns a decorator and takes no call arguments; "
@@ -607,21 +607,21 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
         return _decorator(_check_policy("checkpoint(policy=...)", target if target is not None else policy))
     if _looks_like_policy(target):
         raise _bad_policy("checkpoint(policy)", target)
-    if args and isinstance(args[0], _POLICY_TYPES) and len(args) == 1 and not kwargs:  # Rule 5
+    if args and isinstance(args[0], _POLICY_TYPES) and len(args) == 1 and not kwargs:  # NOTE [ checkpoint forms ] Rule 5
         if policy is not None:
             raise TypeError(f"torchckpt: checkpoint(target, {args[0]!r}, policy={policy!r}) got the policy twice; pass it once.")
         policy, args = args[0], ()
     elif len(args) == 1 and not kwargs and _looks_like_policy(args[0]):
         raise _bad_policy("checkpoint(target, policy)", args[0])
     pol = _check_policy("checkpoint(..., policy=...)", policy)
-    if isinstance(target, type):  # Rule 2
+    if isinstance(target, type):  # NOTE [ checkpoint forms ] Rule 2
         if args or kwargs:
             raise TypeError(
                 f"torchckpt: checkpoint(cls) decorates the class {target.__name__} and takes no call arguments; "
                 "to checkpoint one call, pass an instance: checkpoint(module, *args, policy=...)."
             )
         return _wrap_class(_check_module_class(target), pol)
-    if isinstance(target, nn.Module) and not args and not kwargs:  # Rule 3
+    if isinstance(target, nn.Module) and not args and not kwargs:  # NOTE [ checkpoint forms ] Rule 3
         return _wrap_instance(target, pol)
     if not callable(target):
         raise TypeError(
@@ -637,4 +637,4 @@ def checkpoint(target: Any = None, *args: Any, policy: Policy | None = None, **k
     _check_torch_keywords(kwargs)
     if not args and not kwargs:
         _check_callable_without_arguments(target)
-    return run(pol, target, *args, module=target if isinstance(target, nn.Module) else None, **kwargs)  # Rule 4
+    return run(pol, target, *args, module=target if isinstance(target, nn.Module) else None, **kwargs)  # NOTE [ checkpoint forms ] Rule 4

@@ -60,7 +60,7 @@ def balloon_reporting(root: str = "/sys/bus/virtio/devices") -> bool | None:
     """Whether a virtio balloon reports free pages to the host (``None``: no balloon seen).
 
     Where it does, memory a process frees goes back to the host after a few seconds, and the
-    next first touch of it faults the host in again (NOTE [ Lazy host pool ], Rule 8).
+    next first touch of it faults the host in again (NOTE [ Lazy host pool ] Rule 8).
     """
     try:
         names = sorted(os.listdir(root))

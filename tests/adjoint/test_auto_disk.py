@@ -25,7 +25,7 @@ B = 1000  # bytes of one snapshot in the schedule tests
 # -- auto_schedule ---------------------------------------------------------------------------------
 @pytest.mark.parametrize(("n", "g", "h"), [(10, 2, 7), (10, 0, 9), (10, 9, 0), (50, 10, 40), (2, 0, 1)])
 def test_disk_unused_when_gpu_and_host_hold_enough(n: int, g: int, h: int) -> None:
-    """Rule 2: GPU + host hold n - 1 slots: the disk budget changes nothing."""
+    """NOTE [ Auto schedule ] Rule 2: GPU + host hold n - 1 slots: the disk budget changes nothing."""
     without = auto_schedule(n, B, gpu_bytes=(g + 4) * B, host_bytes=h * B, slots=4)
     with_disk = auto_schedule(n, B, gpu_bytes=(g + 4) * B, host_bytes=h * B, slots=4, disk_bytes=1 << 40)
     assert with_disk == without
@@ -130,7 +130,7 @@ def test_bandwidths_measured_once_per_process(tmp_path: Any, monkeypatch: pytest
     (tmp_path / "b").mkdir()
     with DiskTier(tmp_path / "a", direct=False) as t1, DiskTier(tmp_path / "b", direct=False) as t2:
         bw = bandwidth.tier_bandwidths(torch.device("cpu"), pool, t1, 5000)
-        assert bw[Tier.HOST] > bw[Tier.DISK] > 0  # Rule 1: the disk path adds the files to the host link
+        assert bw[Tier.HOST] > bw[Tier.DISK] > 0  # NOTE [ Auto schedule ] Rule 1: the disk path adds the files to the host link
         assert bandwidth.tier_bandwidths(torch.device("cpu"), pool, t2, 1 << 30) == bw  # one file system: cached
         assert calls == [1 << 20]  # clamped to 1 MiB, measured once
         assert t1.files() == [] and t2.files() == []

@@ -112,7 +112,8 @@ def test_closure_over_derived_non_leaf(n: int) -> None:
 
 @pytest.mark.parametrize("n", [2, 9])
 def test_closure_over_weight_and_tensor_derived_from_it(n: int) -> None:
-    """Rule 4: a step reading w and w2 = f(w): w2 is swapped for an alias, w's gradient is not counted twice."""
+    """NOTE [ Captured tensors ] Rule 2: a step reading w and w2 = f(w): w2 is swapped for an alias, w's gradient is not
+    counted twice."""
 
     def make() -> Case:
         torch.manual_seed(1)
@@ -197,7 +198,7 @@ def test_custom_function_with_captured_weight(derived: bool) -> None:
 
 
 def test_custom_function_of_derived_tensor_and_its_leaf() -> None:
-    """Rule 4's swap cannot reach into Function.apply: it raises at the call; a torch op first fixes it.
+    """NOTE [ Captured tensors ] Rule 2's swap cannot reach into Function.apply: it raises at the call; a torch op first fixes it.
 
     (Without the check, the first backward raises autograd's "backward through the graph a second time".)
     """
@@ -234,7 +235,8 @@ def test_torch_func_transform_inside_step() -> None:
 def test_step_running_autograd_itself() -> None:
     """A step computing a force as a gradient (create_graph=True): its second-order nodes are the step's own.
 
-    (On CUDA autograd makes them on its device thread, with that thread's sequence numbers: Rule 3.)
+    (On CUDA autograd makes them on its device thread, with that thread's sequence numbers:
+    NOTE [ Captured tensors ] Rule 1.)
     """
 
     def make() -> Case:
@@ -313,7 +315,7 @@ def test_torchscript_non_leaf_raises_then_params_works() -> None:
 
 
 def test_read_only_on_the_last_step_raises() -> None:
-    """Rule 5: the last step's graph is checked too: a read that step 0 did not make raises."""
+    """NOTE [ Captured tensors ] Rule 2: the last step's graph is checked too: a read that step 0 did not make raises."""
     w = torch.randn(4, dtype=D, requires_grad=True)
     v = torch.randn(4, dtype=D, requires_grad=True)
 
@@ -333,7 +335,8 @@ def test_read_only_on_the_last_step_raises() -> None:
 # -- also used outside the loop ---------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 9])
 def test_param_also_used_before_the_loop(n: int) -> None:
-    """A use recorded before the loop: plain autograd adds it after the loop's uses, as the loop does (Rule 5)."""
+    """A use recorded before the loop: plain autograd adds it after the loop's uses, as the loop does
+    (NOTE [ Captured tensors ] Rule 3)."""
 
     def make() -> Case:
         torch.manual_seed(1)
@@ -463,7 +466,8 @@ def test_dict_state_with_closure() -> None:
 # -- cost ------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [1, 2, 6])
 def test_probe_is_the_first_step(n: int) -> None:
-    """Rule 3: the forward sweep starts from the probe's output: n step calls before backward (2 when n == 1)."""
+    """NOTE [ Checkpointed loop ] Rule 3: the forward sweep starts from the probe's output: n step calls before backward
+    (2 when n == 1)."""
     w = torch.randn(3, dtype=D, requires_grad=True)
     calls = []
 

@@ -133,7 +133,7 @@ def _signed(v: int, nbytes: int) -> int:
 
 @needs_nvcomp
 @pytest.mark.parametrize("dtype", LOSSY)
-@pytest.mark.parametrize("delta", [1e-2, 1e-5])  # 1e-5: fp16 through fp32 (Rule 9)
+@pytest.mark.parametrize("delta", [1e-2, 1e-5])  # 1e-5: fp16 through fp32 (NOTE [ Bitcomp ] Rule 9)
 def test_nan_payload_inf_and_negative_zero(dtype: torch.dtype, delta: float) -> None:
     x = torch.randn(3000).to(dtype)
     size = x.element_size()
@@ -145,14 +145,14 @@ def test_nan_payload_inf_and_negative_zero(dtype: torch.dtype, delta: float) -> 
     c = Bitcomp(delta=delta)
     y = c.decompress(c.compress(x))
     assert torch.equal(y.view(INT_VIEW[size])[10:14], xi[10:14])
-    assert y[14] == 0.0  # -0.0 may come back as +0.0: numerically equal (Rule 4)
+    assert y[14] == 0.0  # -0.0 may come back as +0.0: numerically equal (NOTE [ Bitcomp ] Rule 4)
     check_bound(c, x, y)
 
 
 @needs_nvcomp
 @pytest.mark.parametrize("dtype", LOSSY)
 def test_bound_across_magnitudes_around_the_step(dtype: torch.dtype) -> None:
-    """Values from far below to far above the step, for steps across the dtype's range (Rules 3, 5)."""
+    """Values from far below to far above the step, for steps across the dtype's range (NOTE [ Bitcomp ] Rules 3, 5)."""
     fi = torch.finfo(dtype)
     lo, hi = math.log2(fi.smallest_normal) + math.log2(fi.eps), math.log2(fi.max)
     for k in range(int(lo), int(hi), max(1, int(hi - lo) // 25)):
@@ -194,7 +194,7 @@ def test_pow2_floor_exact() -> None:
 
 
 def test_recipes() -> None:
-    """Rules 3 and 5: the step handed to nvCOMP per dtype, caps and lossless fallbacks."""
+    """NOTE [ Bitcomp ] Rules 3 and 5: the step handed to nvCOMP per dtype, caps and lossless fallbacks."""
     r = bc._recipe(torch.float32, 1e-3)
     assert (r.work, r.step, r.mode) == (torch.float32, 2.0**-10, 1)
     assert bc._recipe(torch.bfloat16, 1e-3).step == 2.0**-10 and bc._recipe(torch.bfloat16, 1e-3).work == torch.float32
@@ -205,7 +205,7 @@ def test_recipes() -> None:
     assert bc._recipe(torch.float16, 1e-9).mode == 0 and bc._recipe(torch.float32, 1e-46).mode == 0
     assert bc._recipe(torch.bfloat16, 1e-41).mode == 0 and bc._recipe(torch.bfloat16, 1e-41).work == torch.bfloat16
     assert bc._recipe(torch.bfloat16, 1e-40).mode == 1  # 2**-133 <= p: still lossy
-    # Rule 9: fp16 steps below 2**-14 go through fp32; 2**-14 and up stay fp16
+    # NOTE [ Bitcomp ] Rule 9: fp16 steps below 2**-14 go through fp32; 2**-14 and up stay fp16
     r = bc._recipe(torch.float16, 2.0**-15)
     assert (r.work, r.btype, r.step, r.mode) == (torch.float32, nv.FP32, 2.0**-15, 1)
     assert bc._recipe(torch.float16, 2.0**-24).work == torch.float32
@@ -225,8 +225,8 @@ def test_ratios_on_smooth_data() -> None:
     assert r[2e-3] > 3.0
     xb = x.bfloat16()
     rb = roundtrip(Bitcomp(delta=2e-3), xb).ratio
-    assert rb > 1.5, rb  # counted against bf16 bytes (Rule 5)
-    # fp16 of small magnitude with a step below fp16's normal range (Rule 9): kept raw before
+    assert rb > 1.5, rb  # counted against bf16 bytes (NOTE [ Bitcomp ] Rule 5)
+    # fp16 of small magnitude with a step below fp16's normal range (NOTE [ Bitcomp ] Rule 9): kept raw before
     xh = (x * 1e-3).half()
     for d in (2.0**-15, 2.0**-17):
         rh = roundtrip(Bitcomp(delta=d), xh).ratio
@@ -382,7 +382,7 @@ class _FakeStream:
 
 @needs_nvcomp
 def test_plan_cache_lru_and_deferred_destroy(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rule 7 on the CPU: real host plans, a fake event: evicted plans wait for their event."""
+    """NOTE [ Bitcomp ] Rule 7 on the CPU: real host plans, a fake event: evicted plans wait for their event."""
     monkeypatch.setattr(bc.torch.cuda, "Event", _FakeEvent)
     monkeypatch.setattr(_FakeEvent, "done", False)
     cache = bc._PlanCache(2)

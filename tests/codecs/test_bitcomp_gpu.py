@@ -100,7 +100,7 @@ def test_stream_ordering_and_no_sync_in_decompress() -> None:
 
 
 def test_threads_share_plans_safely() -> None:
-    """Two threads on two streams use the same cached plan (same size) at once (Rule 7)."""
+    """Two threads on two streams use the same cached plan (same size) at once (NOTE [ Bitcomp ] Rule 7)."""
     errors: list[BaseException] = []
     xs = [torch.randn(1 << 18, device="cuda") * (i + 1) for i in range(8)]
     torch.cuda.synchronize()

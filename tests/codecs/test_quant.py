@@ -76,13 +76,14 @@ def test_bound_holds_adversarial(vals: list[float], dtype: torch.dtype, codes: t
        mode=st.sampled_from(["abs", "rel"]), bound=st.sampled_from([1e-3, 0.02, 0.07, 1.0]))
 def test_e4m3_bound_holds_on_scaled_finite_data(vals: list[float], scale: float, dtype: torch.dtype, mode: str,
                                                  bound: float) -> None:
-    """e4m3 on finite data of any magnitude (tiny scales hit the 2**-126 floor of Rule 1)."""
+    """e4m3 on finite data of any magnitude (tiny scales hit the 2**-126 floor of
+    NOTE [ Block quantization ] Rule 1)."""
     x = (torch.tensor(vals, dtype=torch.float64) * scale).float().to(dtype)
     c = TritonQuant(bits=8, mode=mode, bound=bound, block=64, fmt="e4m3")
     p = c.compress(x)
     check_bound(c, x, c.decompress(p))
     codes = p.buffers[0].view(torch.float8_e4m3fn).float()
-    assert not torch.isnan(codes).any()  # no code saturates or is NaN in a finite block (Rule 1)
+    assert not torch.isnan(codes).any()  # no code saturates or is NaN in a finite block (NOTE [ Block quantization ] Rule 1)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -162,7 +163,8 @@ def test_e4m3_is_finer_near_zero_int_near_the_max() -> None:
 
 
 def test_4bit_nibble_layout() -> None:
-    """Rule 4: element j of a block sits in the low nibble of byte j, element j + block/2 in its high nibble."""
+    """NOTE [ Block quantization ] Rule 4: element j of a block sits in the low nibble of byte j, element j + block/2 in
+    its high nibble."""
     x = torch.cat([torch.zeros(32), torch.full((32,), 15.0)])  # one block of 64: codes 0 then 15
     p = TritonQuant(4, "abs", 0.01, block=64).compress(x)
     assert torch.equal(p.buffers[0], torch.full((32,), 0xF0, dtype=torch.uint8))
@@ -179,7 +181,8 @@ def test_ratio_half_types_and_rel() -> None:
 @pytest.mark.parametrize("n,bad", [(1024, [1023]), (1024, [0, 300]), (1000, [0, 600]), (1000, [999]), (100, [50]),
                                    (257, [256]), (257, [0, 256])])
 def test_raw_blocks_whole_and_partial(n: int, bad: list[int]) -> None:
-    """Raw whole blocks are gathered as rows, a raw partial last block padded (Rule 4); all come back bit-exact."""
+    """Raw whole blocks are gathered as rows, a raw partial last block padded (NOTE [ Block quantization ] Rule 4); all
+    come back bit-exact."""
     x = torch.randn(n)
     x[bad] = float("nan")
     c = TritonQuant(8, "rel", 0.05)
@@ -307,7 +310,8 @@ _I._convert_float = _convert_float
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_triton_kernels_match_reference_in_interpreter() -> None:
-    """The Triton kernels, run by triton's CPU interpreter, give the reference's bytes (Rule 6), masked and not."""
+    """The Triton kernels, run by triton's CPU interpreter, give the reference's bytes
+    (NOTE [ Block quantization ] Rule 6), masked and not."""
     script = _INTERP_CONVERT + textwrap.dedent("""
         import os, torch
         from torchckpt.codecs import quant as Q, _quant_triton as K

@@ -18,7 +18,7 @@ GRAN = 4096
 class FakeNative:
     """Mimics ``torch.classes.torchckpt.DeviceArena`` on CPU memory (NOTE [ VMM device arena ]).
 
-    Chunks follow the native layout (Rule 2); nothing maps in the background: ``wait`` maps
+    Chunks follow the native layout (NOTE [ VMM device arena ] Rule 2); nothing maps in the background: ``wait`` maps
     chunks in address order until its range is covered, as the native thread would, and
     ``progress`` maps one more chunk.
     """
@@ -72,7 +72,7 @@ class FakeNative:
         return self.wait(0, self.nbytes)
 
     def view(self, offset: int, n: int, wait: bool) -> torch.Tensor:
-        assert not wait, "the wrapper waits itself (native Rule 10)"
+        assert not wait, "the wrapper waits itself (NOTE [ VMM device arena ] Rule 10)"
         assert self._end(self.mapped) >= offset + n, "view of an unmapped range"
         return self.buf[offset : offset + n]
 
@@ -198,7 +198,7 @@ def test_native_status_and_checks_without_gpu() -> None:
     for args, msg in [((0, 0, 1 << 20, 0, True, 0), "torchckpt: DeviceArena expected nbytes > 0"),
                       ((1 << 20, 0, 0, 0, True, 0), "torchckpt: DeviceArena expected chunk_bytes > 0"),
                       ((1 << 20, 0, 1 << 20, 0, True, 0), "torchckpt: no CUDA device")]:
-        a = cls(*args)  # native Rule 10: the constructor records, it does not throw
+        a = cls(*args)  # NOTE [ VMM device arena ] Rule 10: the constructor records, it does not throw
         err = a.init_error()
         assert err.startswith(msg) or "without CUDA" in err, err
         assert a.closed() and a.mapped_bytes() == 0
@@ -256,7 +256,7 @@ def test_arena_slots_rejects_bad_counts() -> None:
 def test_arena_layout_and_lazy_mapping(fake: type[FakeNative]) -> None:
     a = da.DeviceArena(12 * GRAN + 5, "cuda:0", chunk_bytes=3 * GRAN - 1, first_bytes=GRAN + 1)
     native = fake.instances[-1]
-    assert a.chunk_bytes == 3 * GRAN  # rounded up, not refused (Rule 1)
+    assert a.chunk_bytes == 3 * GRAN  # rounded up, not refused (NOTE [ Device arena ] Rule 1)
     assert native.sizes == [2 * GRAN, 3 * GRAN, 3 * GRAN, 3 * GRAN, 2 * GRAN]  # last one shorter
     assert a.reserved_bytes == 13 * GRAN and a.num_chunks == 5
     assert a.mapped_bytes == 2 * GRAN and a.mapped_chunks == 1 and not a.ready()

@@ -100,7 +100,7 @@ def test_many_chunks_and_accounting_outside_the_caching_allocator() -> None:
     assert a.num_chunks == a.reserved_bytes // a.granularity and a.num_chunks >= 256
     a.wait()
     assert a.ready() and a.mapped_bytes == 1 << 30 and a.error() is None
-    assert torch.cuda.memory_allocated() == alloc0  # Rule 3: PyTorch's allocator does not count it
+    assert torch.cuda.memory_allocated() == alloc0  # NOTE [ Device arena ] Rule 3: PyTorch's allocator does not count it
     assert free0 - torch.cuda.mem_get_info()[0] >= (1 << 30) - 64 * MiB  # the driver does
     whole = a.view(0, 1 << 30).view(torch.int32)
     whole.copy_(torch.arange(whole.numel(), device="cuda", dtype=torch.int32))
@@ -114,7 +114,7 @@ def test_many_chunks_and_accounting_outside_the_caching_allocator() -> None:
 
 
 def test_close_while_a_kernel_runs() -> None:
-    """close() with work queued on the arena: release synchronizes the device first (Rule 4)."""
+    """close() with work queued on the arena: release synchronizes the device first (NOTE [ Device arena ] Rule 4)."""
     n = 4096
     nb = n * n * 4
     a = da.DeviceArena(3 * nb, "cuda", chunk_bytes=8 * MiB)
@@ -159,7 +159,7 @@ def test_views_outlive_close() -> None:
     v = a.view(MiB, MiB)
     v.fill_(3)
     a.close()
-    assert int(v.sum()) == 3 * MiB  # still mapped: the view holds the memory (Rule 4)
+    assert int(v.sum()) == 3 * MiB  # still mapped: the view holds the memory (NOTE [ Device arena ] Rule 4)
     with pytest.raises(CheckpointError, match="after close"):
         a.view(0, 1)
 
@@ -168,7 +168,7 @@ def test_errors() -> None:
     with pytest.raises(ValueError, match="nbytes must be >= 1"):
         da.DeviceArena(0, "cuda")
     cls = torch.classes.torchckpt.DeviceArena
-    raw = cls(-5, torch.cuda.current_device(), MiB, 0, True, 0)  # native Rule 10: recorded, not thrown
+    raw = cls(-5, torch.cuda.current_device(), MiB, 0, True, 0)  # NOTE [ VMM device arena ] Rule 10: recorded, not thrown
     assert raw.init_error().startswith("torchckpt: DeviceArena expected nbytes > 0") and raw.closed()
     with pytest.raises(CheckpointError, match="expected a device index"):
         da.DeviceArena(MiB, torch.cuda.device_count())

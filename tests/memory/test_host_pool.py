@@ -149,7 +149,7 @@ def test_parked_block_not_reused_until_its_copy_ends() -> None:
     ev = FakeEvent()
     p.free(a, ev)
     assert p.stats().in_use_bytes == MiB  # parked counts as in use
-    b = p.alloc(MiB)  # parked bytes suffice: wait for the copy rather than grow (Rule 3)
+    b = p.alloc(MiB)  # parked bytes suffice: wait for the copy rather than grow (NOTE [ Host pool ] Rule 3)
     assert ev.syncs == 1 and b.chunk == 0 and p.stats().chunk_allocations == 1
 
 

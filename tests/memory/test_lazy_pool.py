@@ -1,6 +1,6 @@
 """LazyHostPool (NOTE [ Lazy host pool ]): chunk layout and states, blocks inside one chunk,
 touch progress, strategies, copy gating, close, bad input, the factory. CUDA registration is
-stubbed with register_mode="fake" / "fake_fail" (csrc/host_pool.cpp Rule 7)."""
+stubbed with register_mode="fake" / "fake_fail" (NOTE [ Native host pool ] Rule 7, csrc/host_pool.cpp)."""
 from __future__ import annotations
 
 import os
@@ -409,7 +409,7 @@ class _Stream:
 @native
 @pytest.mark.parametrize("strategy", ["sequential", "concurrent"])
 def test_note_copy_tracks_only_under_sequential_and_only_until_done(strategy: str) -> None:
-    """Rule 7: the stores' per-copy report costs no native call unless the worker runs sequential."""
+    """NOTE [ Lazy host pool ] Rule 7: the stores' per-copy report costs no native call unless the worker runs sequential."""
     p = make(capacity=8 * MiB, chunk=4 * MiB, first=4 * MiB, strategy=strategy, ahead_bytes=0)
     real = p._native
     rec = _Recorder(real)

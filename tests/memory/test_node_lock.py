@@ -87,7 +87,7 @@ def test_two_locks_in_one_process_exclude_each_other(lock_path: str) -> None:
 
 
 def test_lock_is_fair_to_a_waiter_while_another_process_re_takes_it(lock_path: str) -> None:
-    """Rule 5: a process that releases and at once re-takes the lock cannot keep a waiter out."""
+    """NOTE [ Node registration lock ] Rule 5: a process that releases and at once re-takes the lock cannot keep a waiter out."""
     p = subprocess.Popen([sys.executable, "-c", HOG, lock_path, node_lock_module.__file__], stdout=subprocess.PIPE, text=True)
     try:
         assert p.stdout is not None and p.stdout.readline().strip() == "locked"

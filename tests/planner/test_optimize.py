@@ -152,8 +152,8 @@ def test_selective_recompute_keeps_time_for_bytes() -> None:
     part = predict(ch, [Decision("recompute", keep=(3,))] * 3)
     assert part.recompute_s == pytest.approx(full.recompute_s - 3 * 2e-3)
     assert part.peak_bytes > full.peak_bytes
-    # On the host (Rule 2b): nothing stays on the device; the inputs and the kept output cross the link, the
-    # recomputation still skips the kept op, and the peak is below keeping it on the device.
+    # On the host (NOTE [ Step model ] Rule 2b): nothing stays on the device; the inputs and the kept output cross the
+    # link, the recomputation still skips the kept op, and the peak is below keeping it on the device.
     host = Decision("recompute", host=True, keep=(3,))
     assert host in sel
     assert device_bytes(b, host) == 0 and host_bytes(b, host) == 32 * MiB + 64 * MiB

@@ -195,7 +195,7 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     ok = _Profiled(prof, Link(2e8, 2e8), None, over_by(0))
     hi = ok.found.plans[0][1].peak_bytes
     budget = (ok.found.floor + hi) // 2
-    budget += max(budget // 100, min(2 << 20, budget // 10)) + 1  # the slack of Rule 4
+    budget += max(budget // 100, min(2 << 20, budget // 10)) + 1  # the slack of NOTE [ Applying a plan ] Rule 4
     assert ok.plan(budget).measured_peak_bytes <= budget
     seen.clear()
     extra = (hi - ok.found.floor) // 6  # a step peaks a little above each prediction: planned again, lower
@@ -348,7 +348,8 @@ def test_profiling_block_by_block_records_what_the_plain_step_records() -> None:
 
 
 def test_a_step_that_does_not_fit_is_profiled_block_by_block() -> None:
-    """Rule 6's trigger: the plain step raises the allocator's out-of-memory error (raised here by the model)."""
+    """NOTE [ Profiling step ] Rule 6's trigger: the plain step raises the allocator's out-of-memory error (raised here
+    by the model)."""
 
     class Tight(Net):
         fail = True
@@ -392,7 +393,7 @@ def test_verification_returns_the_fastest_measured_family() -> None:
 
     planner = _Profiled(prof, Link(1e13, 1e13), None, step)  # the model: copies are free
     chain = planner.found.chain
-    budgets = [pred.peak_bytes * 10 // 9 + 1 for _, pred in planner.found.plans]  # room for Rule 4's slack
+    budgets = [pred.peak_bytes * 10 // 9 + 1 for _, pred in planner.found.plans]  # room for NOTE [ Applying a plan ] Rule 4's slack
     moving = [b for b in budgets if any(host_bytes(blk, d) for blk, d in zip(chain.blocks, planner.found.best(b)[0]))]
     local = [b for b in moving if _fits_local(planner, b)]
     assert local, "no budget where the best plan moves bytes and a local plan fits"
@@ -400,7 +401,7 @@ def test_verification_returns_the_fastest_measured_family() -> None:
     budget = local[0]
     p = planner.plan(budget)
     assert not any(b.host_bytes for b in p.blocks)
-    limit = budget - max(budget // 100, min(2 << 20, budget // 10))  # Rule 4's slack
+    limit = budget - max(budget // 100, min(2 << 20, budget // 10))  # NOTE [ Applying a plan ] Rule 4's slack
     assert p.measured_step_time == min(t for peak, t in measured if peak <= limit) and len(measured) >= 2
 
 

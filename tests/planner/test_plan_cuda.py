@@ -69,7 +69,7 @@ def _check(dtype: torch.dtype) -> None:
     modes = set()
     for budget, p in found.items():
         assert p.peak_bytes <= budget
-        assert p.measured_peak_bytes is not None and p.measured_peak_bytes <= budget  # verified (Rule 4)
+        assert p.measured_peak_bytes is not None and p.measured_peak_bytes <= budget  # verified (NOTE [ Applying a plan ] Rule 4)
         modes |= {b.mode for b in p.blocks}
         a = p.apply(m)
         try:

@@ -338,8 +338,8 @@ def test_weighted_revolve_for_blocks_of_unequal_size() -> None:
 
 
 def test_the_forward_holds_no_block_input_but_its_snapshots() -> None:
-    """Rule 2: autograd keeps the pack hook alive with every tensor saved under it; the hook must not keep the state
-    (it did: every block input stayed alive, and the chain freed no memory on an H200)."""
+    """NOTE [ Chain of blocks ] Rule 2: autograd keeps the pack hook alive with every tensor saved under it; the hook
+    must not keep the state (it did: every block input stayed alive, and the chain freed no memory on an H200)."""
     import gc
     import weakref
 
@@ -514,7 +514,7 @@ def test_host_snapshots_broken_and_partial_steps() -> None:
 
 
 def test_host_snapshots_freed_without_a_backward() -> None:
-    """Rule 9: a step dropped before its backward frees its snapshots when it is collected."""
+    """NOTE [ Chain of blocks ] Rule 9: a step dropped before its backward frees its snapshots when it is collected."""
     import gc
 
     torch.manual_seed(0)
@@ -605,8 +605,9 @@ class ViewOut(nn.Module):
 
 @pytest.mark.parametrize("s", [1, 2, 3])
 def test_an_input_written_after_its_block_ran_raises_as_recompute_does(s: int) -> None:
-    """Rule 10 (the fuzzer's chain bug 1): block 1's input written through the view block 1 returned. Recompute()
-    raises autograd's version error; the chain computed with the written bytes, silently wrong, before the fix."""
+    """NOTE [ Chain of blocks ] Rule 10 (the fuzzer's chain bug 1): block 1's input written through the view block 1
+    returned. Recompute() raises autograd's version error; the chain computed with the written bytes, silently wrong,
+    before the fix."""
     torch.manual_seed(0)
     blocks = [ViewOut(k) for k in range(3)]
     x = torch.randn(3, 4, dtype=torch.float64, requires_grad=True)

@@ -106,13 +106,14 @@ def test_with_kept_outputs(save: str, store: str | None, k: int) -> None:
     assert_equal(ref, got)
     stats = meter.blocks[0]
     assert stats.recomputations == k + 1
-    assert stats.kept == 0  # every kept output released by the end of backward (Rule 7)
+    assert stats.kept == 0  # every kept output released by the end of backward (NOTE [ Recompute in parts ] Rule 7)
     if store == "evicted":
         assert st is not None and st.stats().offloaded > 0
 
 
 def test_kept_outputs_are_handed_to_every_recomputation_that_runs_their_op(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rule 7: a kept matmul output comes back in each recomputation that reaches it; none runs a kept op."""
+    """NOTE [ Recompute in parts ] Rule 7: a kept matmul output comes back in each recomputation that reaches it; none
+    runs a kept op."""
     m, x, n = block(0.0)
     runs: list[list[int]] = []
     enter = parts._Handing.__enter__
@@ -205,7 +206,7 @@ def test_autocast_state_is_restored() -> None:
     assert not torch.equal(ref[-1], run_grads(m, params, x)[-1])  # autocast changes them: restoring it matters
 
 
-# -- memory and recomputations (Rules 3, 5, 10) ----------------------------------------------------------------
+# -- memory and recomputations (NOTE [ Recompute in parts ] Rules 3, 5, 10) ------------------------------------
 @pytest.mark.parametrize("k", [0, 1, 2, 3])
 def test_largest_part_alive_not_the_sum(k: int) -> None:
     m, x, n = block(0.0)
@@ -226,8 +227,8 @@ def test_largest_part_alive_not_the_sum(k: int) -> None:
 
 
 def test_a_cut_inside_a_node_holds_more_than_its_largest_part() -> None:
-    """Rule 11: attention saves q, k, v, its log-sum-exp and its output (positions 7-11): cut among them, its
-    backward recomputes the earlier part while holding the later part's tensors of that node."""
+    """NOTE [ Recompute in parts ] Rule 11: attention saves q, k, v, its log-sum-exp and its output (positions 7-11):
+    cut among them, its backward recomputes the earlier part while holding the later part's tensors of that node."""
     m, x, n = block(0.0)
     with parts.measure() as meter:
         y = torchckpt.api.run(Recompute(parts=(8, 20, 22)), m, x * 1.0, module=m)
@@ -247,8 +248,8 @@ def test_part_bytes() -> None:
 
 @pytest.mark.parametrize("retain", [False, True])
 def test_released_as_unpacked(retain: bool) -> None:
-    """Rule 5: a recomputed tensor is gone once backward has used it, the graph retained or not (its holder then
-    lives on); the part's others stay until theirs."""
+    """NOTE [ Recompute in parts ] Rule 5: a recomputed tensor is gone once backward has used it, the graph retained or
+    not (its holder then lives on); the part's others stay until theirs."""
     x = torch.randn(256, requires_grad=True)
     levels: list[int] = []
     used: list[StorageWeakRef] = []
@@ -282,8 +283,8 @@ def test_released_as_unpacked(retain: bool) -> None:
 
 
 def test_recomputation_drops_what_its_part_does_not_keep() -> None:
-    """Rule 3: a recomputation's own graph holds no saved tensor, so the earlier parts' tensors die as the block's
-    frame lets go of them (the forward holds none either)."""
+    """NOTE [ Recompute in parts ] Rule 3: a recomputation's own graph holds no saved tensor, so the earlier parts'
+    tensors die as the block's frame lets go of them (the forward holds none either)."""
     x = torch.randn(256, requires_grad=True)
     made: list[StorageWeakRef] = []
     alive: list[int] = []
@@ -347,7 +348,7 @@ def test_backward_twice() -> None:
     y = torchckpt.api.run(Recompute(parts=spread(n, 2)), m, x * 1.0, module=m)
     loss = y.square().sum()
     first = torch.autograd.grad(loss, [x, *params], retain_graph=True)
-    again = torch.autograd.grad(loss, [x, *params])  # Rule 8: recomputed again, same dropout masks
+    again = torch.autograd.grad(loss, [x, *params])  # NOTE [ Recompute in parts ] Rule 8: recomputed again, same dropout masks
     assert_equal(ref[1:], list(first))
     assert_equal(ref[1:], list(again))
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):

@@ -123,8 +123,9 @@ def test_positions_name_the_same_ops_in_both_runs() -> None:
 
 @pytest.mark.parametrize("cell", [nn.GRUCell, nn.LSTMCell])
 def test_every_op_can_be_named(cell: type) -> None:
-    """Rules 2 and 4: in-place ops are never kept, and outputs written later (dropout's empty_like that bernoulli_
-    fills; the RNN cells' matmul outputs, split with unsafe_chunk and written with no version bump) are dropped."""
+    """NOTE [ Selective recompute ] Rules 2 and 4: in-place ops are never kept, and outputs written later (dropout's
+    empty_like that bernoulli_ fills; the RNN cells' matmul outputs, split with unsafe_chunk and written with no version
+    bump) are dropped."""
     torch.manual_seed(0)
     m = nn.ModuleList([nn.Linear(16, 16), nn.Dropout(0.5), cell(16, 16)])
 
@@ -139,8 +140,8 @@ def test_every_op_can_be_named(cell: type) -> None:
 
 
 def test_a_kept_output_written_in_place_after_the_block_raises() -> None:
-    """Rule 3: a kept matmul output that the block returns, modified by the caller before backward: a clear error
-    (plain autograd raises too: GELU saved it), never a wrong gradient."""
+    """NOTE [ Selective recompute ] Rule 3: a kept matmul output that the block returns, modified by the caller before
+    backward: a clear error (plain autograd raises too: GELU saved it), never a wrong gradient."""
     torch.manual_seed(0)
     lin1, lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
 
@@ -180,7 +181,8 @@ def test_save_accepts_ops_and_positions() -> None:
 
 
 def test_random_ops_are_never_kept() -> None:
-    """Rule 2: keeping the first of two random ops would shift what the second draws in the recomputation."""
+    """NOTE [ Selective recompute ] Rule 2: keeping the first of two random ops would shift what the second draws in the
+    recomputation."""
     torch.manual_seed(0)
     lin1, lin2 = nn.Linear(16, 16), nn.Linear(16, 16)
 
@@ -231,8 +233,8 @@ def _attention_calls(p: float, save: frozenset | None) -> tuple[int, bool]:
 
 
 def test_attention_without_dropout_is_kept() -> None:
-    """Rule 2: an attention kernel's schema is seeded (for its dropout); with dropout_p=0 it draws nothing, so it is
-    kept, and the dropout after it draws the forward's mask again; with dropout_p>0 it runs again."""
+    """NOTE [ Selective recompute ] Rule 2: an attention kernel's schema is seeded (for its dropout); with dropout_p=0
+    it draws nothing, so it is kept, and the dropout after it draws the forward's mask again; with dropout_p>0 it runs again."""
     assert _attention_calls(0.0, None) == (2, True)  # forward, recomputation
     assert _attention_calls(0.0, ATTENTION) == (1, True)  # handed back
     op = aten._scaled_dot_product_flash_attention_for_cpu.default  # with dropout the CPU runs no fused kernel:

@@ -29,8 +29,8 @@ def _qkv(dtype: torch.dtype) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_attention_without_dropout_leaves_the_generator(backend: SDPBackend) -> None:
-    """Rule 2 keeps a seeded attention kernel with dropout_p=0 because it draws nothing: the CUDA generator's offset
-    does not move (with dropout it does, which shows the check can fail)."""
+    """NOTE [ Selective recompute ] Rule 2 keeps a seeded attention kernel with dropout_p=0 because it draws nothing:
+    the CUDA generator's offset does not move (with dropout it does, which shows the check can fail)."""
     q, k, v = _qkv(torch.bfloat16)
     gen = torch.cuda.default_generators[torch.cuda.current_device()]
     try:

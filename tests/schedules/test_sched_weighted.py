@@ -61,7 +61,7 @@ def test_equal_chain_is_revolve() -> None:
             assert r.forward_steps == optimal_forward_steps(n, s), (n, s)
             assert w.forward_cost == r.forward_steps
             rv = simulate(Revolve(n, min(s, n)))
-            assert r.saves == rv.saves, (n, s)  # the same tie-breaking as Revolve's Rule 4
+            assert r.saves == rv.saves, (n, s)  # the same tie-breaking as NOTE [ Binomial reversal ] Rule 4
             assert r.peak_snapshots[Tier.GPU] <= s
             if n > 2:
                 assert w.memory_unit == 24
@@ -163,7 +163,7 @@ def test_more_memory_never_costs_more() -> None:
     assert last == pytest.approx(sum(costs[:-1]))  # everything fits: one sweep
 
 
-# -- validity and the byte budget, coarse units included (Rule 3) -------------------------------------
+# -- validity and the byte budget, coarse units included (NOTE [ Weighted reversal ] Rule 3) ----------
 def test_valid_and_within_bytes_random() -> None:
     rng = random.Random(11)
     for _ in range(40):

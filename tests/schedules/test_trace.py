@@ -191,8 +191,8 @@ def test_predicted_peak_within_budget_minimal() -> None:
 @SETTINGS
 @given(CASES)
 def test_prefetches_in_order_of_use(case: tuple[Trace, int]) -> None:
-    # Rule 3: after each event the walk schedules the next unpacks one by one, never skipping one;
-    # an eviction it asks for (~v) makes room from an entry whose next use comes later.
+    # NOTE [ Prefetch from a recorded trace ] Rule 3: after each event the walk schedules the next unpacks one by one,
+    # never skipping one; an eviction it asks for (~v) makes room from an entry whose next use comes later.
     trace, budget = case
     plan = prefetch_from_trace(trace, budget)
     order = unpack_order(trace)
@@ -218,7 +218,7 @@ def test_prefetches_in_order_of_use(case: tuple[Trace, int]) -> None:
 
 
 def test_writes_are_the_entries_the_dry_run_evicts() -> None:
-    # NOTE Rule 5: only entries evicted at some point need a host copy.
+    # NOTE [ Prefetch from a recorded trace ] Rule 5: only entries evicted at some point need a host copy.
     assert prefetch_from_trace(lifo([8, 8, 8]), budget_bytes=1000).writes == frozenset()
     assert prefetch_from_trace(lifo([8, 8, 8]), budget_bytes=0).writes == frozenset({0, 1, 2})
     assert prefetch_from_trace(lifo([8, 8, 8]), budget_bytes=16).writes == frozenset({0})
@@ -239,7 +239,8 @@ def test_store_lifo_replay_no_misses_after_step_one(case: tuple[Trace, int]) -> 
 @REPLAY
 @given(CASES)
 def test_store_runtime_hits_equal_dry_run(case: tuple[Trace, int]) -> None:
-    # NOTE Rule 4: "Because both use the same cache rules, the runtime's hits are the dry run's hits."
+    # NOTE [ Prefetch from a recorded trace ] Rule 4: "Because both use the same cache rules, the runtime's hits are the
+    # dry run's hits."
     trace, budget = case
     _, second = store_replay(trace, budget)
     plan = prefetch_from_trace(trace, budget)
@@ -247,7 +248,8 @@ def test_store_runtime_hits_equal_dry_run(case: tuple[Trace, int]) -> None:
     assert s.plan_divergences == 0
     assert (s.cache_hits, s.prefetch_hits, s.misses) == (plan.cache_hits, plan.prefetch_hits, plan.misses)
     assert s.host.in_use_bytes == 0
-    # Write-back (NOTE Rule 5): on plan, exactly the entries the dry run evicts are copied to host.
+    # Write-back (NOTE [ Prefetch from a recorded trace ] Rule 5): on plan, exactly the entries the dry run evicts are
+    # copied to host.
     assert s.offloaded == len(plan.writes)
 
 

@@ -1,4 +1,4 @@
-"""The disk tier (NOTE [ Disk tier ]) and ``SnapshotStore(disk=...)`` (NOTE [ Snapshot store ] Rules 11-13), on the CPU.
+"""The disk tier (NOTE [ Disk tier ]) and ``SnapshotStore(disk=...)`` (NOTE [ Snapshot disk tier ] Rules 1-3), on the CPU.
 
 Every restore is checked bit for bit against what was saved; loops against the plain unrolled
 loop. Files are checked gone after the last free, after ``close()``, after an exception, at
@@ -94,7 +94,7 @@ def aligned_bytes(n: int) -> torch.Tensor:
 @pytest.mark.parametrize("size", [1, ALIGN - 1, ALIGN, 3 * ALIGN + 5, PIECE + ALIGN + 3])
 @pytest.mark.parametrize("offset", [0, 1])
 def test_tier_round_trip_bit_exact(tmp_path: Any, direct: bool, size: int, offset: int) -> None:
-    """Rule 4: aligned (straight) and unaligned (bounce) buffers, padded tails, both modes, read and prefetch."""
+    """NOTE [ Disk tier ] Rule 4: aligned (straight) and unaligned (bounce) buffers, padded tails, both modes, read and prefetch."""
     tier = tier_at(tmp_path, direct)
     assert tier.direct is direct
     g = torch.Generator().manual_seed(size)
@@ -131,7 +131,7 @@ def test_tier_auto_mode_says_which(tmp_path: Any) -> None:
 
 
 def test_tier_write_is_behind(tmp_path: Any) -> None:
-    """Rule 2: write returns before the bytes are written; the future says when the source is free."""
+    """NOTE [ Disk tier ] Rule 2: write returns before the bytes are written; the future says when the source is free."""
     tier = DiskTier(tmp_path, direct=False)
     gate = Gate()
     src = torch.arange(100, dtype=torch.uint8)
@@ -147,7 +147,7 @@ def test_tier_write_is_behind(tmp_path: Any) -> None:
 
 
 def test_tier_jobs_of_a_key_run_in_order(tmp_path: Any) -> None:
-    """Rule 3: a prefetch asked for while the write is held back reads the written bytes."""
+    """NOTE [ Disk tier ] Rule 3: a prefetch asked for while the write is held back reads the written bytes."""
     tier = DiskTier(tmp_path, direct=False, threads=3)
     gate = Gate()
     src = torch.randint(0, 256, (5000,), dtype=torch.uint8)
@@ -174,7 +174,7 @@ def test_tier_write_again_replaces_and_delete_removes(tmp_path: Any) -> None:
 
 
 def test_tier_delete_cancels_a_queued_write(tmp_path: Any) -> None:
-    """Rule 6: a write deleted before it started never makes its file."""
+    """NOTE [ Disk tier ] Rule 6: a write deleted before it started never makes its file."""
     tier = DiskTier(tmp_path, direct=False, threads=1)
     gate = Gate()
     tier.write("a", torch.ones(10, dtype=torch.uint8), after=gate)  # holds the only thread
@@ -188,7 +188,7 @@ def test_tier_delete_cancels_a_queued_write(tmp_path: Any) -> None:
 
 
 def test_tier_enospc_reported_once_on_the_owner_thread(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rule 5: a full disk fails the job, and the next call on the owner's thread raises it (once)."""
+    """NOTE [ Disk tier ] Rule 5: a full disk fails the job, and the next call on the owner's thread raises it (once)."""
     tier = DiskTier(tmp_path, direct=False)
     monkeypatch.setattr(os, "pwrite", enospc)
     src = torch.arange(64, dtype=torch.uint8)
@@ -208,7 +208,7 @@ def test_tier_enospc_reported_once_on_the_owner_thread(tmp_path: Any, monkeypatc
 
 
 def test_tier_bad_directories(tmp_path: Any) -> None:
-    """Rule 5: a missing directory, a path under a file, an unwritable directory raise at construction."""
+    """NOTE [ Disk tier ] Rule 5: a missing directory, a path under a file, an unwritable directory raise at construction."""
     with pytest.raises(CheckpointError, match="^torchckpt: the disk tier's directory .* does not exist"):
         DiskTier(tmp_path / "missing")
     (tmp_path / "file").write_text("x")
@@ -235,7 +235,7 @@ def test_tier_unwritable_directory(tmp_path: Any) -> None:
 
 
 def test_tier_files_removed_when_collected(tmp_path: Any) -> None:
-    """Rule 6: a tier dropped without close() removes its directory."""
+    """NOTE [ Disk tier ] Rule 6: a tier dropped without close() removes its directory."""
     tier = DiskTier(tmp_path, direct=False)
     tier.write(0, torch.ones(10, dtype=torch.uint8)).result()
     assert len(snap_files(tmp_path)) == 1
@@ -245,7 +245,7 @@ def test_tier_files_removed_when_collected(tmp_path: Any) -> None:
 
 
 def test_tier_files_removed_at_process_exit(tmp_path: Any) -> None:
-    """Rule 6: a process that exits with a tier open (and a write in flight) leaves no file."""
+    """NOTE [ Disk tier ] Rule 6: a process that exits with a tier open (and a write in flight) leaves no file."""
     code = (
         "import sys, torch\n"
         "from torchckpt.memory import DiskTier\n"
@@ -273,8 +273,8 @@ def disk_store(tmp_path: Any, slots: int = 1, direct: bool | None = False, **kw:
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("codec", [None, Identity()])
 def test_store_round_trip_bit_exact(tmp_path: Any, direct: bool, codec: Any) -> None:
-    """Rules 11-12: DISK snapshots (a tuple of dtypes) come back from their files bit for bit; host memory
-    holds none of them once written; freeing deletes the files."""
+    """NOTE [ Snapshot disk tier ] Rules 1-2: DISK snapshots (a tuple of dtypes) come back from their files bit for bit;
+    host memory holds none of them once written; freeing deletes the files."""
     s = disk_store(tmp_path, slots=1, direct=direct, codec=codec)
     for n in range(5):
         s.save(n, Tier.DISK, state(n))
@@ -303,7 +303,8 @@ def test_store_round_trip_bit_exact(tmp_path: Any, direct: bool, codec: Any) -> 
 
 
 def test_store_disk_save_with_every_slot_pinned(tmp_path: Any) -> None:
-    """Rule 4 with Rule 11: a save that bypasses the pinned slots is written behind all the same."""
+    """NOTE [ Snapshot store ] Rule 4 with NOTE [ Snapshot disk tier ] Rule 1: a save that bypasses the pinned slots is
+    written behind all the same."""
     s = disk_store(tmp_path, slots=1)
     s.save(0, Tier.DISK, state(0))
     s.prefetch(0, Tier.GPU, Tier.GPU)  # pins the only slot
@@ -317,7 +318,8 @@ def test_store_disk_save_with_every_slot_pinned(tmp_path: Any) -> None:
 
 
 def test_store_close_deletes_its_files_in_a_shared_tier(tmp_path: Any) -> None:
-    """Rule 13: close() deletes the store's files, snapshots only on disk included; the caller's tier stays open."""
+    """NOTE [ Snapshot disk tier ] Rule 3: close() deletes the store's files, snapshots only on disk included; the
+    caller's tier stays open."""
     tier = DiskTier(tmp_path, direct=False)
     s = SnapshotStore("cpu", slots=1, host=small_pool(), disk=tier)
     for n in range(4):
@@ -383,7 +385,8 @@ def test_store_disk_argument(tmp_path: Any) -> None:
 
 
 def test_store_enospc_keeps_the_snapshot(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rule 13: a failed write raises at the next action; the snapshot stays in host memory, bit-exact."""
+    """NOTE [ Snapshot disk tier ] Rule 3: a failed write raises at the next action; the snapshot stays in host memory,
+    bit-exact."""
     s = disk_store(tmp_path, slots=1)
     monkeypatch.setattr(os, "pwrite", enospc)
     s.save(0, Tier.DISK, state(0))  # written behind: the write fails on an I/O thread

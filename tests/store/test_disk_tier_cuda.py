@@ -1,4 +1,4 @@
-"""``SnapshotStore("cuda", disk=...)`` (NOTE [ Snapshot store ] Rules 11-13) with delayed copy streams.
+"""``SnapshotStore("cuda", disk=...)`` (NOTE [ Snapshot disk tier ] Rules 1-3) with delayed copy streams.
 
 The copies to and from host memory are held back by random device sleeps, so a disk write that
 did not wait for its flush's event, or a fill issued before its read ended, would restore wrong

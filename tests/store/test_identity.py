@@ -2,16 +2,18 @@
 
 Each test here failed on the store before the fix it names:
 - sharing an entry keyed by (storage, version) alone: ``unsafe_chunk`` outputs (ATen's LSTM and
-  GRU cells) collided and came back with stale bytes once evicted (Rule 2);
-- the conj and neg bits were dropped on unpack, even while resident (Rule 3);
+  GRU cells) collided and came back with stale bytes once evicted (NOTE [ Saved tensor identity ] Rule 2);
+- the conj and neg bits were dropped on unpack, even while resident (NOTE [ Saved tensor identity ] Rule 3);
 - a saved tensor modified in place after saving raised nothing, since autograd skips its version
-  check when hooks are set (Rule 1);
+  check when hooks are set (NOTE [ Saved tensor identity ] Rule 1);
 - a step never ended while graphs overlapped, and the trace grew without bound (NOTE [ Store ] Rule 10);
 - ``Store.stats()`` on CUDA waited for a copy's event but not for the compute-stream event it is
   timed against;
-- ``torch.func`` transforms: functorch's wrapped tensors have no accessible storage (Rule 4);
+- ``torch.func`` transforms: functorch's wrapped tensors have no accessible storage
+  (NOTE [ Saved tensor identity ] Rule 4);
 - a tensor kept by reference that is an op's output held its own ``grad_fn``: a forward without a
-  backward never freed its graph (Rule 5; tests/test_soak.py soaks every policy and pattern).
+  backward never freed its graph (NOTE [ Saved tensor identity ] Rule 5; tests/test_soak.py soaks every
+  policy and pattern).
 """
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def check_steps(loss_fn: Callable[[], torch.Tensor], wrt: list[torch.Tensor], ma
             assert same(r, g), f"step {i}: max |diff| {(r - g).abs().max().item()}"
 
 
-# -- Rule 2: entries are shared only within one version counter ---------------------------------
+# -- NOTE [ Saved tensor identity ] Rule 2: entries are shared only within one version counter ---
 @pytest.mark.parametrize("budget", BUDGETS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 @pytest.mark.parametrize("kind", ["LSTMCell", "GRUCell", "LSTM", "GRU"])
@@ -109,7 +111,7 @@ def test_views_of_one_tensor_still_share_an_entry() -> None:
     assert st.offloaded == 1 and st.deduplicated == 3, st
 
 
-# -- Rule 3: value bits ----------------------------------------------------------------------
+# -- NOTE [ Saved tensor identity ] Rule 3: value bits ---------------------------------------
 def _conj_program(x: torch.Tensor) -> torch.Tensor:
     y = (x * 2).conj()  # conj view: a bit, not new bytes
     return (y * y.exp()).abs().sum()
@@ -146,7 +148,7 @@ def test_unpacked_tensor_has_the_saved_bits() -> None:
         assert back.stride() == t.stride() and same(back, t)
 
 
-# -- Rule 1: in-place changes after saving raise, as in plain autograd ------------------------------
+# -- NOTE [ Saved tensor identity ] Rule 1: in-place changes after saving raise, as in plain autograd ---
 def _modify_after_save(store: torchckpt.Store | None, small: bool = False) -> None:
     x = torch.randn(4 if small else 4096, requires_grad=True)
     ctx = torchckpt.offload(store) if store is not None else contextlib.nullcontext()
@@ -215,7 +217,7 @@ def test_recompute_store_checks_versions_too() -> None:
         y.sum().backward()
 
 
-# -- Rule 4: torch.func ---------------------------------------------------------------------
+# -- NOTE [ Saved tensor identity ] Rule 4: torch.func --------------------------------------
 def test_offload_under_torch_func_grad_says_why() -> None:
     # PyTorch refuses saved-tensor hooks inside torch.func.grad (torch.utils.checkpoint too).
     store = cpu_store(0)
@@ -337,7 +339,7 @@ def test_stats_right_after_backward_never_raise_on_cuda() -> None:
     assert st.prefetch_hits + st.cache_hits + st.misses > 0
 
 
-# -- Rule 2b: writes no counter sees -------------------------------------------------------------
+# -- NOTE [ Saved tensor identity ] Rule 2b: writes no counter sees ------------------------------
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_scratch_buffer_written_through_data(budget: int) -> None:
     # torchdiffeq's Runge-Kutta step: k.data[..., i] = f, then k[..., :i + 1] is saved. The first
@@ -370,7 +372,7 @@ def test_views_saved_by_one_op_share_an_entry() -> None:
     assert st.deduplicated >= 1 and st.offloaded < st.packed - st.kept, st
 
 
-# -- Rule 5: what a pack hook returns never holds the saved tensor's graph ------------------------------
+# -- NOTE [ Saved tensor identity ] Rule 5: what a pack hook returns never holds the saved tensor's graph ---
 @pytest.mark.parametrize("make_ctx", [
     lambda: torchckpt.offload(torchckpt.Store(device="cpu", host=small_pool())),  # default min_bytes: kept
     lambda: cpu_store(1 << 20).hooks(keep=()),
@@ -390,7 +392,8 @@ def test_forward_without_backward_frees_its_graph(make_ctx: Callable[[], Any]) -
 
 
 def test_kept_output_raises_autograds_own_error() -> None:
-    """A kept op output, held detached (Rule 5), still names the op that made it in Rule 1's error."""
+    """A kept op output, held detached (NOTE [ Saved tensor identity ] Rule 5), still names the op that made it in
+    NOTE [ Saved tensor identity ] Rule 1's error."""
     x = torch.randn(4, requires_grad=True)
 
     def run(ctx: Any) -> str:

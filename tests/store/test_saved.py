@@ -15,7 +15,7 @@ from ckpt_models import MLP, Block, assert_same_grads, clone, cpu_store, step
 BUDGETS = [0, 256, 1 << 20]
 
 
-# -- Rule 1: what is kept by reference -----------------------------------------------------
+# -- NOTE [ Store ] Rule 1: what is kept by reference --------------------------------------
 def test_parameters_and_grad_leaves_are_kept() -> None:
     s = cpu_store(0)
     p = nn.Parameter(torch.randn(64, 64))
@@ -104,7 +104,7 @@ def test_other_device_and_non_strided_are_kept() -> None:
     assert s.stats().kept == 2 and s.stats().offloaded == 0
 
 
-# -- Rule 2: views, deduplication, in-place changes ------------------------------------------
+# -- NOTE [ Store ] Rule 2: views, deduplication, in-place changes ---------------------------
 @pytest.mark.parametrize("budget", BUDGETS)
 def test_tensor_and_its_transpose_moved_once(budget: int) -> None:
     s = cpu_store(budget)

@@ -64,7 +64,7 @@ def models(store: torchckpt.Store, depth: int = 4) -> tuple[nn.Module, nn.Module
     return plain, wrapped, torch.randn(4, 64, 64, generator=torch.Generator().manual_seed(9))
 
 
-# -- Rule 1: which tensors spill -------------------------------------------------------------------
+# -- NOTE [ Spill to disk ] Rule 1: which tensors spill --------------------------------------------
 def test_spills_exactly_past_the_cap(tmp_path: Any) -> None:
     s = disk_store(tmp_path)
     ts = [torch.randn(64 * 1024, generator=torch.Generator().manual_seed(i)) for i in range(6)]  # 256 KiB each
@@ -86,7 +86,8 @@ def test_spills_exactly_past_the_cap(tmp_path: Any) -> None:
 
 @pytest.mark.filterwarnings("ignore:.*the host pool reached its cap:RuntimeWarning")
 def test_pool_refusing_under_its_cap_spills(tmp_path: Any) -> None:
-    """Chunks of 1 MiB under a 1.5 MiB cap: the pool cannot take a second chunk; the tensor spills (Rule 1)."""
+    """Chunks of 1 MiB under a 1.5 MiB cap: the pool cannot take a second chunk; the tensor spills
+    (NOTE [ Spill to disk ] Rule 1)."""
     s = disk_store(tmp_path, cap=MiB + MiB // 2)
     ts = [torch.randn(64 * 1024, generator=torch.Generator().manual_seed(i)) for i in range(8)]
     for _ in range(2):
@@ -114,12 +115,12 @@ def test_training_gradients_bit_exact_and_files_gone(tmp_path: Any, gpu_bytes: i
         got = step(wrapped, wrapped, x, seed=i)
         assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
         assert_same_grads(got[2], ref[2])
-        assert files_under(tmp_path) == []  # every file freed by the end of backward (Rule 5)
+        assert files_under(tmp_path) == []  # every file freed by the end of backward (NOTE [ Spill to disk ] Rule 5)
         assert host_in_use(store.host) == 0 and store._staged_bytes == 0  # type: ignore[arg-type]
     st = store.stats()
     assert st.spilled > 0 and st.disk is not None and 0 < st.disk.bytes_written <= st.spilled_bytes
     assert st.disk.reads > 0  # a write still queued when its entry dies is cancelled: no file, no read
-    assert st.plans >= 1 and ahead  # Rule 4: on the plan, reads started ahead of the loads
+    assert st.plans >= 1 and ahead  # NOTE [ Spill to disk ] Rule 4: on the plan, reads started ahead of the loads
     if codec is not None:
         assert st.compressed == st.offloaded
     store.close()
@@ -128,7 +129,8 @@ def test_training_gradients_bit_exact_and_files_gone(tmp_path: Any, gpu_bytes: i
 
 @pytest.mark.parametrize("budget", [1, 1 << 30])
 def test_small_staging_budget_waits_for_writes(tmp_path: Any, monkeypatch: pytest.MonkeyPatch, budget: int) -> None:
-    """Rule 2: with room for one staging buffer only, spills wait for the writes before them; results unchanged."""
+    """NOTE [ Spill to disk ] Rule 2: with room for one staging buffer only, spills wait for the writes before them;
+    results unchanged."""
     monkeypatch.setattr(saved_disk, "STAGING_BYTES", budget)
     slow = disk_mod._write_file
 
@@ -162,7 +164,7 @@ def test_small_staging_budget_waits_for_writes(tmp_path: Any, monkeypatch: pytes
     store.close()
 
 
-# -- Rule 5: files freed ------------------------------------------------------------------------------
+# -- NOTE [ Spill to disk ] Rule 5: files freed -------------------------------------------------------
 class Boom(Exception):
     pass
 
@@ -229,7 +231,7 @@ def test_shared_tier_close_deletes_only_this_stores_files(tmp_path: Any) -> None
     assert os.listdir(tmp_path) == []
 
 
-# -- Rule 6: errors -----------------------------------------------------------------------------------
+# -- NOTE [ Spill to disk ] Rule 6: errors ------------------------------------------------------------
 def enospc(*a: Any, **k: Any) -> int:
     raise OSError(errno.ENOSPC, "No space left on device")
 

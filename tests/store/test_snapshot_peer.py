@@ -1,4 +1,4 @@
-"""``SnapshotStore(peers=...)`` (NOTE [ Snapshot store ] Rules 14-19): HOST snapshots split between host memory and
+"""``SnapshotStore(peers=...)`` (NOTE [ Snapshot peer tier ] Rules 1-6): HOST snapshots split between host memory and
 other ranks' spare memory by the group's spill plan, over gloo with 2 and 3 spawned processes.
 
 Every rank replays the same schedule (SPMD) with its own snapshots; every restore is compared bit for bit with what
@@ -295,7 +295,7 @@ def check_replay(results: list[dict[str, Any]], world: int) -> None:
         else:
             assert st["peer_saves"] == st["peer_bytes_sent"] == st["peer_fetches"] == 0, r
         # this store's copies never above the plan's bytes on all peers together, nor a holder above its spare
-        # (both to the plan's own precision, Rule 16)
+        # (both to the plan's own precision, NOTE [ Snapshot peer tier ] Rule 3)
         assert res["peak_mine"] <= sum(res["to_peer"]) * (1 + PLAN_SLACK), r
         assert res["peak_held"] <= SPARE[world][r] * nb * (1 + PLAN_SLACK), r
         if max(res["from_peer"]) * (1 + PLAN_SLACK) >= nb:

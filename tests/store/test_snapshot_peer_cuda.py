@@ -1,4 +1,4 @@
-"""``SnapshotStore("cuda", peers=...)`` over NCCL, one process per GPU (NOTE [ Snapshot store ] Rules 14-19).
+"""``SnapshotStore("cuda", peers=...)`` over NCCL, one process per GPU (NOTE [ Snapshot peer tier ] Rules 1-6).
 
 The replay of ``test_snapshot_peer.py`` (Revolve on HOST, rank 0 overflowing into rank 1's spare memory, with the
 max-flow and the greedy plan), each restore compared bit for bit, with the store's host copies and fills held back

@@ -89,7 +89,7 @@ def test_snapshot_is_a_copy() -> None:
 
 
 def test_round_trip_when_every_slot_is_pinned() -> None:
-    """Rule 4: with every slot pinned a save goes straight to host and a restore copies from host."""
+    """NOTE [ Snapshot store ] Rule 4: with every slot pinned a save goes straight to host and a restore copies from host."""
     s = SnapshotStore("cpu", slots=1, host=small_pool())
     s.save(0, Tier.HOST, mixed(0))
     s.prefetch(0, Tier.GPU, Tier.GPU)  # pins the only slot

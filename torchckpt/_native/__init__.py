@@ -49,7 +49,8 @@ def native_error() -> str | None:
 
 
 def zfp_error() -> str | None:
-    """Import ``torchckpt._zfp`` once; ``None`` when its ops are registered, else why not (Rule 1)."""
+    """Import ``torchckpt._zfp`` once; ``None`` when its ops are registered, else why not
+    (NOTE [ Native code ] Rule 1)."""
     global _zfp_error, _zfp_loaded
     if not _zfp_loaded:
         _zfp_loaded = True

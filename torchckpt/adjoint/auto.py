@@ -10,7 +10,7 @@
 #    (``Multistage``). The disk is used only when GPU and host together hold fewer than the
 #    n_steps - 1 slots that make every step advance once: then ``Multistage`` over the three
 #    tiers. A disk snapshot passes through a host block on its way to and from its file (NOTE
-#    [ Snapshot store ] Rules 11-12), so ``slots`` snapshots' worth of the host budget stay free
+#    [ Snapshot disk tier ] Rules 1-2), so ``slots`` snapshots' worth of the host budget stay free
 #    for those in flight (room, not a bound: a burst of disk saves faster than the disk takes
 #    them can pass the pool's cap, whose blocks then go pageable), and the disk gets as many
 #    slots as close the gap to n_steps - 1 (and it holds). The disk is used only if that adds slots, so the forward advances drop to
@@ -121,7 +121,7 @@ class AutoSchedule:
         Args:
             n_steps, snapshot_bytes, gpu_bytes, host_bytes, slots: as for ``auto_schedule``.
             disk: the store's disk tier (``None``, or closed: no disk, whatever ``AutoSchedule(disk_bytes=...)`` says).
-            host, device: the store's host pool and device, for measuring the host link (Rule 3).
+            host, device: the store's host pool and device, for measuring the host link (NOTE [ Auto schedule ] Rule 3).
             disk_bytes: the disk budget, overriding ``AutoSchedule(disk_bytes=...)`` and the tier's free space.
 
         Returns:
@@ -145,7 +145,8 @@ class AutoSchedule:
     @staticmethod
     def _measure(disk: DiskTier | None, host: HostPoolBase | None, device: torch.device | None,
                  nbytes: int) -> Mapping[Tier, float] | None:
-        """Rule 3: the tiers' rates, measured (cached once per process), or ``None`` with nothing to measure."""
+        """NOTE [ Auto schedule ] Rule 3: the tiers' rates, measured (cached once per process), or ``None`` with nothing
+        to measure."""
         if disk is None or host is None:
             return None
         return tier_bandwidths(device if device is not None else torch.device("cpu"), host, disk, nbytes)
@@ -153,8 +154,8 @@ class AutoSchedule:
 
 def _disk_slots(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes: int, slots: int,
                 disk_bytes: int) -> tuple[int, int]:
-    """Rule 2: (host slots, disk slots), the disk's closing the gap to n_steps - 1 slots ((host, 0) when GPU and
-    host hold enough)."""
+    """NOTE [ Auto schedule ] Rule 2: (host slots, disk slots), the disk's closing the gap to n_steps - 1 slots
+    ((host, 0) when GPU and host hold enough)."""
     gpu = max(0, gpu_bytes // snapshot_bytes - slots)
     host = host_bytes // snapshot_bytes
     need = max(n_steps - 1, 1)
@@ -187,7 +188,7 @@ def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes:
         kind: ``Revolve`` (default) or ``Uniform``.
         disk_bytes: disk space the snapshots may use (0: no disk tier).
         bandwidths: ``{Tier.HOST: ..., Tier.DISK: ...}`` round-trip bytes/s ranking the two
-            (Rule 3); ``None``: host above disk.
+            (NOTE [ Auto schedule ] Rule 3); ``None``: host above disk.
 
     Returns:
         ``Revolve`` (one tier), ``Multistage`` (GPU and host, and disk when they are short) or,
@@ -220,7 +221,7 @@ def auto_schedule(n_steps: int, snapshot_bytes: int, gpu_bytes: int, host_bytes:
     host_slots, disk = _disk_slots(n_steps, snapshot_bytes, gpu_bytes, host_bytes, slots, disk_bytes)
     if disk > 0:
         ranking = (Tier.GPU, Tier.HOST, Tier.DISK)
-        if bw is not None and bw[Tier.DISK] > bw[Tier.HOST]:  # Rule 3: ties rank host first
+        if bw is not None and bw[Tier.DISK] > bw[Tier.HOST]:  # NOTE [ Auto schedule ] Rule 3: ties rank host first
             ranking = (Tier.GPU, Tier.DISK, Tier.HOST)
         return Multistage(n_steps, gpu_slots=gpu, host_slots=host_slots, disk_slots=disk, ranking=ranking)
     if host == 0:

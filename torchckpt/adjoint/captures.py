@@ -97,14 +97,15 @@ _BACKWARDS = (torch.autograd.grad, torch.autograd.backward, torch.Tensor.backwar
 
 
 class _Reads(TorchFunctionMode):
-    """Records the tensors that calls read, that require grad and that the step did not make (Rule 1)."""
+    """Records the tensors that calls read, that require grad and that the step did not make
+    (NOTE [ Captured tensors ] Rule 1)."""
 
     def __init__(self, mark: int) -> None:
         super().__init__()
         self.mark = mark
         self.found: dict[int, torch.Tensor] = {}
         self.made: dict[int, weakref.ref[torch.Tensor]] = {}  # what the calls returned
-        self.backward = False  # the step ran autograd itself (Rule 1: nodes of other threads)
+        self.backward = False  # the step ran autograd itself (NOTE [ Captured tensors ] Rule 1: nodes of other threads)
 
     def made_here(self, t: torch.Tensor) -> bool:
         r = self.made.get(id(t))
@@ -127,7 +128,7 @@ class _Reads(TorchFunctionMode):
 
 
 class Swap(TorchFunctionMode):
-    """Passes each swapped tensor's alias in its place (Rule 2)."""
+    """Passes each swapped tensor's alias in its place (NOTE [ Captured tensors ] Rule 2)."""
 
     def __init__(self, swaps: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> None:
         super().__init__()
@@ -151,7 +152,8 @@ def owned_nodes(tensors: Iterable[torch.Tensor]) -> dict[tuple[int, int], Any]:
 
 
 class Age:
-    """Tells the autograd nodes made since ``mark`` (during the step) from older ones (Rule 1).
+    """Tells the autograd nodes made since ``mark`` (during the step) from older ones
+    (NOTE [ Captured tensors ] Rule 1).
 
     On this thread a node's sequence number says it. A node made on another thread (autograd's
     device threads running a backward of the step's; the step's own workers) carries that
@@ -208,7 +210,7 @@ class Age:
 
 def exits(outputs: Sequence[torch.Tensor], stop: dict[tuple[int, int], Any], age: Age,
            through_old: bool) -> tuple[list[torch.Tensor], dict[tuple[int, int], Any], set[tuple[int, int]]]:
-    """Where the autograd graph of ``outputs`` leaves the step (Rule 1).
+    """Where the autograd graph of ``outputs`` leaves the step (NOTE [ Captured tensors ] Rule 1).
 
     Walks the step's nodes (``age``; with ``through_old`` every node reached), stopping at the
     edges in ``stop``. Returns the leaves they reach (``AccumulateGrad``), their other edges
@@ -259,7 +261,7 @@ def unfound(node: Any, where: str) -> CheckpointError:
 
 def probe(call: Callable[[list[torch.Tensor]], list[torch.Tensor]], flat: list[torch.Tensor],
            given: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor], bool]:
-    """Run step 0 under grad to find the tensors it reads from outside the loop (Rule 1).
+    """Run step 0 under grad to find the tensors it reads from outside the loop (NOTE [ Captured tensors ] Rule 1).
 
     ``call`` is step 0 on flat lists: its inputs (the state, and a scan's ``xs[0]``) to its outputs
     (the next state, and a scan's ``y``). Returns the tensors found (``given`` first, each once),
@@ -289,7 +291,7 @@ def probe(call: Callable[[list[torch.Tensor]], list[torch.Tensor]], flat: list[t
 
 
 def descendants(found: list[torch.Tensor]) -> list[torch.Tensor]:
-    """The found non-leaf tensors computed from another found tensor (Rule 2)."""
+    """The found non-leaf tensors computed from another found tensor (NOTE [ Captured tensors ] Rule 2)."""
     if len(found) < 2 or all(t.grad_fn is None for t in found):
         return []
     leaves = {id(t) for t in found if t.grad_fn is None}

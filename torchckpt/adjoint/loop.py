@@ -4,7 +4,7 @@
 # 1. ``checkpointed_loop`` is an autograd Function driven by the executor (NOTE
 #    [ Executor ]). Its forward executes the schedule up to ``EndForward`` without recording,
 #    then evaluates the last step with recording and keeps that graph for
-#    ``Adjoint(n_steps - 1)`` (Rule 4 of NOTE [ Schedule actions ]). Its backward executes the
+#    ``Adjoint(n_steps - 1)`` (NOTE [ Schedule actions ] Rule 4). Its backward executes the
 #    rest: each ``Adjoint(n)`` re-evaluates step n with recording from the current state and
 #    back-propagates the incoming adjoint through it.
 # 2. Gradients with respect to the initial state and to the parameters are those of the
@@ -112,7 +112,7 @@ class _LoopRun:
         self.done = False
         # NOTE [ Captured tensors ] Rule 1: the probe's output, where the forward sweep starts (and y of step 0)
         self.state1 = out1[:n_state] if out1 is not None else None
-        self.ys: list[list[torch.Tensor] | None] = [None] * n_steps  # Rule 4: each step's y, from the forward sweep
+        self.ys: list[list[torch.Tensor] | None] = [None] * n_steps  # NOTE [ Checkpointed loop ] Rule 4: each step's y, from the forward sweep
         if out1 is not None:
             self.ys[0] = out1[n_state:]
         # NOTE [ Captured tensors ] Rule 2: recorded steps see an alias of each swapped tensor; each step is differentiated
@@ -120,7 +120,7 @@ class _LoopRun:
         self.swaps = {id(t): (t, t.detach().requires_grad_()) for t in swapped}
         self.wrt = [self.swaps[id(p)][1] if id(p) in self.swaps else p for p in inputs]
         self.inputs = inputs
-        self.passthrough: dict[int, int] = {}  # Rule 4: y leaf -> the captured tensor it returns as is, every step
+        self.passthrough: dict[int, int] = {}  # NOTE [ Checkpointed loop ] Rule 4: y leaf -> the captured tensor it returns as is, every step
         self.not_passthrough: set[int] = set()  # y leaves that were something else at some step
         self.through_old = through_old  # NOTE [ Captured tensors ] Rule 1: a step running autograd makes nodes on other threads
         # The executor's state (NOTE [ Executor ] Rule 1): the sweep, the current state, the adjoints.
@@ -130,29 +130,31 @@ class _LoopRun:
         self.x: list[torch.Tensor] | None = None
         self.g: list[torch.Tensor | None] = []  # the adjoint of the current state
         self.gp: list[torch.Tensor | None] = []  # each captured tensor's running sum
-        self.gys: list[torch.Tensor | None] = []  # the incoming adjoint of each stacked y (Rule 4)
-        self.gxs: list[list[torch.Tensor | None]] = []  # each step's adjoint of xs[k] (Rule 4)
-        self.alias: dict[int, list[int]] = {}  # Rule 5: the saved states that hold one tensor in two places
-        self.unique_of: list[int] = list(range(n_state))  # Rule 5: each initial position's input of the Function
-        self.first_of: list[int] = list(range(n_state))  # Rule 5: each input's first position
+        self.gys: list[torch.Tensor | None] = []  # the incoming adjoint of each stacked y (NOTE [ Checkpointed loop ] Rule 4)
+        self.gxs: list[list[torch.Tensor | None]] = []  # each step's adjoint of xs[k] (NOTE [ Checkpointed loop ] Rule 4)
+        self.alias: dict[int, list[int]] = {}  # NOTE [ Checkpointed loop ] Rule 5: the saved states that hold one tensor in two places
+        self.unique_of: list[int] = list(range(n_state))  # NOTE [ Checkpointed loop ] Rule 5: each initial position's input of the Function
+        self.first_of: list[int] = list(range(n_state))  # NOTE [ Checkpointed loop ] Rule 5: each input's first position
         self.n_unique = n_state
 
     def steps(self, x: list[torch.Tensor], n0: int, n1: int) -> list[torch.Tensor]:
-        """Steps ``n0`` to ``n1`` with no graph kept, in the grad mode plain autograd runs them in (Rule 2)."""
+        """Steps ``n0`` to ``n1`` with no graph kept, in the grad mode plain autograd runs them in
+        (NOTE [ Checkpointed loop ] Rule 2)."""
         for k in range(n0, n1):
             if k == 0 and self.state1 is not None:
                 x = self.state1
                 continue
             with torch.enable_grad():
                 out, y = self.fn(k, [grad_leaf(v) for v in x], self.fn.x_at(k))
-            x = detached(out)  # Rule 5: one tensor in two places stays one
-            if not self.backward and y:  # Rule 4: the forward sweep keeps each step's y
+            x = detached(out)  # NOTE [ Checkpointed loop ] Rule 5: one tensor in two places stays one
+            if not self.backward and y:  # NOTE [ Checkpointed loop ] Rule 4: the forward sweep keeps each step's y
                 self.ys[k] = [v.detach() for v in y]
                 self.check_passthrough(y, self.inputs)
         return x
 
     def check_passthrough(self, y: list[torch.Tensor], captured: list[torch.Tensor]) -> None:
-        """Rule 4: note the y leaves that are a captured tensor returned as it is (the same one at every step)."""
+        """NOTE [ Checkpointed loop ] Rule 4: note the y leaves that are a captured tensor returned as it is (the same
+        one at every step)."""
         for j, v in enumerate(y):
             m = next((i for i, p in enumerate(captured) if v is p), None)
             if m is None or self.passthrough.get(j, m) != m:
@@ -162,10 +164,10 @@ class _LoopRun:
 
     def record(self, x: list[torch.Tensor],
                k: int) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
-        """Evaluate step k from ``x`` with recording (Rule 2): the graph ends at the inputs (NOTE [ Captured tensors ]
-        Rule 2) and at ``xs[k]``; returns the inputs, ``xs[k]`` and the outputs (the state, then y)."""
+        """Evaluate step k from ``x`` with recording (NOTE [ Checkpointed loop ] Rule 1): the graph ends at the inputs
+        (NOTE [ Captured tensors ] Rule 2) and at ``xs[k]``; returns the inputs, ``xs[k]`` and the outputs (the state, then y)."""
         leaves: dict[int, torch.Tensor] = {}
-        xin = [leaves.setdefault(id(v), grad_leaf(v)) for v in x]  # Rule 5: one leaf where the state holds one tensor
+        xin = [leaves.setdefault(id(v), grad_leaf(v)) for v in x]  # NOTE [ Checkpointed loop ] Rule 5: one leaf where the state holds one tensor
         xk = self.fn.x_at(k, grad=True)
         with torch.enable_grad():
             if self.swaps:
@@ -210,14 +212,14 @@ class _LoopRun:
         if self.snaps is None:
             self.snaps = self.factory(x[0].device)
             if self.owns_snaps:
-                # Rule 2: a loop dropped without a backward still gives its host blocks back.
+                # NOTE [ Checkpointed loop ] Rule 2: a loop dropped without a backward still gives its host blocks back.
                 weakref.finalize(self, self.snaps.close)
             # The first state is compressed once; a store sized by bytes fixes its slots here.
             self.plan.start(self.snaps.calibrate(x, packs=self.first_packs))
             self.first_packs = None
         self.snaps.save(n, tier, x, flush=self.plan.flush(i))
         pattern = aliases(x)
-        if pattern is not None:  # Rule 5: restored as one tensor where it was one
+        if pattern is not None:  # NOTE [ Checkpointed loop ] Rule 5: restored as one tensor where it was one
             self.alias[n] = pattern
         else:
             self.alias.pop(n, None)
@@ -239,7 +241,7 @@ class _LoopRun:
         # With a codec the store decompresses into fresh tensors (NOTE [ Snapshot store ] Rule 8):
         # they are ours already; otherwise they are views of a slot or of the stored snapshot.
         self.x = list(got) if self.snaps.codec is not None else [v.clone() for v in got]
-        if n in self.alias:  # Rule 5
+        if n in self.alias:  # NOTE [ Checkpointed loop ] Rule 5
             self.x = [self.x[j] for j in self.alias[n]]
         self.snaps.after_use()
 
@@ -255,7 +257,7 @@ class _LoopRun:
             raise CheckpointError("torchckpt: End() before EndForward: the schedule is invalid.")
 
     def adjoint(self, a: Adjoint, i: int) -> None:
-        """Back-propagate the adjoints through step n (Rules 2, 4)."""
+        """Back-propagate the adjoints through step n (NOTE [ Checkpointed loop ] Rules 2, 4)."""
         n = a.n
         if not self.backward:
             raise CheckpointError(f"torchckpt: {Adjoint(n)!r} before EndForward: the schedule is invalid.")
@@ -267,14 +269,14 @@ class _LoopRun:
                 raise CheckpointError(f"torchckpt: {Adjoint(n)!r} with no current state: the schedule is invalid.")
             xin, xk, out = self.record(self.x, n)
         params, gp = self.wrt, self.gp
-        g = self.g + [gy[n] if gy is not None else None for gy in self.gys]  # Rule 4: this step's slice of ys' adjoint
+        g = self.g + [gy[n] if gy is not None else None for gy in self.gys]  # NOTE [ Checkpointed loop ] Rule 4: this step's slice of ys' adjoint
         outs_y = [v for v, gv in zip(out, g) if gv is not None and v.requires_grad]
         gs = [gv for v, gv in zip(out, g) if gv is not None and v.requires_grad]
-        first = firsts(xin)  # Rule 5: a leaf at two positions is differentiated once, its gradient given to the first
+        first = firsts(xin)  # NOTE [ Checkpointed loop ] Rule 5: a leaf at two positions is differentiated once, its gradient given to the first
         wrt = ([v for i, v in enumerate(xin) if v.requires_grad and first[i]] + [v for v in xk if v.requires_grad]
                + [p for p in params if p.requires_grad])
-        # Rule 2: each parameter's running sum enters as an output of its own, so autograd adds
-        # this step's uses to it one by one, in the order plain autograd would.
+        # NOTE [ Checkpointed loop ] Rule 2: each parameter's running sum enters as an output of its own, so autograd
+        # adds this step's uses to it one by one, in the order plain autograd would.
         seeds = [(p, s) for p, s in zip(params, gp) if p.requires_grad and s is not None]
         res = (torch.autograd.grad(outs_y + [p for p, _ in seeds], wrt, gs + [s for _, s in seeds],
                                    allow_unused=True) if outs_y or seeds else [None] * len(wrt))
@@ -294,13 +296,13 @@ class _Loop(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, run: _LoopRun, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         uniq = [t.detach() for t in tensors[: run.n_unique]]
-        run.x = [uniq[j] for j in run.unique_of]  # Rule 5: the initial state, one tensor where it was one
-        execute_all(iter(run.plan), run)  # up to EndForward (Rule 2)
+        run.x = [uniq[j] for j in run.unique_of]  # NOTE [ Checkpointed loop ] Rule 5: the initial state, one tensor where it was one
+        execute_all(iter(run.plan), run)  # up to EndForward (NOTE [ Checkpointed loop ] Rule 1)
         x = run.x
         run.state1 = None
         mark = node_mark()
         last = run.n_steps - 1
-        xin, xk, out = run.record(x, last)  # Rule 2: record the last step, keep its graph for Adjoint(n-1)
+        xin, xk, out = run.record(x, last)  # NOTE [ Checkpointed loop ] Rule 1: record the last step, keep its graph for Adjoint(n-1)
         run.check_exits(xin + xk, out, mark)
         run.last = (xin, xk, out)
         run.ys[last] = [v.detach() for v in out[run.n_state:]]
@@ -322,14 +324,14 @@ class _Loop(torch.autograd.Function):
         run.backward = True
         run.g, run.gp, run.x = list(grads[: run.n_state]), [None] * len(run.wrt), None
         run.gys = list(grads[run.n_state:])
-        for j, m in sorted(run.passthrough.items(), reverse=True):  # Rule 4: a captured tensor returned as y
+        for j, m in sorted(run.passthrough.items(), reverse=True):  # NOTE [ Checkpointed loop ] Rule 4: a captured tensor returned as y
             gy = run.gys[j]
             if j in run.not_passthrough or gy is None:
                 continue
             acc = run.gp[m]  # the same tensor as another y leaf too: the later stack's backward runs first
             for k in range(run.n_steps):  # stack's backward hands the slices over in order, into one buffer
                 acc = gy[k] if acc is None else acc + gy[k]
-            run.gp[m] = acc  # the running sum starts with them (Rule 2)
+            run.gp[m] = acc  # the running sum starts with them (NOTE [ Checkpointed loop ] Rule 2)
             run.gys[j] = None
         run.gxs = [[None] * len(run.fn.xs) for _ in range(run.n_steps)]
         execute_all(iter(run.plan), run)  # the rest of the schedule, to End
@@ -337,7 +339,7 @@ class _Loop(torch.autograd.Function):
             run.stats = run.snaps.stats()
             if run.owns_snaps:
                 run.snaps.close()
-        gxs: list[torch.Tensor | None] = []  # Rule 4: each xs leaf's adjoint: its steps' slices stacked
+        gxs: list[torch.Tensor | None] = []  # NOTE [ Checkpointed loop ] Rule 4: each xs leaf's adjoint: its steps' slices stacked
         for j, t in enumerate(run.fn.xs):
             parts = [gk[j] for gk in run.gxs]
             if not t.requires_grad or all(p is None for p in parts):
@@ -345,7 +347,7 @@ class _Loop(torch.autograd.Function):
                 continue
             zero = torch.zeros_like(t[0])
             gxs.append(torch.stack([p if p is not None else zero for p in parts]))
-        g0 = [run.g[i] for i in run.first_of]  # Rule 5: each input's gradient (the first position of its tensor)
+        g0 = [run.g[i] for i in run.first_of]  # NOTE [ Checkpointed loop ] Rule 5: each input's gradient (the first position of its tensor)
         return (None, *g0, *gxs, *run.gp)
 
 
@@ -535,7 +537,8 @@ def _given(step: Any, params: Sequence[torch.Tensor] | None) -> list[torch.Tenso
 def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, schedule: Any,
                    store: Store | SnapshotStore | None, slots: int, prefetch: bool,
                    given: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """The loop or scan of ``fn`` for ``n_steps``: the last state and the stacked ys (Rules 1-4)."""
+    """The loop or scan of ``fn`` for ``n_steps``: the last state and the stacked ys
+    (NOTE [ Checkpointed loop ] Rules 1-4)."""
     check_store(name, store, snapshot_store=True)
     check_slots(name, slots)
     check_flag(name, "prefetch", prefetch)
@@ -586,7 +589,7 @@ def _differentiate(name: str, fn: Step, flat: list[torch.Tensor], n_steps: int, 
     run.owns_snaps = not isinstance(store, SnapshotStore)
     pattern = aliases(flat)
     uniq = flat
-    if pattern is not None:  # Rule 5: one tensor at two positions of the initial state is one input
+    if pattern is not None:  # NOTE [ Checkpointed loop ] Rule 5: one tensor at two positions of the initial state is one input
         firsts = sorted(set(pattern))
         run.first_of, run.n_unique = firsts, len(firsts)
         run.unique_of = [firsts.index(p) for p in pattern]

@@ -69,7 +69,7 @@ class _Callbacks:
     def save(self, a: Save, i: int) -> None:
         n, tier = a.n, a.tier
         tensors = _saved(self.save_fn(n), n)
-        if not self.started:  # the first Save fixes the slots (Rule 2)
+        if not self.started:  # the first Save fixes the slots (NOTE [ Planned stream ] Rule 1)
             self.started = True
             if self.snaps is None:  # NOTE [ Lending a snapshot store ]
                 self.snaps = lend_snapshot_store(self.store, tensors[0].device, self.slots)[0]

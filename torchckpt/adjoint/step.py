@@ -18,7 +18,7 @@ __all__ = ["Step", "Tree", "aliases", "detached", "firsts"]
 
 
 class Step:
-    """One step on flat lists (Rule 4): ``(k, state, xs[k]) -> (state, y)``, for the scan or the loop."""
+    """One step on flat lists (NOTE [ Checkpointed loop ] Rule 4): ``(k, state, xs[k]) -> (state, y)``, for the scan or the loop."""
 
     def __init__(self, step: Callable[..., Any], carry: Tree, xs: list[torch.Tensor], xs_tree: Tree | None,
                  index: bool, loop: bool) -> None:
@@ -27,7 +27,8 @@ class Step:
         self.y: Tree | None = None  # the structure of y, fixed by step 0
 
     def x_at(self, k: int, grad: bool = False) -> list[torch.Tensor]:
-        """``xs[k]``, as leaves of their own when ``grad`` and the slice requires grad (Rule 4)."""
+        """``xs[k]``, as leaves of their own when ``grad`` and the slice requires grad
+        (NOTE [ Checkpointed loop ] Rule 4)."""
         return [grad_leaf(t[k]) if grad and t.requires_grad else t[k].detach() for t in self.xs]
 
     def __call__(self, k: int, x: list[torch.Tensor],
@@ -48,7 +49,8 @@ class Step:
 
 
 class Tree:
-    """A pytree's tensor leaves as a flat list; its other leaves are held as they are (Rule 4)."""
+    """A pytree's tensor leaves as a flat list; its other leaves are held as they are
+    (NOTE [ Checkpointed loop ] Rule 4)."""
 
     def __init__(self, tree: Any, name: str, where: str) -> None:
         leaves, self.spec = tree_flatten(tree)
@@ -98,7 +100,8 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def aliases(x: Sequence[torch.Tensor]) -> list[int] | None:
-    """Rule 5: for each position, the first position holding the same tensor object; ``None`` when none repeats."""
+    """NOTE [ Checkpointed loop ] Rule 5: for each position, the first position holding the same tensor object; ``None``
+    when none repeats."""
     seen: dict[int, int] = {}
     pattern = [seen.setdefault(id(v), i) for i, v in enumerate(x)]
     return pattern if len(seen) < len(x) else None

@@ -7,7 +7,7 @@ IEEE division (``div_rn``) twice per block and none per element, no fused multip
 ``(v + 1.5 * 2**23) - 1.5 * 2**23``, fp32 -> e4m3 rounded to nearest even. Non-finite values
 take part in the unmasked kernels' min/max, which only changes blocks that are raw anyway.
 
-Layout (Rule 4): a program handles ``ROWS`` blocks. 4-bit codes pair element ``j`` of a block
+Layout (NOTE [ Block quantization ] Rule 4): a program handles ``ROWS`` blocks. 4-bit codes pair element ``j`` of a block
 with element ``j + BLOCK/2`` in one byte, so the kernels work on two contiguous half tiles and
 never shuffle registers to pack or unpack. ``MASKED=False`` launches cover whole programs only
 (no bounds checks); a second, masked launch starting at block ``row0`` takes the tail.
@@ -23,7 +23,7 @@ DENORM_MIN = tl.constexpr(1.401298464324817e-45)  # 2**-149, the smallest positi
 E4M3_MAX = tl.constexpr(448.0)
 ROUNDER = tl.constexpr(12582912.0)  # 1.5 * 2**23: r = t + ROUNDER holds rint(t) in its low bits
 TWO23 = tl.constexpr(8388608.0)  # 2**23: bits(2**23) | q is 2**23 + q, for 0 <= q < 2**23
-REL_SLACK = tl.constexpr(0.99999904632568359375)  # 1 - 2**-20 (Rule 3)
+REL_SLACK = tl.constexpr(0.99999904632568359375)  # 1 - 2**-20 (NOTE [ Block quantization ] Rule 3)
 
 
 @triton.jit
@@ -70,7 +70,7 @@ def _max_nan(a, b):
 
 @triton.jit
 def _encode(x, offs, n, mn, step, inv, levels, FP8: tl.constexpr, OUT: tl.constexpr, MASKED: tl.constexpr):
-    """(codes, per-row max |x - x'| with NaN propagated) for one tile (Rules 1-2).
+    """(codes, per-row max |x - x'| with NaN propagated) for one tile (NOTE [ Block quantization ] Rules 1-2).
 
     A non-finite ``x`` always gives a NaN or Inf difference (Inf - x' is Inf or NaN), so
     its block fails the check in quant_kernel, whatever its low/high were.
@@ -80,7 +80,7 @@ def _encode(x, offs, n, mn, step, inv, levels, FP8: tl.constexpr, OUT: tl.conste
         xr = (c.to(tl.float32) * step[:, None]).to(OUT).to(tl.float32)
         code = c.to(tl.uint8, bitcast=True).to(tl.int32)
     else:
-        # round to nearest (even) by adding 1.5 * 2**23: no conversion instruction (Rule 1)
+        # round to nearest (even) by adding 1.5 * 2**23: no conversion instruction (NOTE [ Block quantization ] Rule 1)
         r = (x - mn[:, None]) * inv[:, None] + ROUNDER
         q = r - ROUNDER
         xr = (mn[:, None] + q * step[:, None]).to(OUT).to(tl.float32)
@@ -117,7 +117,7 @@ def quant_kernel(x_ptr, codes_ptr, params_ptr, count_ptr, n, nblocks, bound, lev
         amax = hi
         step = tl.maximum(tl.math.div_rn(amax, tl.full([ROWS], E4M3_MAX, tl.float32)), FLT_MIN)
     else:
-        mn = lo + 0.0  # -0.0 -> +0.0, as in the reference (Rule 6)
+        mn = lo + 0.0  # -0.0 -> +0.0, as in the reference (NOTE [ Block quantization ] Rule 6)
         amax = tl.maximum(tl.abs(mn), tl.abs(hi))
         step = tl.math.div_rn(hi - mn, tl.full([ROWS], levels, tl.float32))
     inv = tl.math.div_rn(tl.full([ROWS], 1.0, tl.float32), tl.maximum(step, FLT_MIN))
@@ -125,7 +125,7 @@ def quant_kernel(x_ptr, codes_ptr, params_ptr, count_ptr, n, nblocks, bound, lev
         thr = (amax * bound) * REL_SLACK
     else:
         thr = tl.full([ROWS], bound, tl.float32)
-    thr = tl.maximum(thr, DENORM_MIN)  # d < thr or d == 0 (Rule 3), as one comparison
+    thr = tl.maximum(thr, DENORM_MIN)  # d < thr or d == 0 (NOTE [ Block quantization ] Rule 3), as one comparison
     ca, dmax = _encode(xa, offa, n, mn, step, inv, levels, FP8, OUT, MASKED)
     if BITS == 4:
         cb, dmax_b = _encode(xb, offb, n, mn, step, inv, levels, FP8, OUT, MASKED)
@@ -136,7 +136,7 @@ def quant_kernel(x_ptr, codes_ptr, params_ptr, count_ptr, n, nblocks, bound, lev
     else:
         pv = tl.where(raw, 0.0, mn)
         ps = tl.where(raw, -1.0, step)
-    # codes of raw blocks and of padding are 0 (Rule 4)
+    # codes of raw blocks and of padding are 0 (NOTE [ Block quantization ] Rule 4)
     if MASKED:
         ca = tl.where(raw[:, None] | (offa >= n), 0, ca)
         if BITS == 4:
@@ -167,7 +167,7 @@ def quant_kernel(x_ptr, codes_ptr, params_ptr, count_ptr, n, nblocks, bound, lev
             tl.store(params_ptr + rows * 2, pv)
             tl.store(params_ptr + rows * 2 + 1, ps)
     nraw = tl.sum(raw.to(tl.int32), axis=0)
-    tl.atomic_add(count_ptr, nraw, mask=nraw > 0)  # Rule 5: one small read tells the host
+    tl.atomic_add(count_ptr, nraw, mask=nraw > 0)  # NOTE [ Block quantization ] Rule 5: one small read tells the host
 
 
 @triton.jit

@@ -79,17 +79,17 @@ from torchckpt._errors import internal_error
 from torchckpt._native import nvcomp as nv
 from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
 
-_ALIGN = 16  # Rule 8
-_PLAN_CACHE_SIZE = 256  # Rule 7
+_ALIGN = 16  # NOTE [ Bitcomp ] Rule 8
+_PLAN_CACHE_SIZE = 256  # NOTE [ Bitcomp ] Rule 7
 
-# dtype -> (Bitcomp type, smallest subnormal, largest exact step): Rule 3
+# dtype -> (Bitcomp type, smallest subnormal, largest exact step): NOTE [ Bitcomp ] Rule 3
 _LOSSY: dict[torch.dtype, tuple[int, float, float]] = {
     torch.float16: (nv.FP16, 2.0**-24, 2.0**5),
     torch.float32: (nv.FP32, 2.0**-149, 2.0**104),
     torch.float64: (nv.FP64, 2.0**-1074, 2.0**971),
 }
-_BF16_SUBNORMAL = 2.0**-133  # Rule 5
-_FP16_NORMAL = 2.0**-14  # Rule 9
+_BF16_SUBNORMAL = 2.0**-133  # NOTE [ Bitcomp ] Rule 5
+_FP16_NORMAL = 2.0**-14  # NOTE [ Bitcomp ] Rule 9
 
 
 def _pow2_floor(v: float) -> float:
@@ -99,7 +99,7 @@ def _pow2_floor(v: float) -> float:
 
 
 def _lossless_type(dtype: torch.dtype) -> int:
-    """Rule 2: the integer type a dtype's bytes are compressed as."""
+    """NOTE [ Bitcomp ] Rule 2: the integer type a dtype's bytes are compressed as."""
     size = dtype.itemsize // 2 if dtype.is_complex else dtype.itemsize
     signed = dtype.is_signed  # False for bool and unsigned integers, True for floating dtypes
     table = {1: (nv.U8, nv.S8), 2: (nv.U16, nv.S16), 4: (nv.U32, nv.S32), 8: (nv.U64, nv.S64)}
@@ -121,7 +121,7 @@ def _recipe(dtype: torch.dtype, delta: float | None) -> _Recipe:
     if delta is None:
         return _Recipe(dtype, _lossless_type(dtype), nv.LOSSLESS, None)
     p = _pow2_floor(delta)
-    if dtype == torch.bfloat16:  # Rule 5
+    if dtype == torch.bfloat16:  # NOTE [ Bitcomp ] Rule 5
         step = min(p, _LOSSY[torch.float32][2])
         if step < _BF16_SUBNORMAL:
             return _Recipe(dtype, _lossless_type(dtype), nv.LOSSLESS, None)
@@ -132,15 +132,15 @@ def _recipe(dtype: torch.dtype, delta: float | None) -> _Recipe:
             f"got {dtype}; pass Bitcomp() (lossless, any dtype) for this tensor, or cast it to a float dtype."
         )
     btype, tiny, cap = _LOSSY[dtype]
-    if p < tiny:  # Rule 3
+    if p < tiny:  # NOTE [ Bitcomp ] Rule 3
         return _Recipe(dtype, _lossless_type(dtype), nv.LOSSLESS, None)
-    if dtype == torch.float16 and p < _FP16_NORMAL:  # Rule 9
+    if dtype == torch.float16 and p < _FP16_NORMAL:  # NOTE [ Bitcomp ] Rule 9
         return _Recipe(torch.float32, nv.FP32, nv.LOSSY_FP_TO_SIGNED, p)
     return _Recipe(dtype, btype, nv.LOSSY_FP_TO_SIGNED, min(p, cap))
 
 
 def _aligned(t: torch.Tensor) -> torch.Tensor:
-    """``t`` (contiguous) if its address is a multiple of 16 bytes, else an aligned copy (Rule 8)."""
+    """``t`` (contiguous) if its address is a multiple of 16 bytes, else an aligned copy (NOTE [ Bitcomp ] Rule 8)."""
     return t if t.data_ptr() % _ALIGN == 0 else t.clone()
 
 
@@ -156,14 +156,14 @@ def _delta_arg(r: _Recipe) -> Any:
 
 
 def _trimmed(scratch: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` bytes of the worst-case buffer, in a buffer of their own (Rule 6)."""
+    """The first ``n`` bytes of the worst-case buffer, in a buffer of their own (NOTE [ Bitcomp ] Rule 6)."""
     if not 0 < n <= scratch.numel():
         raise internal_error(f"Bitcomp reported a compressed size of {n} bytes for a buffer of {scratch.numel()}")
     return scratch[:n].clone()
 
 
 def _to_bf16(y32: torch.Tensor) -> torch.Tensor:
-    """Round fp32 to bf16 (nearest even), keeping NaN bits from the fp32 bits (Rule 5)."""
+    """Round fp32 to bf16 (nearest even), keeping NaN bits from the fp32 bits (NOTE [ Bitcomp ] Rule 5)."""
     yb = y32.to(torch.bfloat16)
     nan = torch.isnan(y32)
     top = torch.bitwise_right_shift(y32.view(torch.int32), 16).to(torch.int16)
@@ -171,7 +171,7 @@ def _to_bf16(y32: torch.Tensor) -> torch.Tensor:
 
 
 def _to_fp16(y32: torch.Tensor) -> torch.Tensor:
-    """Round fp32 to fp16 (nearest even), keeping NaN bits from the fp32 bits (Rule 9)."""
+    """Round fp32 to fp16 (nearest even), keeping NaN bits from the fp32 bits (NOTE [ Bitcomp ] Rule 9)."""
     yh = y32.to(torch.float16)
     nan = torch.isnan(y32)
     b = y32.view(torch.int32)
@@ -182,11 +182,11 @@ def _to_fp16(y32: torch.Tensor) -> torch.Tensor:
 
 
 def _narrow(y32: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """fp32 decoded for a bf16 (Rule 5) or fp16 (Rule 9) tensor, back in ``dtype``."""
+    """fp32 decoded for a bf16 (NOTE [ Bitcomp ] Rule 5) or fp16 (NOTE [ Bitcomp ] Rule 9) tensor, back in ``dtype``."""
     return _to_bf16(y32) if dtype == torch.bfloat16 else _to_fp16(y32)
 
 
-# -- device plans (Rule 7) ------------------------------------------------------------------
+# -- device plans (NOTE [ Bitcomp ] Rule 7) -------------------------------------------------
 class _PlanCache:
     def __init__(self, capacity: int) -> None:
         self._capacity = capacity
@@ -304,7 +304,8 @@ class Bitcomp(Codec):
 
     @property
     def guarantee(self) -> Guarantee:
-        """Lossless, or ``Guarantee("abs", p / 2)`` with ``p`` the largest power of two <= delta (Rules 3, 5)."""
+        """Lossless, or ``Guarantee("abs", p / 2)`` with ``p`` the largest power of two <= delta
+        (NOTE [ Bitcomp ] Rules 3, 5)."""
         if self.delta is None:
             return Guarantee("lossless")
         return Guarantee("abs", _pow2_floor(self.delta) / 2)
@@ -366,7 +367,7 @@ class Bitcomp(Codec):
                 nv.check(lib.bitcompGetCompressedSizeAsync(scratch.data_ptr(), size.data_ptr(),
                                                            ctypes.c_void_p(s.cuda_stream)),
                          "bitcompGetCompressedSizeAsync")
-            return _trimmed(scratch, int(size.item()))  # .item() synchronizes this stream only: Rule 6
+            return _trimmed(scratch, int(size.item()))  # .item() synchronizes this stream only: NOTE [ Bitcomp ] Rule 6
 
     def _compress_host(self, src: torch.Tensor, r: _Recipe, nbytes: int) -> torch.Tensor:
         lib = nv.library()
@@ -394,7 +395,7 @@ class Bitcomp(Codec):
         nv.library()
         buf = p.buffers[0]
         with on_stream(stream, p.device, buf):
-            buf = buf if buf.data_ptr() % 8 == 0 else buf.clone()  # Rule 8
+            buf = buf if buf.data_ptr() % 8 == 0 else buf.clone()  # NOTE [ Bitcomp ] Rule 8
             direct = work == out.dtype and out.is_contiguous() and out.data_ptr() % _ALIGN == 0
             flat = out.view(-1) if direct else torch.empty(out.numel(), dtype=work, device=out.device)
             if p.device.type == "cuda":

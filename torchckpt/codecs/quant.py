@@ -66,10 +66,10 @@ _log = logging.getLogger("torchckpt")
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _FMTS = ("int", "e4m3")
-_REL_SLACK = 1.0 - 2.0**-20  # see Rule 3
-_FLT_MIN = 2.0**-126  # see Rule 1
+_REL_SLACK = 1.0 - 2.0**-20  # see NOTE [ Block quantization ] Rule 3
+_FLT_MIN = 2.0**-126  # see NOTE [ Block quantization ] Rule 1
 _DENORM_MIN = 2.0**-149  # the smallest positive fp32
-_ROUNDER = 1.5 * 2.0**23  # t + 1.5 * 2**23 in fp32 rounds t to an integer, half to even (Rule 1)
+_ROUNDER = 1.5 * 2.0**23  # t + 1.5 * 2**23 in fp32 rounds t to an integer, half to even (NOTE [ Block quantization ] Rule 1)
 _E4M3_MAX = 448.0
 # Triton launch shapes, (blocks per program, warps) for compress and for decompress, per
 # (element size, codes): the fastest measured (benchmarks/quant_throughput.py). Every shape
@@ -106,7 +106,8 @@ def _f32(v: float, like: torch.Tensor) -> torch.Tensor:
 
 def _quant_ref(flat: torch.Tensor, bits: int, block: int, rel: bool, bound: float,
                fmt: str = "int") -> tuple[torch.Tensor, torch.Tensor]:
-    """Reference quantizer (CPU or CUDA): ``(codes uint8, params fp32 (nblocks, 2 or 1))`` per Rules 1-4."""
+    """Reference quantizer (CPU or CUDA): ``(codes uint8, params fp32 (nblocks, 2 or 1))`` per
+    NOTE [ Block quantization ] Rules 1-4."""
     dev = flat.device
     npar = 1 if fmt == "e4m3" else 2
     nb = -(-flat.numel() // block)
@@ -133,11 +134,11 @@ def _quant_ref(flat: torch.Tensor, bits: int, block: int, rel: bool, bound: floa
         step = (mx - mn) / levels.expand_as(mn)
         inv = one.expand_as(step) / torch.maximum(step, _f32(_FLT_MIN, xb))
         rounder = _f32(_ROUNDER, xb)
-        r = (xb - mn[:, None]) * inv[:, None] + rounder  # rint by adding 1.5 * 2**23 (Rule 1)
+        r = (xb - mn[:, None]) * inv[:, None] + rounder  # rint by adding 1.5 * 2**23 (NOTE [ Block quantization ] Rule 1)
         qf = r - rounder
         xr = (mn[:, None] + qf * step[:, None]).to(flat.dtype).float()
         q = qf
-    # Rules 2-3: the block passes when every valid element has d < thr or d == 0, i.e. when
+    # NOTE [ Block quantization ] Rules 2-3: the block passes when every valid element has d < thr or d == 0, i.e. when
     # max(d) (NaN propagated: non-finite x) < max(thr, 2**-149)
     d = torch.where(valid, (xr - xb).abs(), torch.zeros_like(xb))
     b = _f32(bound, xb)
@@ -319,7 +320,7 @@ class TritonQuant(Codec):
                         (flat, codes, params, count, n, nb, self._b32, float(2**self.bits - 1)),
                         REL=self.mode == "rel", BITS=self.bits, FP8=fp8, BLOCK=B, ROWS=rows,
                         OUT=_tl_dtype(x.dtype), num_warps=warps, enable_fp_fusion=False)
-                # Rule 5: one int32 to pinned memory, then wait for this stream only
+                # NOTE [ Block quantization ] Rule 5: one int32 to pinned memory, then wait for this stream only
                 host = torch.empty(1, dtype=torch.int32, pin_memory=True)
                 host.copy_(count, non_blocking=True)
                 done = torch.cuda.Event()
@@ -383,13 +384,13 @@ class TritonQuant(Codec):
 
 def _gather_raw(flat: torch.Tensor, params: torch.Tensor, B: int,
                 nraw: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
-    """The raw blocks (Rule 4): ``(ids, bytes, whether the last block is raw and partial)``.
+    """The raw blocks (NOTE [ Block quantization ] Rule 4): ``(ids, bytes, whether the last block is raw and partial)``.
 
     ``nraw`` is the kernel's count (``-1``: not counted). Whole blocks are gathered as rows; a
     raw partial last block (always the last id) is padded with its last element.
     """
     n = flat.numel()
-    ids = (params[:, -1] < 0).nonzero().reshape(-1)  # sorted; reads the count to the host (Rule 5)
+    ids = (params[:, -1] < 0).nonzero().reshape(-1)  # sorted; reads the count to the host (NOTE [ Block quantization ] Rule 5)
     if nraw >= 0 and ids.numel() != nraw:
         raise internal_error(f"TritonQuant counted {nraw} raw blocks but params mark {ids.numel()}")
     nfull = n // B

@@ -64,7 +64,7 @@ from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
 
 _BITS = {torch.float32: 32, torch.float64: 64}
 _MIN_BLOCK_BITS = {torch.float32: 1 + 8, torch.float64: 1 + 11}  # zfp_stream_set_rate's floor
-_MAX_PADDED = 2**31 - 1  # Rule 6
+_MAX_PADDED = 2**31 - 1  # NOTE [ ZFP fixed rate ] Rule 6
 _MODES = ("nan", "raise")
 _BUILD = "TORCHCKPT_BUILD_ZFP=1 pip install --no-build-isolation -e ."
 
@@ -117,7 +117,7 @@ def _block_grid(field: Sequence[int]) -> tuple[int, ...]:
 
 
 def _flags_pack(f: torch.Tensor) -> torch.Tensor:
-    """One bit per zfp block of the field ``f``: the block holds a NaN or an Inf (Rule 5)."""
+    """One bit per zfp block of the field ``f``: the block holds a NaN or an Inf (NOTE [ ZFP fixed rate ] Rule 5)."""
     bad = ~torch.isfinite(f)
     pad: list[int] = []
     for n in reversed(f.shape):
@@ -135,7 +135,7 @@ def _flags_pack(f: torch.Tensor) -> torch.Tensor:
 
 
 def _flags_apply(flags: torch.Tensor, f: torch.Tensor) -> None:
-    """Write NaN over every block of the field ``f`` whose flag is set (Rule 5)."""
+    """Write NaN over every block of the field ``f`` whose flag is set (NOTE [ ZFP fixed rate ] Rule 5)."""
     grid = _block_grid(f.shape)
     nblocks = math.prod(grid)
     shifts = torch.arange(8, dtype=torch.uint8, device=f.device)
@@ -153,10 +153,10 @@ class ZFP(Codec):
     """zfp fixed-rate compression: ``rate`` bits per value, lossy, NO error bound.
 
     cuZFP on CUDA tensors, serial zfp on CPU tensors, same bytes (NOTE [ ZFP fixed rate ]).
-    float32 and float64 tensors are compressed as one zfp field of 1 to 3 dims (Rule 2 says
+    float32 and float64 tensors are compressed as one zfp field of 1 to 3 dims (NOTE [ ZFP fixed rate ] Rule 2 says
     how other shapes map to one). The error depends on the data: small on smooth fields
     (wavefields, images), large on noise; check it on your data. NaN and Inf cannot be coded:
-    see Rule 5 for what ``nonfinite`` does with them. Needs the optional extension
+    see NOTE [ ZFP fixed rate ] Rule 5 for what ``nonfinite`` does with them. Needs the optional extension
     ``torchckpt._zfp``: ``TORCHCKPT_BUILD_ZFP=1 pip install --no-build-isolation -e .``.
 
     Args:
@@ -266,13 +266,13 @@ class ZFP(Codec):
         bits, sbytes, total = packed_layout(field, x.dtype, self.rate, flags)
         with on_stream(stream, x.device, x):
             f = x.detach().contiguous().view(field)
-            if not flags and not bool(torch.isfinite(f).all()):  # host read: Rule 5
+            if not flags and not bool(torch.isfinite(f).all()):  # host read: NOTE [ ZFP fixed rate ] Rule 5
                 raise ValueError(
                     "torchckpt: ZFP(nonfinite='raise') got a tensor holding NaN or Inf, which fixed-rate zfp cannot "
                     "code; clean the tensor, or pass nonfinite='nan' (blocks holding them come back as NaN)."
                 )
             data = torch.empty(total, dtype=torch.uint8, device=x.device)
-            data[max(sbytes - 8, 0):sbytes + 8].zero_()  # the last, maybe partial, word and the pad word: Rule 1
+            data[max(sbytes - 8, 0):sbytes + 8].zero_()  # the last, maybe partial, word and the pad word: NOTE [ ZFP fixed rate ] Rule 1
             ops.zfp_compress(f, field, self.rate, data)
             if flags:
                 data[sbytes + 8:] = _flags_pack(f)

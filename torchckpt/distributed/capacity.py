@@ -26,7 +26,8 @@ from torchckpt.schedules.spill import Spill, greedy_spill, plan_spill
 __all__ = ["DEFAULT_PEER_BANDWIDTH", "SpillPlan", "exchange"]
 
 DEFAULT_PEER_BANDWIDTH = 100e9
-"""Bytes/s assumed to each peer when no row is given: a placeholder until measured (Rule 3)."""
+"""Bytes/s assumed to each peer when no row is given: a placeholder until measured
+(NOTE [ Capacity exchange ] Rule 3)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,14 +72,15 @@ def _require_initialized(what: str) -> None:
 def exchange(overflow_bytes: int, spare_bytes: int, host_bandwidth: float,
              peer_bandwidth: Sequence[float] | None = None, *, group: Any = None,
              greedy: bool = False) -> SpillPlan:
-    """Gather every rank's capacity and compute the group's spill plan (collective; Rules 1-2).
+    """Gather every rank's capacity and compute the group's spill plan (collective;
+    NOTE [ Capacity exchange ] Rules 1-2).
 
     Args:
         overflow_bytes: bytes this rank's cache must move off.
         spare_bytes: bytes this rank can take from peers.
         host_bandwidth: this rank's host-link bandwidth, bytes/s (> 0).
         peer_bandwidth: this rank's bandwidth to each rank of the group, bytes/s (0 for itself or no link);
-            ``None``: ``DEFAULT_PEER_BANDWIDTH`` to every other rank (a placeholder, Rule 3).
+            ``None``: ``DEFAULT_PEER_BANDWIDTH`` to every other rank (a placeholder, NOTE [ Capacity exchange ] Rule 3).
         group: the process group; ``None``: the world.
         greedy: plan with ``greedy_spill`` instead of the min-time ``plan_spill``.
 

@@ -8,8 +8,8 @@ by measured bandwidth; NOTE [ Multi-tier Revolve ] Rule 4, schedules/multistage.
 #    back, 2 / (1/out + 1/in) bytes per second. The host tier's is a device-to-host copy into a
 #    host buffer (pinned when the store's host pool pins; not taken from the pool, whose cap
 #    stays the store's) and the copy back.
-#    A disk snapshot passes through host memory on its way to its file (NOTE [ Snapshot store ]
-#    Rule 11), so the disk tier's time per byte is the host link's plus the files' (written and
+#    A disk snapshot passes through host memory on its way to its file (NOTE [ Snapshot disk tier ]
+#    Rule 1), so the disk tier's time per byte is the host link's plus the files' (written and
 #    read back by ``DiskTier.measure_bandwidth``): 1/disk = 1/host + 1/file. Measured so, the
 #    disk never ranks above the host tier of the same store; given rates (``AutoSchedule(bandwidths=...)``)
 #    can say otherwise.
@@ -51,7 +51,8 @@ def _round_trip(out_bps: float, in_bps: float) -> float:
 
 def host_link(device: torch.device, pinned: bool, nbytes: int = _MAX, reps: int = 5) -> tuple[float, float]:
     """Bytes/s of a copy from ``device`` to host memory and of one back: the one host-link measurement
-    (Rules 2-3; cached per device and pinning). The planner's link model and ``host_link_bandwidth`` read it.
+    (NOTE [ Tier bandwidths ] Rules 2-3; cached per device and pinning). The planner's link model and
+    ``host_link_bandwidth`` read it.
 
     Args:
         device: the device (``cpu``: memory copies, what an offload there does).
@@ -109,7 +110,7 @@ def host_link(device: torch.device, pinned: bool, nbytes: int = _MAX, reps: int 
 
 
 def host_link_bandwidth(device: torch.device, pool: HostPoolBase, nbytes: int = _MAX) -> float:
-    """Round-trip bytes/s of a copy from ``device`` to host memory and back (Rules 1-3; cached).
+    """Round-trip bytes/s of a copy from ``device`` to host memory and back (NOTE [ Tier bandwidths ] Rules 1-3; cached).
 
     Args:
         device: the store's device (``cpu`` simulates: memory copies).
@@ -129,7 +130,8 @@ def host_link_bandwidth(device: torch.device, pool: HostPoolBase, nbytes: int = 
 
 
 def disk_file_bandwidth(disk: DiskTier, nbytes: int = _MAX) -> float:
-    """Round-trip bytes/s of ``disk``'s files: ``measure_bandwidth``, cached per file system (Rules 1-3).
+    """Round-trip bytes/s of ``disk``'s files: ``measure_bandwidth``, cached per file system
+    (NOTE [ Tier bandwidths ] Rules 1-3).
 
     Args:
         disk: the disk tier.
@@ -164,7 +166,7 @@ def tier_bandwidths(device: torch.device, pool: HostPoolBase, disk: DiskTier, nb
         nbytes: one snapshot's bytes (the size measured, clamped).
 
     Returns:
-        Bytes per second per off-GPU tier (measured once per process, Rule 2).
+        Bytes per second per off-GPU tier (measured once per process, NOTE [ Tier bandwidths ] Rule 2).
 
     Example::
 

@@ -50,7 +50,7 @@ SLOT_ALIGN = 256
 
 
 def slot_stride(slot_bytes: int) -> int:
-    """Distance in bytes between consecutive slots of ``slot_bytes`` (Rule 5: 256-byte aligned).
+    """Distance in bytes between consecutive slots of ``slot_bytes`` (NOTE [ Device arena ] Rule 5: 256-byte aligned).
 
     Example::
 
@@ -148,7 +148,7 @@ class DeviceArena:
         nbytes: size in bytes (> 0).
         device: the CUDA device.
         chunk_bytes: bytes mapped per background step, rounded up to the allocation
-            granularity (Rule 1).
+            granularity (NOTE [ Device arena ] Rule 1).
         background: map in a background thread; ``False`` maps everything before returning.
         first_bytes: bytes at offset 0 mapped before the constructor returns (the first slot).
 
@@ -185,7 +185,7 @@ class DeviceArena:
                                               _delay_us)
         except RuntimeError as e:
             raise _native_error(e) from None
-        err = str(self._impl.init_error())  # the native side reports, Python raises (native Rule 10)
+        err = str(self._impl.init_error())  # the native side reports, Python raises (NOTE [ VMM device arena ] Rule 10)
         if err:
             raise _native_error(RuntimeError(err))
         self.device = dev
@@ -201,7 +201,7 @@ class DeviceArena:
     # -- state -----------------------------------------------------------------------------
     @property
     def mapped_bytes(self) -> int:
-        """Bytes of device memory backing the arena now (Rule 3: count these, not memory_allocated)."""
+        """Bytes of device memory backing the arena now (NOTE [ Device arena ] Rule 3: count these, not memory_allocated)."""
         return 0 if self._closed else int(self._impl.mapped_bytes())
 
     @property
@@ -214,7 +214,7 @@ class DeviceArena:
 
     @property
     def live_views(self) -> int:
-        """Tensors over the arena still alive (they hold its memory after ``close``, Rule 4)."""
+        """Tensors over the arena still alive (they hold its memory after ``close``, NOTE [ Device arena ] Rule 4)."""
         return 0 if self._closed else int(self._impl.live_views())
 
     @property
@@ -228,12 +228,12 @@ class DeviceArena:
         return not self._closed and bool(self._impl.ready())
 
     def error(self) -> str | None:
-        """The background mapping failure, if one happened (Rule 5 of the native NOTE)."""
+        """The background mapping failure, if one happened (NOTE [ VMM device arena ] Rule 5)."""
         e = "" if self._closed else str(self._impl.error())
         return e or None
 
     def is_mapped(self, offset: int, nbytes: int) -> bool:
-        """Whether bytes ``[offset, offset + nbytes)`` are mapped now (never blocks; Rule 2)."""
+        """Whether bytes ``[offset, offset + nbytes)`` are mapped now (never blocks; NOTE [ Device arena ] Rule 2)."""
         self._check_range(offset, nbytes)
         return offset + nbytes <= self.mapped_bytes
 
@@ -259,11 +259,11 @@ class DeviceArena:
             raise _native_error(e) from None
 
     def slot(self, i: int, slot_bytes: int) -> torch.Tensor:
-        """Slot ``i`` of ``slot_bytes`` at offset ``i * slot_stride(slot_bytes)`` (Rule 5), once mapped."""
+        """Slot ``i`` of ``slot_bytes`` at offset ``i * slot_stride(slot_bytes)`` (NOTE [ Device arena ] Rule 5), once mapped."""
         return self.view(*_slot_range(i, slot_bytes, self.nbytes))
 
     def close(self) -> None:
-        """Stop mapping and drop the arena's hold on its memory (Rule 4). Idempotent."""
+        """Stop mapping and drop the arena's hold on its memory (NOTE [ Device arena ] Rule 4). Idempotent."""
         if not self._closed:
             self._impl.close()
             self._closed = True
@@ -405,7 +405,7 @@ def make_device_slots(nbytes: int, device: str | torch.device | int = "cuda", *,
             ``CheckpointError`` with ``unavailable_reason`` otherwise), ``False`` never uses it.
 
     Returns:
-        A ``DeviceArena`` (``kind == "vmm"``) or a ``CachingAllocatorBuffer`` (Rule 6).
+        A ``DeviceArena`` (``kind == "vmm"``) or a ``CachingAllocatorBuffer`` (NOTE [ Device arena ] Rule 6).
 
     Example::
 
@@ -487,7 +487,7 @@ class ArenaSlots(Sequence[torch.Tensor]):
         return self._views[i] is not None or self.memory.is_mapped(i * self.stride, self.slot_bytes)
 
     def release(self) -> None:
-        """Drop the cached slot tensors (so that a closed arena's memory can go back, Rule 4)."""
+        """Drop the cached slot tensors (so that a closed arena's memory can go back, NOTE [ Device arena ] Rule 4)."""
         self._views = [None] * len(self._views)
 
 

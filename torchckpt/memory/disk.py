@@ -66,8 +66,8 @@ from torchckpt._errors import CheckpointError, internal_error
 
 __all__ = ["ALIGN", "DiskStats", "DiskTier"]
 
-ALIGN = 4096  # O_DIRECT file offsets and lengths (Rule 4)
-PIECE = 8 << 20  # bytes per O_DIRECT call, and the bounce buffer's size (Rule 4)
+ALIGN = 4096  # O_DIRECT file offsets and lengths (NOTE [ Disk tier ] Rule 4)
+PIECE = 8 << 20  # bytes per O_DIRECT call, and the bounce buffer's size (NOTE [ Disk tier ] Rule 4)
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _log = logging.getLogger("torchckpt")
 
@@ -101,7 +101,7 @@ class DiskStats:
 
 
 class _Shared:
-    """What the I/O threads share with the owner (Rule 3): counters and errors, under ``lock``."""
+    """What the I/O threads share with the owner (NOTE [ Disk tier ] Rule 3): counters and errors, under ``lock``."""
 
     def __init__(self, root: str, direct: bool, mem_align: int) -> None:
         self.lock = threading.Lock()
@@ -133,7 +133,7 @@ class _Shared:
 
 
 class _Entry:
-    """A key's file: its name, payload size, its write's job and the key's last job (Rule 3)."""
+    """A key's file: its name, payload size, its write's job and the key's last job (NOTE [ Disk tier ] Rule 3)."""
 
     __slots__ = ("name", "nbytes", "written", "job")
 
@@ -202,7 +202,7 @@ def _pread_all(fd: int, mv: memoryview, off: int, need: int) -> None:
 
 
 def _write_file(shared: _Shared, path: str, src: torch.Tensor) -> None:
-    """``src``'s bytes into a new file at ``path`` (Rule 4: straight, or in aligned pieces)."""
+    """``src``'s bytes into a new file at ``path`` (NOTE [ Disk tier ] Rule 4: straight, or in aligned pieces)."""
     n = src.numel()
     mv = src.numpy().data
     fd = _open(path, write=True, direct=shared.direct)
@@ -226,7 +226,7 @@ def _write_file(shared: _Shared, path: str, src: torch.Tensor) -> None:
 
 
 def _read_file(shared: _Shared, path: str, out: torch.Tensor) -> None:
-    """The file at ``path`` into ``out`` (exactly ``out.numel()`` bytes; Rule 4)."""
+    """The file at ``path`` into ``out`` (exactly ``out.numel()`` bytes; NOTE [ Disk tier ] Rule 4)."""
     n = out.numel()
     mv = out.numpy().data
     fd = _open(path, write=False, direct=shared.direct)
@@ -263,10 +263,10 @@ def _write_job(shared: _Shared, path: str, src: torch.Tensor, after: Any) -> Non
     t0 = time.perf_counter()
     try:
         if after is not None:
-            after.synchronize()  # the copy that fills src (Rule 2)
+            after.synchronize()  # the copy that fills src (NOTE [ Disk tier ] Rule 2)
         t0 = time.perf_counter()
         _write_file(shared, path, src)
-    except Exception as e:  # noqa: BLE001 - every failure reaches the owner (Rule 5)
+    except Exception as e:  # noqa: BLE001 - every failure reaches the owner (NOTE [ Disk tier ] Rule 5)
         try:
             os.unlink(path)
         except OSError:
@@ -277,21 +277,21 @@ def _write_job(shared: _Shared, path: str, src: torch.Tensor, after: Any) -> Non
 
 def _read_job(shared: _Shared, path: str, out: torch.Tensor, prev: cf.Future[Any],
               written: cf.Future[None]) -> torch.Tensor:
-    _wait([prev, written])  # Rule 3
+    _wait([prev, written])  # NOTE [ Disk tier ] Rule 3
     failed = _failed_write(written)
     if failed is not None:
         raise shared.fail(CheckpointError(f"torchckpt: a read of a snapshot whose write failed: {failed}"))
     t0 = time.perf_counter()
     try:
         _read_file(shared, path, out)
-    except Exception as e:  # noqa: BLE001 - every failure reaches the owner (Rule 5)
+    except Exception as e:  # noqa: BLE001 - every failure reaches the owner (NOTE [ Disk tier ] Rule 5)
         raise shared.fail(_read_error(shared, out.numel(), e)) from e
     shared.count(reads=1, bytes_read=out.numel(), read_s=time.perf_counter() - t0)
     return out
 
 
 def _cleanup(pool: cf.ThreadPoolExecutor, root: str) -> None:
-    """Rule 6: queued jobs cancelled, running ones waited for, the directory removed."""
+    """NOTE [ Disk tier ] Rule 6: queued jobs cancelled, running ones waited for, the directory removed."""
     pool.shutdown(wait=True, cancel_futures=True)
     shutil.rmtree(root, ignore_errors=True)
 
@@ -330,7 +330,7 @@ class DiskTier:
             private subdirectory of it, removed by ``close()``.
         threads: I/O threads (>= 1).
         direct: ``None``: O_DIRECT where the file system takes it, buffered I/O elsewhere; ``True``:
-            O_DIRECT or a ``CheckpointError``; ``False``: buffered I/O (Rule 4).
+            O_DIRECT or a ``CheckpointError``; ``False``: buffered I/O (NOTE [ Disk tier ] Rule 4).
 
     Raises:
         CheckpointError: ``path`` is missing, not a directory or not writable.
@@ -380,11 +380,11 @@ class DiskTier:
         self._reads: dict[Hashable, tuple[cf.Future[torch.Tensor], torch.Tensor]] = {}  # prefetches not collected
         self._seq = itertools.count()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self._pool, root)  # Rule 6
+        self._finalizer = weakref.finalize(self, _cleanup, self._pool, root)  # NOTE [ Disk tier ] Rule 6
 
     @staticmethod
     def _choose_mode(root: str, direct: bool | None) -> tuple[bool, int]:
-        """(O_DIRECT?, memory alignment) for ``root``, probed (Rule 4); raises if it cannot be written."""
+        """(O_DIRECT?, memory alignment) for ``root``, probed (NOTE [ Disk tier ] Rule 4); raises if it cannot be written."""
         if direct is not False and _O_DIRECT:
             try:
                 _probe(root, True, 0)
@@ -433,11 +433,11 @@ class DiskTier:
         return self._entry(key, "nbytes").nbytes
 
     def write(self, key: Hashable, src: torch.Tensor, after: Any = None) -> cf.Future[None]:
-        """Start writing ``src`` (flat ``uint8`` CPU tensor) under ``key``; returns at once (Rule 2).
+        """Start writing ``src`` (flat ``uint8`` CPU tensor) under ``key``; returns at once (NOTE [ Disk tier ] Rule 2).
 
         ``src`` must stay alive and unmodified until the returned future is done. ``after``: an event
         (anything with ``synchronize()``) the I/O thread waits for before reading ``src``. Writing
-        ``key`` again replaces its file. Raises a pending error of an earlier job (Rule 5).
+        ``key`` again replaces its file. Raises a pending error of an earlier job (NOTE [ Disk tier ] Rule 5).
         """
         self.check()
         src = _flat_bytes(src, "write")
@@ -453,7 +453,7 @@ class DiskTier:
     def prefetch(self, key: Hashable, out: torch.Tensor | None = None) -> cf.Future[torch.Tensor]:
         """Start reading ``key`` into ``out`` (or a new buffer) on an I/O thread; the future gives the buffer.
 
-        ``out`` is the job's until the future is done (Rule 2); ``read(key, out)`` collects it.
+        ``out`` is the job's until the future is done (NOTE [ Disk tier ] Rule 2); ``read(key, out)`` collects it.
         """
         self.check()
         e = self._entry(key, "prefetch")
@@ -487,7 +487,7 @@ class DiskTier:
             if buf.data_ptr() != out.data_ptr():
                 out.copy_(buf)
             return out
-        _wait([e.job])  # Rule 3
+        _wait([e.job])  # NOTE [ Disk tier ] Rule 3
         failed = _failed_write(e.written)
         if failed is not None:
             self._forget(failed)
@@ -501,9 +501,10 @@ class DiskTier:
         return out
 
     def delete(self, key: Hashable) -> None:
-        """Drop ``key``: its queued jobs cancelled, a running one waited for, its file unlinked (Rule 6).
+        """Drop ``key``: its queued jobs cancelled, a running one waited for, its file unlinked
+        (NOTE [ Disk tier ] Rule 6).
 
-        Does not raise the errors of its jobs: they are reported by the next ``check`` (Rule 5).
+        Does not raise the errors of its jobs: they are reported by the next ``check`` (NOTE [ Disk tier ] Rule 5).
         """
         e = self._files.pop(key, None)
         self._reads.pop(key, None)
@@ -527,7 +528,7 @@ class DiskTier:
         _wait([e.job for e in self._files.values()])
 
     def check(self) -> None:
-        """Raise the first error of a finished job not yet reported (Rule 5), once."""
+        """Raise the first error of a finished job not yet reported (NOTE [ Disk tier ] Rule 5), once."""
         if self._closed:
             raise CheckpointError("torchckpt: this DiskTier was closed; make a new one (or a new "
                                   "SnapshotStore(disk=...)).")
@@ -567,7 +568,7 @@ class DiskTier:
         return nbytes / max(t1 - t0, 1e-9), nbytes / max(t2 - t1, 1e-9)
 
     def close(self) -> None:
-        """Cancel queued jobs, wait for running ones and remove every file (Rule 6); errors are not raised."""
+        """Cancel queued jobs, wait for running ones and remove every file (NOTE [ Disk tier ] Rule 6); errors are not raised."""
         self._closed = True
         self._files.clear()
         self._reads.clear()

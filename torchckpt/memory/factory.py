@@ -55,7 +55,7 @@ def shared_host_pool(pin: bool | None = None, device: int | torch.device | None 
 
     An adjoint run once per shot or per optimization step then touches and registers its host
     memory once, not at every call (on a virtual machine that takes freed memory back, each
-    new pool would pay the first touch again: NOTE [ Lazy host pool ], Rule 8), as
+    new pool would pay the first touch again: NOTE [ Lazy host pool ] Rule 8), as
     ``checkpointed_loop`` without a store does through ``default_store``'s pool. Like
     PyTorch's own pinned memory cache, this pool keeps what it has pinned until the process
     ends or :func:`release_shared_host_pools`.

@@ -109,7 +109,7 @@ class Chunk:
             else:
                 hi = mid
         free.insert(lo, (off, n))
-        # Coalesce with the right neighbour, then the left one (see Rule 2).
+        # Coalesce with the right neighbour, then the left one (see NOTE [ Host pool ] Rule 2).
         if lo + 1 < len(free) and free[lo][0] + free[lo][1] == free[lo + 1][0]:
             free[lo] = (off, n + free[lo + 1][1])
             del free[lo + 1]
@@ -119,7 +119,7 @@ class Chunk:
 
 
 class Blocks:
-    """First-fit blocks over a list of chunks, parked blocks and the pageable fallback (Rules 2-4).
+    """First-fit blocks over a list of chunks, parked blocks and the pageable fallback (NOTE [ Host pool ] Rules 2-4).
 
     Not thread-safe by itself: the owning pool holds ``lock`` around every call.
 
@@ -141,18 +141,18 @@ class Blocks:
 
     def place(self, need: int, grow: Callable[[int], bool] | None = None) -> tuple[int, int] | None:
         """(chunk, offset) of ``need`` free bytes, waiting for parked blocks and calling ``grow(need)`` (which
-        adds a chunk and says whether it did) as Rule 3 says; ``None`` when the chunks cannot hold it."""
+        adds a chunk and says whether it did) as NOTE [ Host pool ] Rule 3 says; ``None`` when the chunks cannot hold it."""
         self.reclaim(block=False)
         hit = self.take(need)
         while hit is None and self.parked and sum(b.nbytes for b, _ in self.parked) >= need:
-            blk, ev = self.parked.pop(0)  # Rule 3: wait for the oldest, then try again
+            blk, ev = self.parked.pop(0)  # NOTE [ Host pool ] Rule 3: wait for the oldest, then try again
             ev.synchronize()
             self.release(blk)
             hit = self.take(need)
         if hit is None and grow is not None and grow(need):
             hit = self.take(need)
         if hit is None and self.parked:
-            # At the cap: wait for parked blocks rather than go pageable (Rule 3).
+            # At the cap: wait for parked blocks rather than go pageable (NOTE [ Host pool ] Rule 3).
             self.reclaim(block=True)
             hit = self.take(need)
         if hit is not None:
@@ -204,7 +204,7 @@ class Blocks:
         self.in_use = 0
 
     def pageable(self, nbytes: int, why: str | None = None) -> HostBlock:
-        """A plain pageable block past the cap (Rule 4), with the one warning."""
+        """A plain pageable block past the cap (NOTE [ Host pool ] Rule 4), with the one warning."""
         self.warn(why or f"the host pool reached its cap of {format_bytes(self.capacity_bytes)}")
         try:
             t = torch.empty(nbytes, dtype=torch.uint8)
@@ -350,14 +350,14 @@ class HostPool(HostPoolBase):
             self._blocks.clear()
 
     def _grow(self, need: int) -> bool:
-        """Add a pinned chunk for ``need`` bytes if the cap allows (Rules 1 and 4); whether one was added."""
+        """Add a pinned chunk for ``need`` bytes if the cap allows (NOTE [ Host pool ] Rules 1 and 4); whether one was added."""
         size = self.chunk_bytes if need <= self.chunk_bytes else _next_pow2(need)
         b = self._blocks
         if b.reserved + size > self.capacity_bytes:
             return False
         try:
             buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
-        except RuntimeError as e:  # cudaHostAlloc refused: stay correct, go pageable (Rule 4)
+        except RuntimeError as e:  # cudaHostAlloc refused: stay correct, go pageable (NOTE [ Host pool ] Rule 4)
             b.warn(f"pinning a {format_bytes(size)} chunk failed ({e})")
             return False
         b.chunks.append(Chunk(buf, self.pin))

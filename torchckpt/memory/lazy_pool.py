@@ -11,19 +11,19 @@ long before all of it is ready. The native part is csrc/host_pool.cpp.
 Known gaps (measured on an H100, benchmarks/host_init.py, docs/results/host_init_h100.json):
 with 1 GiB chunks the application's own checkpoint blocking (0.9-1.2 s for a 32 GiB pool)
 is about the worker's total ``cudaHostRegister`` time (1.2 s), although almost every flush
-went to pinned memory: registration holds up the process's CUDA calls (Rule 9), and with
+went to pinned memory: registration holds up the process's CUDA calls (NOTE [ Lazy host pool ] Rule 9), and with
 checkpoints 20 ms apart the paper's whole-region variant blocks less (0.73 s). Smaller chunks
 made it worse (128-256 MiB: 2.6-2.8 s), so the default chunk is 1 GiB. On a virtual machine
 that hands freed memory back to its host, a pool's first touch costs several times more
-(Rule 8).
+(NOTE [ Lazy host pool ] Rule 8).
 
 # NOTE [ Lazy host pool ]
-# 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ], Rule 5 there: both
+# 1. Same interface and allocation rules as ``HostPool`` (NOTE [ Host pool ] Rule 5: both
 #    compose its ``Blocks`` allocator):
 #    first-fit over offset-sorted free lists, coalesced on free, ``ALIGN``-aligned, parked
 #    blocks with their events, pageable fallback with one warning past the pool's end.
 # 2. The pool is one anonymous mmap (``MADV_HUGEPAGE``) cut into chunks: the first of
-#    ``first_chunk_bytes``, then doubling up to ``chunk_bytes`` (csrc/host_pool.cpp Rule 1).
+#    ``first_chunk_bytes``, then doubling up to ``chunk_bytes`` (NOTE [ Native host pool ] Rule 1, csrc/host_pool.cpp).
 #    A block never straddles two chunks, so a copy never spans two registrations, nor a
 #    registered and an unregistered range. A request larger than the largest chunk is a
 #    pageable fallback block (with the one warning).
@@ -118,7 +118,8 @@ class _LazyChunk(Chunk):
 
 
 class LazyHostBlock(HostBlock):
-    """A ``HostBlock`` whose ``pinned`` says whether its chunk is registered now (see Rule 3)."""
+    """A ``HostBlock`` whose ``pinned`` says whether its chunk is registered now (see
+    NOTE [ Lazy host pool ] Rule 3)."""
 
     __slots__ = ("_pool",)
 
@@ -261,7 +262,7 @@ class LazyHostPool(HostPoolBase):
         self.device_index = dev_index
         self.write_rate = write_rate
         self.requested_strategy = strategy
-        self._blocks = Blocks(capacity_bytes)  # Rules 1-4 of NOTE [ Host pool ], over this pool's fixed chunks
+        self._blocks = Blocks(capacity_bytes)  # NOTE [ Host pool ] Rules 1-4, over this pool's fixed chunks
         self._lock = self._blocks.lock
         self._warned_errors = False
         self._closed = False
@@ -343,7 +344,7 @@ class LazyHostPool(HostPoolBase):
             if self._closed:
                 raise CheckpointError("torchckpt: LazyHostPool.alloc after close(); create a new pool.")
             b = self._blocks
-            if need > self._max_chunk:  # Rule 2: no chunk can hold it
+            if need > self._max_chunk:  # NOTE [ Lazy host pool ] Rule 2: no chunk can hold it
                 return b.pageable(nbytes, f"a request of {nbytes} bytes exceeds the pool's largest chunk "
                                           f"({self._max_chunk} bytes; pass a larger chunk_bytes)")
             hit = b.place(need)  # never grows: the pool is one mapping
@@ -353,7 +354,7 @@ class LazyHostPool(HostPoolBase):
             if ci > self._high_chunk:
                 self._high_chunk = ci
                 if self.ahead_bytes is not None and self._native is not None:
-                    self._native.set_touch_limit(self._ends[ci] + self.ahead_bytes)  # Rule 5
+                    self._native.set_touch_limit(self._ends[ci] + self.ahead_bytes)  # NOTE [ Lazy host pool ] Rule 5
             return LazyHostBlock(b.chunks[ci].buf[off : off + nbytes], ci, off, need, self)
 
     def free(self, block: HostBlock, event: Any = None) -> None:
@@ -377,7 +378,7 @@ class LazyHostPool(HostPoolBase):
             )
 
     def close(self) -> None:
-        """Wait for parked and tracked copies, stop the worker, drop the pool (Rule 6)."""
+        """Wait for parked and tracked copies, stop the worker, drop the pool (NOTE [ Lazy host pool ] Rule 6)."""
         with self._lock:
             if self._closed:
                 return
@@ -421,7 +422,7 @@ class LazyHostPool(HostPoolBase):
         """Count a copy just issued on ``stream`` as in flight until the stream gets past it.
 
         The sequential strategy touches only while no tracked copy runs, and ``close()`` waits
-        for them (Rule 6). ``stream``: a ``torch.cuda.Stream`` (``None``: the current stream).
+        for them (NOTE [ Lazy host pool ] Rule 6). ``stream``: a ``torch.cuda.Stream`` (``None``: the current stream).
         """
         if self._native is None:
             return
@@ -430,7 +431,8 @@ class LazyHostPool(HostPoolBase):
         self._native.track_copy(int(stream.cuda_stream))
 
     def note_copy(self, stream: Any) -> None:
-        """Track a copy just issued on ``stream`` while the sequential strategy needs it (Rule 7).
+        """Track a copy just issued on ``stream`` while the sequential strategy needs it
+        (NOTE [ Lazy host pool ] Rule 7).
 
         The stores call this after every copy to or from the pool. Tracking costs a host
         function on the stream, so it happens only while the worker runs "sequential"; under

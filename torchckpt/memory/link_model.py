@@ -20,7 +20,7 @@
 #   t(v, b) = f / b + (1 - f) / b_page.
 # "auto" picks sequential only when t(v_s, b_pin) < t(v_c, b_pin_busy): a slow write rate and
 # copies that suffer from touching. Sequential needs copies to be tracked (``track_copy``;
-# the stores do it, Rule 7); untracked, it behaves as concurrent.
+# the stores do it, NOTE [ Lazy host pool ] Rule 7); untracked, it behaves as concurrent.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@
 #    every Linux node; the temp directory where it is missing). ``TORCHCKPT_REGISTER_LOCK``
 #    names another file. The kernel drops a flock when the holding process dies, however it
 #    dies (SIGKILL included), so a crashed rank never wedges the node.
-# 3. The native pool (csrc/host_pool.cpp, Rule 4 there) takes the same file around each
+# 3. The native pool (NOTE [ Native host pool ] Rule 4, csrc/host_pool.cpp) takes the same file around each
 #    registration; this Python class is the same lock for Python code and for tests.
 # 4. flock locks belong to an open file description: two ``NodeLock`` objects exclude each
 #    other even inside one process; one object is not re-entrant.
@@ -126,7 +126,7 @@ class NodeLock:
             raise RuntimeError("torchckpt: NodeLock is not re-entrant; release it before acquiring it again.")
         fd, gate = self._open()
         deadline = None if timeout is None else time.monotonic() + max(0.0, timeout)
-        if not self._take(gate, deadline):  # Rule 5: the turnstile
+        if not self._take(gate, deadline):  # NOTE [ Node registration lock ] Rule 5: the turnstile
             return False
         try:
             if not self._take(fd, deadline):

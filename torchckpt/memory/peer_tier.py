@@ -24,7 +24,7 @@
 #    ``torch.cuda.set_device`` per rank, as NCCL point-to-point requires. The constructor runs one
 #    all-reduce on the group, so a ``batch_isend_irecv`` is never the group's first collective. ``SnapshotStore``
 #    sends its ``Tier.HOST`` snapshots through a tier by the plan and fetches them ahead (``peers=``, NOTE
-#    [ Snapshot store ] Rules 14-19); it agrees on each action with ``gather`` before it enters a round.
+#    [ Snapshot peer tier ] Rules 1-6); it agrees on each action with ``gather`` before it enters a round.
 # 6. Under NCCL the rounds' metadata goes over a gloo group of the same ranks, made by the constructor (which is
 #    therefore collective: every rank constructs its tier together). Over NCCL, ``all_gather_object`` reads its
 #    result back with a device-to-host copy, which queues behind the device-to-host copies already issued (a
@@ -49,7 +49,7 @@ _Meta = tuple[Hashable, tuple[int, ...], torch.dtype, int]  # key, shape, dtype,
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's bytes as a flat contiguous ``uint8`` tensor (Rule 3)."""
+    """The tensor's bytes as a flat contiguous ``uint8`` tensor (NOTE [ Peer tier ] Rule 3)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -82,15 +82,15 @@ class PeerTier:
             nccl = str(dist.get_backend(group)).lower() == "nccl"
             device = torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
         self.device = torch.device(device)
-        # Rule 6: the rounds' metadata over a CPU group when the tensors go over NCCL (collective: every rank
-        # constructs its PeerTier together, as it enters rounds together).
+        # NOTE [ Peer tier ] Rule 6: the rounds' metadata over a CPU group when the tensors go over NCCL (collective:
+        # every rank constructs its PeerTier together, as it enters rounds together).
         self._meta_group = group
         if str(dist.get_backend(group)).lower() == "nccl" and dist.is_gloo_available():
             ranks = None if group is None else dist.get_process_group_ranks(group)
             self._meta_group = dist.new_group(ranks=ranks, backend="gloo")
-        if str(dist.get_backend(group)).lower() == "nccl":  # Rule 5: the communicator exists before any round
+        if str(dist.get_backend(group)).lower() == "nccl":  # NOTE [ Peer tier ] Rule 5: the communicator exists before any round
             dist.all_reduce(torch.zeros(1, device=self.device), group=group)
-        self._held: dict[tuple[int, Hashable], torch.Tensor] = {}  # (sender, key) -> its bytes (Rule 3)
+        self._held: dict[tuple[int, Hashable], torch.Tensor] = {}  # (sender, key) -> its bytes (NOTE [ Peer tier ] Rule 3)
         self._meta: dict[tuple[int, Hashable], tuple[tuple[int, ...], torch.dtype]] = {}
 
     # -- local ---------------------------------------------------------------------------------------------------
@@ -117,7 +117,8 @@ class PeerTier:
         return r if self.group is None else dist.get_global_rank(self.group, r)
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` (picklable), in group order, over the rounds' metadata group (collective; Rule 6).
+        """Every rank's ``obj`` (picklable), in group order, over the rounds' metadata group (collective;
+        NOTE [ Peer tier ] Rule 6).
 
         For callers that agree on what each rank does before they enter a round (the snapshot store's peer side).
         """
@@ -129,7 +130,7 @@ class PeerTier:
         return out
 
     def _peers(self, what: str, by_rank: Any) -> str | None:
-        """The error for a mapping of peer ranks that is not one, else None (Rule 4)."""
+        """The error for a mapping of peer ranks that is not one, else None (NOTE [ Peer tier ] Rule 4)."""
         if not isinstance(by_rank, Mapping):
             return f"torchckpt: {what} needs a dict {{peer rank: list}}, got {type(by_rank).__name__}."
         for r in by_rank:
@@ -155,7 +156,7 @@ class PeerTier:
     # -- rounds --------------------------------------------------------------------------------------------------
 
     def send_round(self, outgoing: Mapping[int, Sequence[tuple[Hashable, torch.Tensor]]]) -> None:
-        """Send this rank's tensors to peers, and hold what peers send here (collective; Rule 1).
+        """Send this rank's tensors to peers, and hold what peers send here (collective; NOTE [ Peer tier ] Rule 1).
 
         Args:
             outgoing: ``{peer rank: [(key, tensor), ...]}``, possibly empty; tensors on ``device``.
@@ -181,7 +182,7 @@ class PeerTier:
                 if err is not None:
                     break
                 meta[r] = [(k, tuple(t.shape), t.dtype, t.numel() * t.element_size()) for k, t in pairs]
-        all_meta = self._gather(None if err is not None else meta)  # Rule 4: an error sends nothing
+        all_meta = self._gather(None if err is not None else meta)  # NOTE [ Peer tier ] Rule 4: an error sends nothing
         ops: list[dist.P2POp] = []
         received: list[tuple[tuple[int, Hashable], torch.Tensor, tuple[int, ...], torch.dtype]] = []
         for r in range(self.world_size):
@@ -205,7 +206,8 @@ class PeerTier:
             raise ValueError(err)
 
     def fetch_round(self, wanted: Mapping[int, Sequence[Hashable]]) -> dict[Hashable, torch.Tensor]:
-        """Take back tensors this rank sent to peers; the holders send them and drop them (collective; Rule 4).
+        """Take back tensors this rank sent to peers; the holders send them and drop them (collective;
+        NOTE [ Peer tier ] Rule 4).
 
         Args:
             wanted: ``{holder rank: [key, ...]}``, possibly empty.

@@ -41,8 +41,8 @@ def huge_page_bytes(base: int, nbytes: int, smaps: str = "/proc/self/smaps") -> 
     """Bytes of the mapping ``[base, base + nbytes)`` that the kernel backs with transparent huge pages.
 
     ``MADV_HUGEPAGE`` is only advice: the kernel may back the pool with 4 KiB pages, and then
-    registering it costs several times more (NOTE [ Lazy host pool ], Rule 8). Sums ``AnonHugePages`` of the mappings in ``/proc/self/smaps`` that lie in
-    the range; ``None`` where that file cannot be read (not Linux).
+    registering it costs several times more (NOTE [ Lazy host pool ] Rule 8). Sums ``AnonHugePages`` of the mappings in
+    ``/proc/self/smaps`` that lie in the range; ``None`` where that file cannot be read (not Linux).
 
     Example::
 

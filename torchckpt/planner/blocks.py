@@ -7,7 +7,7 @@ __all__ = ["block_kind", "find_blocks"]
 
 
 _CONTAINERS = (nn.ModuleList, nn.Sequential, nn.ModuleDict)
-_BAND = 0.9  # Rule 1: classes within 90% of the best coverage count as covering as much
+_BAND = 0.9  # NOTE [ Profiling step ] Rule 1: classes within 90% of the best coverage count as covering as much
 
 
 def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -37,8 +37,8 @@ def find_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 
 def _container_chain(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """Rule 1's fallback, for blocks that are plain containers themselves (an ``nn.Sequential`` of
-    ``nn.Sequential``): the children of the container whose children hold the most parameters,
+    """NOTE [ Profiling step ] Rule 1's fallback, for blocks that are plain containers themselves (an ``nn.Sequential``
+    of ``nn.Sequential``): the children of the container whose children hold the most parameters,
     among those with two children of one class."""
     best: tuple[int, int, str, nn.Module] | None = None
     for name, mod in model.named_modules():

@@ -1,8 +1,9 @@
 """The planner and forwards that change state besides their outputs (NOTE [ Mutating forwards ] in recompute/mutation.py).
 
 Two things: transformers' ``use_cache`` turned off for training forwards while the planner runs its steps and
-while a plan is applied (Rule 6), as ``gradient_checkpointing_enable()`` does; and the warning ``plan`` gives for
-blocks the profiling step saw change state, which it never recomputes (Rule 5).
+while a plan is applied (NOTE [ Mutating forwards ] Rule 6), as ``gradient_checkpointing_enable()`` does; and the
+warning ``plan`` gives for blocks the profiling step saw change state, which it never recomputes
+(NOTE [ Mutating forwards ] Rule 5).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from torch import nn
 
 __all__ = ["UseCacheOff", "use_cache_owners", "warn_mutating"]
 
-_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # Rule 6: configs (else modules) whose use_cache was turned off
+_WARNED: weakref.WeakSet[Any] = weakref.WeakSet()  # NOTE [ Mutating forwards ] Rule 6: configs (else modules) whose use_cache was turned off
 
 
 def _use_cache_at(mod: nn.Module) -> int | None:
@@ -39,8 +40,8 @@ def _use_cache_at(mod: nn.Module) -> int | None:
 
 
 def use_cache_owners(model: nn.Module, blocks: Sequence[nn.Module] | None = None) -> list[tuple[nn.Module, int]]:
-    """Rule 6: the modules of ``model`` with ``config.use_cache`` and a ``use_cache`` argument that hold one of
-    ``blocks`` (any, when ``None``), with that argument's position (-1: by keyword only)."""
+    """NOTE [ Mutating forwards ] Rule 6: the modules of ``model`` with ``config.use_cache`` and a ``use_cache``
+    argument that hold one of ``blocks`` (any, when ``None``), with that argument's position (-1: by keyword only)."""
     want = None if blocks is None else {id(b) for b in blocks}
     out = []
     for mod in model.modules():
@@ -126,7 +127,8 @@ class UseCacheOff:
 
 
 def _turn_off(at: int, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-    """The pre-hook (Rule 6): ``use_cache`` at position ``at`` (-1: keyword only) made ``False``, or ``None``."""
+    """The pre-hook (NOTE [ Mutating forwards ] Rule 6): ``use_cache`` at position ``at`` (-1: keyword only) made
+    ``False``, or ``None``."""
     if not (mod.training and torch.is_grad_enabled()):
         return None
     cfg = getattr(mod, "config", None)
@@ -147,8 +149,8 @@ def _turn_off(at: int, mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, 
 
 
 def warn_mutating(names: Sequence[str], what: Sequence[str]) -> None:
-    """Rule 5: say which blocks the profiling step saw change state (``what[i]``: what block i changed, ``""``:
-    nothing), and that the plan never recomputes them."""
+    """NOTE [ Mutating forwards ] Rule 5: say which blocks the profiling step saw change state (``what[i]``: what block
+    i changed, ``""``: nothing), and that the plan never recomputes them."""
     found = [(n, w) for n, w in zip(names, what) if w]
     if not found:
         return

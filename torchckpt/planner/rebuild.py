@@ -29,7 +29,7 @@ __all__ = ["States", "schedule", "states"]
 
 def schedule(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> Schedule:
     """The schedule Revolve over blocks of these forward times and input sizes follows with ``memory`` bytes of
-    snapshots (Rule 2).
+    snapshots (NOTE [ Revolve over the chain ] Rule 2).
 
     Raises:
         ValueError: ``memory`` does not hold block 0's input.
@@ -46,7 +46,7 @@ def schedule(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) ->
 
 @dataclasses.dataclass(frozen=True)
 class States:
-    """Rule 3's figures, one per block (forward order)."""
+    """NOTE [ Revolve over the chain ] Rule 3's figures, one per block (forward order)."""
 
     fwd: tuple[int, ...]
     bwd: tuple[int, ...]
@@ -56,7 +56,7 @@ class States:
 
 
 def states(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> States:
-    """Rule 3: what ``schedule(fwd_s, input_bytes, memory)`` holds and runs again, per block."""
+    """NOTE [ Revolve over the chain ] Rule 3: what ``schedule(fwd_s, input_bytes, memory)`` holds and runs again, per block."""
     n = len(input_bytes)
     w = _Pricing(fwd_s, input_bytes)
     walk(schedule(fwd_s, input_bytes, memory), w)
@@ -69,7 +69,8 @@ def states(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> S
 
 
 class _Pricing(Walker):
-    """``states``' driver (NOTE [ Executor ]): the schedule's actions as the runtime runs them (Rule 3)."""
+    """``states``' driver (NOTE [ Executor ]): the schedule's actions as the runtime runs them
+    (NOTE [ Revolve over the chain ] Rule 3)."""
 
     def __init__(self, fwd_s: Sequence[float], input_bytes: Sequence[int]) -> None:
         n = len(input_bytes)

@@ -31,7 +31,8 @@ __all__ = ["ModelState", "untouched"]
 
 
 class ModelState:
-    """The state of ``model`` and of the leaf tensors of its batch that training steps change (Rule 1).
+    """The state of ``model`` and of the leaf tensors of its batch that training steps change
+    (NOTE [ Planning leaves no trace ] Rule 1).
 
     Args:
         model: the model.
@@ -52,12 +53,14 @@ class ModelState:
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
     def clear_grads(self) -> None:
-        """Set every kept ``.grad`` to ``None``, so that the steps to come allocate their own (Rule 1a)."""
+        """Set every kept ``.grad`` to ``None``, so that the steps to come allocate their own
+        (NOTE [ Planning leaves no trace ] Rule 1a)."""
         for t, _ in self.grads:
             t.grad = None
 
     def restore(self) -> None:
-        """Put everything captured back (Rule 1); warn of parameters written in place (Rule 2)."""
+        """Put everything captured back (NOTE [ Planning leaves no trace ] Rule 1); warn of parameters written in place
+        (NOTE [ Planning leaves no trace ] Rule 2)."""
         for m, kind, held in self.slots:
             getattr(m, kind).update(held)
         with torch.no_grad():

@@ -52,13 +52,13 @@ blocks of unequal cost and size.
 #    runs it).
 # 8. Off-GPU snapshots (``Tier.HOST``, ``Tier.DISK``) live in a ``SnapshotStore`` (NOTE [ Snapshot store ]): the
 #    one passed (``store=``), else one the step makes at block 0's call on the state's device (``SLOTS`` slots,
-#    the default store's host pool; DISK then held as HOST, its Rule 11). Its Rule 1 makes every block's state
-#    one shape, dtype and device: checked at each call, an error otherwise. Block 0's state calibrates the store,
-#    whose slot count plans the stream. ``Save(k, HOST)`` copies the state into a slot (flushed to host behind
-#    the computation, or at eviction); a ``Restore``'s views of a slot are copied (then ``after_use``) into a
-#    fresh tensor of the saved state's strides, so a handed state stays valid while its block's recomputation
-#    and backward hold it. ``Tier.GPU`` snapshots stay detached references. Snapshot k is named ``k`` in a store
-#    the step made, ``k`` plus a base of the step's own in one passed (steps alive at once share it).
+#    the default store's host pool; DISK then held as HOST, NOTE [ Snapshot disk tier ] Rule 1).
+#    NOTE [ Snapshot store ] Rule 1 makes every block's state one shape, dtype and device: checked at each call, an
+#    error otherwise. Block 0's state calibrates the store, whose slot count plans the stream. ``Save(k, HOST)`` copies
+#    the state into a slot (flushed to host behind the computation, or at eviction); a ``Restore``'s views of a slot are
+#    copied (then ``after_use``) into a fresh tensor of the saved state's strides, so a handed state stays valid while
+#    its block's recomputation and backward hold it. ``Tier.GPU`` snapshots stay detached references. Snapshot k is
+#    named ``k`` in a store the step made, ``k`` plus a base of the step's own in one passed (steps alive at once share it).
 # 9. A step releases its off-GPU snapshots once its stream passes ``Adjoint(0)`` (only ``Free``s follow): it
 #    closes a store it made (``ChainRuntime.snapshot_stats`` reads its counters later) or frees its snapshots in one
 #    passed. A step freed before (no backward, a broken or partial step) does so when it is garbage collected
@@ -95,8 +95,8 @@ from torchckpt.store.stats import SnapshotStats
 
 __all__ = ["ChainRuntime", "ChainStats", "SLOTS"]
 
-SLOTS = 2  # device slots of the SnapshotStore a step makes (Rule 8): the fewest that overlap copies and compute
-_bases = itertools.count(1)  # Rule 8: a step's snapshot names in a store passed
+SLOTS = 2  # device slots of the SnapshotStore a step makes (NOTE [ Chain of blocks ] Rule 8): the fewest that overlap copies and compute
+_bases = itertools.count(1)  # NOTE [ Chain of blocks ] Rule 8: a step's snapshot names in a store passed
 
 
 @dataclasses.dataclass
@@ -110,7 +110,7 @@ class ChainStats:
         broken: steps that left the chain (NOTE [ Chain of blocks ] Rule 5).
         peak_states / peak_state_bytes: the most states a step held at once on the device (``Tier.GPU``
             snapshots, the current state and those kept for a later token), and their bytes plus the device
-            slots of the step's ``SnapshotStore`` (Rule 8; none without off-GPU snapshots).
+            slots of the step's ``SnapshotStore`` (NOTE [ Chain of blocks ] Rule 8; none without off-GPU snapshots).
         host_saves / host_restores: snapshots saved to and restored from an off-GPU tier (the store's).
         peak_host_states / peak_host_bytes: the most off-GPU snapshots a step held at once, and their bytes.
     """
@@ -167,7 +167,7 @@ def _never(_: Any) -> torch.Tensor:  # pragma: no cover - an advance's graph is 
 
 @dataclasses.dataclass
 class _Record:
-    """What running block i again needs (Rule 2)."""
+    """What running block i again needs (NOTE [ Chain of blocks ] Rule 2)."""
 
     fn: Callable[..., Any]
     args: tuple[Any, ...]  # the state's position holds None
@@ -179,7 +179,7 @@ class _Record:
 
 
 class _Token:
-    """What a block's checkpoint holds instead of its state (Rule 2)."""
+    """What a block's checkpoint holds instead of its state (NOTE [ Chain of blocks ] Rule 2)."""
 
     __slots__ = ("step", "i", "packs", "__weakref__")
 
@@ -195,7 +195,8 @@ def _unpack(x: Any) -> torch.Tensor:
 
 
 class _Snaps:
-    """A step's off-GPU snapshots in a ``SnapshotStore`` (Rules 8, 9); it holds no reference to the step."""
+    """A step's off-GPU snapshots in a ``SnapshotStore`` (NOTE [ Chain of blocks ] Rules 8, 9); it holds no reference to
+    the step."""
 
     def __init__(self, store: SnapshotStore, owns: bool) -> None:
         self.store: SnapshotStore | None = store
@@ -204,7 +205,7 @@ class _Snaps:
         self.live: dict[int, tuple[Tier, tuple[int, ...] | None]] = {}  # snapshot -> its tier, the state's strides
 
     def close(self) -> None:
-        """Rule 9: close the store made for the step, or free the step's snapshots in the one passed."""
+        """NOTE [ Chain of blocks ] Rule 9: close the store made for the step, or free the step's snapshots in the one passed."""
         store, self.store = self.store, None
         if store is None:
             return
@@ -217,7 +218,7 @@ class _Snaps:
 
 
 class _Step:
-    """One forward of the chain and its backward (Rules 2-9)."""
+    """One forward of the chain and its backward (NOTE [ Chain of blocks ] Rules 2-9)."""
 
     def __init__(self, chain: ChainRuntime) -> None:
         self.chain = chain
@@ -229,33 +230,34 @@ class _Step:
         self.held: dict[tuple[int, Tier], torch.Tensor] = {}  # Tier.GPU snapshots
         self.current: tuple[int, torch.Tensor] | None = None
         self.early: dict[int, torch.Tensor] = {}
-        self.versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # Rule 10: forward alias -> (block, version)
-        self.handing: dict[int, tuple[torch.Tensor, int]] = {}  # state, unpacks left (Rule 6)
+        self.versions: WeakIdKeyDictionary = WeakIdKeyDictionary()  # NOTE [ Chain of blocks ] Rule 10: forward alias -> (block, version)
+        self.handing: dict[int, tuple[torch.Tensor, int]] = {}  # state, unpacks left (NOTE [ Chain of blocks ] Rule 6)
         self.handed: set[int] = set()
         self.broken = False
         self.complete = False
-        self.plan = Planned(chain.actions, True)  # Rule 2: this step's stream
+        self.plan = Planned(chain.actions, True)  # NOTE [ Chain of blocks ] Rule 2: this step's stream
         self.stream = iter(self.plan)
-        self.at = 0  # the state the forward sweep waits at (Rule 2)
-        self.meta0: tuple[Any, ...] | None = None  # block 0's state (Rule 8)
+        self.at = 0  # the state the forward sweep waits at (NOTE [ Chain of blocks ] Rule 2)
+        self.meta0: tuple[Any, ...] | None = None  # block 0's state (NOTE [ Chain of blocks ] Rule 8)
         self.snaps: _Snaps | None = None
 
     def start(self, x: torch.Tensor) -> None:
-        """Block 0's state: the step's store calibrated on it, and the stream planned for its slots (Rule 8)."""
+        """Block 0's state: the step's store calibrated on it, and the stream planned for its slots
+        (NOTE [ Chain of blocks ] Rule 8)."""
         self.meta0 = _meta(x)
         chain = self.chain
         if not chain.off_gpu:
             self.plan.start(1)  # no off-GPU snapshot: nothing to prefetch or flush
             return
         store = chain.store
-        if store is None:  # NOTE [ Lending a snapshot store ]: the default store's host pool (Rule 8)
+        if store is None:  # NOTE [ Lending a snapshot store ]: the default store's host pool (NOTE [ Chain of blocks ] Rule 8)
             store = lend_snapshot_store(default_store(x.device), x.device, SLOTS)[0]
             chain.last_store = store
         elif store.device != x.device:
             raise CheckpointError(f"torchckpt: checkpoint_chain(store=...) holds snapshots on {store.device}, but block "
                                   f"0's input is on {x.device}; pass a SnapshotStore made on {x.device}.")
         self.snaps = _Snaps(store, chain.store is None)
-        weakref.finalize(self, self.snaps.close)  # Rule 9: a step freed before its backward ended
+        weakref.finalize(self, self.snaps.close)  # NOTE [ Chain of blocks ] Rule 9: a step freed before its backward ended
         self.plan.start(store.calibrate([x]))
 
     # -- memory ------------------------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ class _Step:
             st.peak_host_bytes = max(st.peak_host_bytes, len(snaps.live) * nbytes)
 
     def checked(self, x: torch.Tensor) -> torch.Tensor:
-        """Rule 10: a state the forward held (not rebuilt) must be unchanged since its block ran."""
+        """NOTE [ Chain of blocks ] Rule 10: a state the forward held (not rebuilt) must be unchanged since its block ran."""
         seen = self.versions.get(x)
         if seen is not None and x._version != seen[1]:
             i, v = seen
@@ -289,7 +291,7 @@ class _Step:
                 "input in place after the block ran, or clone it first.")
         return x
 
-    # -- snapshots (Rule 8) ------------------------------------------------------------------------------------
+    # -- snapshots (NOTE [ Chain of blocks ] Rule 8) -----------------------------------------------------------
     def _store(self) -> tuple[_Snaps, SnapshotStore]:
         snaps = self.snaps
         if snaps is None or snaps.store is None:
@@ -329,11 +331,11 @@ class _Step:
         del snaps.live[n]
 
     def sweep(self, i: int) -> None:
-        """Rule 2: the forward sweep's actions at block ``i``'s call (its state current)."""
+        """NOTE [ Chain of blocks ] Rule 2: the forward sweep's actions at block ``i``'s call (its state current)."""
         if not run(self.stream, _Sweep(self, i)):
             raise internal_error("chain schedule ended before EndForward")
 
-    # -- backward (Rules 3, 5, 6) ------------------------------------------------------------------------------
+    # -- backward (NOTE [ Chain of blocks ] Rules 3, 5, 6) -----------------------------------------------------
     def unpack(self, tok: _Token) -> torch.Tensor:
         i = tok.i
         if i in self.handing:
@@ -356,7 +358,7 @@ class _Step:
         self.checked(x)
         self.handed.add(i)
         self.chain.stats.handed += 1
-        for j in range(i, len(self.records)):  # Rule 7: no later advance runs block j >= i
+        for j in range(i, len(self.records)):  # NOTE [ Chain of blocks ] Rule 7: no later advance runs block j >= i
             self.records[j] = None
         if tok.packs > 1:
             self.handing[i] = (x, tok.packs - 1)
@@ -364,7 +366,7 @@ class _Step:
         return x
 
     def follow(self, i: int) -> torch.Tensor:
-        """Rule 3: the stream's actions up to ``Adjoint(i)``."""
+        """NOTE [ Chain of blocks ] Rule 3: the stream's actions up to ``Adjoint(i)``."""
         w = _Follow(self, i)
         run(self.stream, w)
         if w.state is None:
@@ -372,7 +374,7 @@ class _Step:
         return w.state
 
     def rebuild(self, i: int) -> torch.Tensor:
-        """Rule 5: advance from the nearest state held."""
+        """NOTE [ Chain of blocks ] Rule 5: advance from the nearest state held."""
         have: dict[int, Tier | None] = {n: t for n, t in self.held}
         if self.snaps is not None:
             have.update((n, t) for n, (t, _) in self.snaps.live.items() if n not in have)
@@ -386,7 +388,7 @@ class _Step:
         return x if start == i else self.advance(start, i, x)
 
     def advance(self, a: int, b: int, x: torch.Tensor) -> torch.Tensor:
-        """Rule 3: run blocks a..b-1 on state ``x`` as the forward ran them."""
+        """NOTE [ Chain of blocks ] Rule 3: run blocks a..b-1 on state ``x`` as the forward ran them."""
         for j in range(a, b):
             rec = self.records[j]
             if rec is None:
@@ -431,7 +433,8 @@ class _Walk(Walker):
 
 
 class _Sweep(_Walk):
-    """Rule 2: the forward sweep at block ``i``'s call, up to the ``Advance`` from it (or ``EndForward``)."""
+    """NOTE [ Chain of blocks ] Rule 2: the forward sweep at block ``i``'s call, up to the ``Advance`` from it (or
+    ``EndForward``)."""
 
     def advance(self, a: Advance, pos: int) -> bool:  # type: ignore[override]
         if a.n0 != self.i:
@@ -445,7 +448,7 @@ class _Sweep(_Walk):
 
 
 class _Follow(_Walk):
-    """Rule 3: the backward's actions up to ``Adjoint(i)``; ``state`` is then block ``i``'s state."""
+    """NOTE [ Chain of blocks ] Rule 3: the backward's actions up to ``Adjoint(i)``; ``state`` is then block ``i``'s state."""
 
     state: torch.Tensor | None = None
 
@@ -455,7 +458,7 @@ class _Follow(_Walk):
             raise internal_error(f"chain Adjoint({a.n}) without its state current")
         x = step.current[1]
         step.current = None
-        if a.n == 0:  # Rule 9: nothing after Adjoint(0) reads a snapshot
+        if a.n == 0:  # NOTE [ Chain of blocks ] Rule 9: nothing after Adjoint(0) reads a snapshot
             step.held.clear()
             if step.snaps is not None:
                 step.snaps.close()
@@ -464,7 +467,7 @@ class _Follow(_Walk):
             return False
         if a.n < i:
             raise internal_error(f"chain block {i}'s state asked for after Adjoint({a.n})")
-        step.early[a.n] = x  # Rule 3: for a token unpacked later
+        step.early[a.n] = x  # NOTE [ Chain of blocks ] Rule 3: for a token unpacked later
         step.handed.discard(a.n)
         step.note_held()
         return None
@@ -521,7 +524,8 @@ class ChainRuntime:
     Args:
         n: the number of blocks.
         snapshots: states the default schedule, ``Revolve(n, snapshots)``, saves (block 0's included).
-        schedule: a schedule over ``n`` steps instead; snapshots off the GPU go to a ``SnapshotStore`` (Rule 8).
+        schedule: a schedule over ``n`` steps instead; snapshots off the GPU go to a ``SnapshotStore``
+            (NOTE [ Chain of blocks ] Rule 8).
         store: the ``SnapshotStore`` for those (``None``: each step makes one).
     """
 
@@ -562,7 +566,7 @@ class ChainRuntime:
                              "schedule keeps all of them on Tier.GPU; pass a schedule with Tier.HOST snapshots (e.g. "
                              "Multistage(n, gpu_slots=1, host_slots=3) or Revolve(n, s, tier=Tier.HOST)), or no store.")
         self.store = store
-        self.last_store: SnapshotStore | None = None  # the latest store a step made (Rule 9)
+        self.last_store: SnapshotStore | None = None  # the latest store a step made (NOTE [ Chain of blocks ] Rule 9)
         self.stats = ChainStats()
         self.step: _Step | None = None
         self.warned = False
@@ -584,7 +588,8 @@ class ChainRuntime:
 
     def call(self, i: int, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any],
              body: Callable[[], Any], preserve_rng_state: bool = True) -> Any:
-        """Run block ``i``: ``body()`` runs it under its policy; ``fn(*args, **kwargs)`` runs it again (Rule 2)."""
+        """Run block ``i``: ``body()`` runs it under its policy; ``fn(*args, **kwargs)`` runs it again
+        (NOTE [ Chain of blocks ] Rule 2)."""
         if not torch.is_grad_enabled():
             return body()
         if i == 0:
@@ -628,14 +633,14 @@ class ChainRuntime:
                       tree_map(_detached, kwargs), at, state.requires_grad, _meta(state),
                       ForwardState(tensors, preserve_rng_state))
         step.records[i] = rec
-        alias = state.detach()  # shares the state's version counter (Rule 10)
+        alias = state.detach()  # shares the state's version counter (NOTE [ Chain of blocks ] Rule 10)
         step.versions[alias] = (i, state._version)
         step.current = (i, alias)
         if i == step.at:
             step.sweep(i)
         step.note_held()
         tok = _Token(step, i)
-        box: list[torch.Tensor] = [state]  # Rule 2: every tensor saved under the hooks keeps ``pack`` alive,
+        box: list[torch.Tensor] = [state]  # NOTE [ Chain of blocks ] Rule 2: every tensor saved under the hooks keeps ``pack`` alive,
         del state  # so ``pack`` reaches the state through ``box``, emptied once the block returns
 
         def pack(t: torch.Tensor) -> Any:
@@ -660,7 +665,7 @@ class ChainRuntime:
         return out
 
     def run_again(self, rec: _Record, x: torch.Tensor) -> torch.Tensor:
-        """Rule 3: block ``rec`` on state ``x``, as the forward ran it; its first output, detached."""
+        """NOTE [ Chain of blocks ] Rule 3: block ``rec`` on state ``x``, as the forward ran it; its first output, detached."""
         args = list(rec.args)
         args[rec.at] = x.detach().requires_grad_(True) if rec.grad else x.detach()
         with rec.state.replayed(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(_keep_nothing, _never):

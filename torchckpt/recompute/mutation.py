@@ -68,12 +68,13 @@ from torchckpt._errors import CheckpointError
 
 __all__ = ["DEPTH", "LIMIT", "CallState", "check_recomputed", "is_transformers_cache", "module_state"]
 
-DEPTH = 4  # Rule 1: levels walked below an argument
-LIMIT = 4096  # Rule 1: entries taken per state
+DEPTH = 4  # NOTE [ Mutating forwards ] Rule 1: levels walked below an argument
+LIMIT = 4096  # NOTE [ Mutating forwards ] Rule 1: entries taken per state
 _VALUES = (int, float, complex, str, bytes, bool, type(None), torch.device, torch.dtype, enum.Enum)
 _OPAQUE = (nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
            functools.partial)
-# Rule 5: nn.Module's own bookkeeping (what a fresh Module holds), the forward a wrapper installs, torch.compile's.
+# NOTE [ Mutating forwards ] Rule 5: nn.Module's own bookkeeping (what a fresh Module holds), the forward a wrapper
+# installs, torch.compile's.
 _MODULE_OWN = frozenset(vars(nn.Module()).keys()) | {"forward", "_compiled_call_impl"}
 
 
@@ -83,7 +84,7 @@ def is_transformers_cache(x: Any) -> bool:
 
 
 class _Walk:
-    """Rule 1: ``path -> token`` for everything reachable from some roots."""
+    """NOTE [ Mutating forwards ] Rule 1: ``path -> token`` for everything reachable from some roots."""
 
     def __init__(self) -> None:
         self.out: dict[str, tuple[Any, ...]] = {}
@@ -144,7 +145,7 @@ def _changed(before: dict[str, tuple[Any, ...]], after: dict[str, tuple[Any, ...
 
 
 def _call_roots(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
-    """Rule 1: the objects a call hands the block, tensors passed directly left out."""
+    """NOTE [ Mutating forwards ] Rule 1: the objects a call hands the block, tensors passed directly left out."""
     while isinstance(fn, functools.partial):
         yield from ((f"bound argument {k}", a) for k, a in enumerate(fn.args))
         yield from ((k, v) for k, v in fn.keywords.items())
@@ -183,7 +184,7 @@ class CallState:
         return [(name, x) for name, x in roots if self.tensors or not isinstance(x, torch.Tensor)]
 
     @staticmethod
-    @torch.compiler.disable  # Rule 2: a block that runs eagerly around compiled code; Dynamo never traces the walk
+    @torch.compiler.disable  # NOTE [ Mutating forwards ] Rule 2: a block that runs eagerly around compiled code; Dynamo never traces the walk
     def of(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallState:
         """The state of calling ``fn(*args, **kwargs)`` (``fn``'s ``functools.partial`` bindings included)."""
         state = CallState(list(_call_roots(fn, args, kwargs)))
@@ -241,7 +242,8 @@ class CallState:
 
 
 def module_state(block: nn.Module) -> CallState:
-    """The state of ``block``'s modules: their attributes other than ``nn.Module``'s own (Rule 5)."""
+    """The state of ``block``'s modules: their attributes other than ``nn.Module``'s own
+    (NOTE [ Mutating forwards ] Rule 5)."""
     mods = list(block.named_modules())
 
     def roots() -> list[tuple[str, Any]]:  # read again each time: the forward may rebind an attribute
@@ -261,7 +263,8 @@ def _name(block: Any) -> str:
 
 @torch.compiler.disable  # as CallState.of
 def check_recomputed(state: CallState | None, out: Any, policy: Any, block: Any = None) -> None:
-    """Rule 2: raise when the block's first forward changed the state of its call and a backward may recompute it.
+    """NOTE [ Mutating forwards ] Rule 2: raise when the block's first forward changed the state of its call and a
+    backward may recompute it.
 
     Args:
         state: the state taken before the forward (``None``: not watched).

@@ -45,7 +45,7 @@ a block twice in one backward).
 #    or through an enclosing checkpoint, which allows one unpack per backward) and are held
 #    while some live holder of the block has not been recomputed in that backward.
 # 7. ``save=`` (NOTE [ Selective recompute ]): the forward's ``_Keeping`` and every
-#    recomputation's ``_Handing`` count ops as its Rule 1, and each pack records how many ops
+#    recomputation's ``_Handing`` count ops as NOTE [ Selective recompute ] Rule 1, and each pack records how many ops
 #    had run (``K`` of a position), so part p's recomputation runs the ops before ``K`` of its
 #    last position, ``K_p``. A kept output of op k is handed back to every recomputation that
 #    runs op k (not popped, as a whole recomputation pops it), and released once every part with
@@ -107,7 +107,8 @@ _ORDER = "positions in the order the block's forward saves tensors for backward 
 
 
 def check_parts(owner: str, parts: object) -> tuple[int, ...] | None:
-    """``parts`` as increasing positions > 0, or ``None``; a ``torchckpt:`` error otherwise (Rule 1)."""
+    """``parts`` as increasing positions > 0, or ``None``; a ``torchckpt:`` error otherwise
+    (NOTE [ Recompute in parts ] Rule 1)."""
     if parts is None:
         return None
     fix = "pass e.g. parts=(12, 24) for three parts, or parts=None to recompute the block whole"
@@ -125,25 +126,26 @@ def check_parts(owner: str, parts: object) -> tuple[int, ...] | None:
     return tuple(items)
 
 
-# -- measuring (Rule 10) ---------------------------------------------------------------------------
+# -- measuring (NOTE [ Recompute in parts ] Rule 10) -----------------------------------------------
 @dataclasses.dataclass(eq=False)
 class PartsStats:
-    """One call of a block under ``Recompute(parts=...)``: what its backward recomputed (Rule 10).
+    """One call of a block under ``Recompute(parts=...)``: what its backward recomputed
+    (NOTE [ Recompute in parts ] Rule 10).
 
     ``sizes``: per saved tensor (pack order), the bytes of new memory a recomputation makes for it:
     its storage's size where it is the first tensor of its part with that storage, 0 where it shares
     an input's, a parameter's or a kept output's storage or an earlier tensor's of its part.
     ``nodes``: per saved tensor, the ordinal of the autograd node that saved it (0 for the first):
-    cut where it changes (Rule 11).
+    cut where it changes (NOTE [ Recompute in parts ] Rule 11).
     """
 
     cuts: tuple[int, ...]
     sizes: list[int] = dataclasses.field(default_factory=list)
-    nodes: list[int] = dataclasses.field(default_factory=list)  # per saved tensor: the autograd node saving it (Rule 11)
+    nodes: list[int] = dataclasses.field(default_factory=list)  # per saved tensor: the autograd node saving it (NOTE [ Recompute in parts ] Rule 11)
     recomputations: int = 0
     live_bytes: int = 0
     peak_bytes: int = 0
-    kept: int = 0  # outputs kept by save= still held (Rule 7)
+    kept: int = 0  # outputs kept by save= still held (NOTE [ Recompute in parts ] Rule 7)
     meters: tuple[PartsMeter, ...] = ()
 
     @property
@@ -177,7 +179,8 @@ _meters = threading.local()
 
 @contextlib.contextmanager
 def measure() -> Iterator[PartsMeter]:
-    """Count what blocks under ``Recompute(parts=...)`` called inside recompute in their backward (Rule 10).
+    """Count what blocks under ``Recompute(parts=...)`` called inside recompute in their backward
+    (NOTE [ Recompute in parts ] Rule 10).
 
     The blocks' forwards run inside; their backward may run later, anywhere.
 
@@ -212,11 +215,11 @@ def _new_stats(cuts: tuple[int, ...]) -> PartsStats:
 
 # -- the mechanism -------------------------------------------------------------------------------
 class _Stop(Exception):
-    """Rule 3: the recomputation has packed the last tensor of its part."""
+    """NOTE [ Recompute in parts ] Rule 3: the recomputation has packed the last tensor of its part."""
 
 
 class _Holder:
-    """What the forward packs for a saved tensor: its position (Rule 2)."""
+    """What the forward packs for a saved tensor: its position (NOTE [ Recompute in parts ] Rule 2)."""
 
     __slots__ = ("i", "__weakref__")
 
@@ -225,7 +228,7 @@ class _Holder:
 
 
 class _Dropped:
-    """What a recomputation's own graph holds for each tensor it saves (Rule 3)."""
+    """What a recomputation's own graph holds for each tensor it saves (NOTE [ Recompute in parts ] Rule 3)."""
 
     __slots__ = ()
 
@@ -241,7 +244,8 @@ _NESTED_BACKWARD = (
 
 
 class _SaveInputs(torch.autograd.Function):
-    """Saves the block's tensor inputs for its recomputations (Rule 2); its output is never differentiated."""
+    """Saves the block's tensor inputs for its recomputations (NOTE [ Recompute in parts ] Rule 2); its output is never
+    differentiated."""
 
     @staticmethod
     def forward(ctx: Any, dummy: torch.Tensor, *tensors: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
@@ -254,11 +258,12 @@ class _SaveInputs(torch.autograd.Function):
 
 
 class _Handing(_Reusing):
-    """The recomputation's mode with ``save=``: kept outputs handed back, not popped (Rule 7)."""
+    """The recomputation's mode with ``save=``: kept outputs handed back, not popped
+    (NOTE [ Recompute in parts ] Rule 7)."""
 
     def __init__(self, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
         super().__init__(cache, kept, store)
-        self.handed: set[int] = set()  # storages handed back in this recomputation (not recomputed: Rule 10)
+        self.handed: set[int] = set()  # storages handed back in this recomputation (not recomputed: NOTE [ Recompute in parts ] Rule 10)
 
     def take(self, k: int) -> tuple[Any, Any]:
         return self.cache[k]  # type: ignore[no-any-return]
@@ -271,7 +276,8 @@ class _Handing(_Reusing):
 
 
 class _OpLog(OpCounter):
-    """``debug=True``: the ops of one run, as NOTE [ Selective recompute ] Rule 1 counts them (Rule 4)."""
+    """``debug=True``: the ops of one run, as NOTE [ Selective recompute ] Rule 1 counts them
+    (NOTE [ Recompute in parts ] Rule 4)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -295,8 +301,8 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 def _by_reference(t: torch.Tensor, ptr: int, external: set[int] | frozenset[int]) -> bool:
-    """Whether ``t`` costs no memory of its own (Rule 10): no storage, a leaf that requires grad (a parameter) or
-    a view of one, or the storage of an input, of a module tensor or of a kept output."""
+    """Whether ``t`` costs no memory of its own (NOTE [ Recompute in parts ] Rule 10): no storage, a leaf that requires
+    grad (a parameter) or a view of one, or the storage of an input, of a module tensor or of a kept output."""
     if ptr == 0 or ptr in external:
         return True
     if t.requires_grad and t.is_leaf:
@@ -310,7 +316,8 @@ _next_node: Callable[[], int] | None = getattr(torch._C._autograd, "_get_sequenc
 
 
 def _backward_id() -> tuple[Any, bool]:
-    """The backward an unpack belongs to (Rule 8) and whether it is one (False: an unpack outside backward)."""
+    """The backward an unpack belongs to (NOTE [ Recompute in parts ] Rule 8) and whether it is one (False: an unpack
+    outside backward)."""
     group = _exec_group()
     if group is not None:
         return group, True
@@ -329,7 +336,8 @@ def _holder_died(frame_ref: weakref.ReferenceType[_Frame], i: int, _: Any) -> No
 
 
 class _Frame:
-    """One call of a block under ``Recompute(parts=...)``: what its recomputations need (Rules 2-8)."""
+    """One call of a block under ``Recompute(parts=...)``: what its recomputations need
+    (NOTE [ Recompute in parts ] Rules 2-8)."""
 
     def __init__(self, fn: Callable[..., Any], cuts: tuple[int, ...], flat: list[Any], spec: Any,
                  tensor_at: list[int], check: bool, debug: bool, keeping: _Keeping | None,
@@ -340,19 +348,19 @@ class _Frame:
         self.check = check
         self.keeping, self.handing = keeping, handing
         self.keep_ptrs = keep_ptrs
-        self.external = keep_ptrs | storage_ptrs(x for x in flat if isinstance(x, torch.Tensor))  # Rule 10
+        self.external = keep_ptrs | storage_ptrs(x for x in flat if isinstance(x, torch.Tensor))  # NOTE [ Recompute in parts ] Rule 10
         self.fwd_log: _OpLog | None = _OpLog() if debug else None
         self.rec_log: _OpLog | None = _OpLog() if debug else None
         self.saver: torch.Tensor | None = None
         self.holders: list[weakref.ReferenceType[_Holder]] = []
         self.metas: list[tuple[Any, ...]] = []
-        self.ops_at: list[int] = []  # ops run when each tensor was packed (Rule 7)
+        self.ops_at: list[int] = []  # ops run when each tensor was packed (NOTE [ Recompute in parts ] Rule 7)
         self.seen: dict[tuple[int, int], StorageWeakRef] = {}  # (part, storage address) saved in the forward
         self.last_node = -1
         self.bounds: list[tuple[int, int]] = []
-        self.ops_to: list[int] = []  # per part: K of its last position (Rule 7)
+        self.ops_to: list[int] = []  # per part: K of its last position (NOTE [ Recompute in parts ] Rule 7)
         self.completed = False
-        self.inputs: dict[Any, tuple[tuple[Any, ...], dict[str, Any]]] = {}  # Rule 6
+        self.inputs: dict[Any, tuple[tuple[Any, ...], dict[str, Any]]] = {}  # NOTE [ Recompute in parts ] Rule 6
         self.vals: dict[Any, dict[int, torch.Tensor]] = {}  # per backward: recomputed, not yet unpacked
         self.used: dict[Any, set[int]] = {}  # per backward: positions unpacked
         self.done: dict[Any, set[int]] = {}  # per backward: parts recomputed
@@ -362,7 +370,7 @@ class _Frame:
         self.preserve = preserve_rng_state
         self.fwd: ForwardState | None = None
 
-    # -- forward (Rule 2) ----------------------------------------------------------------------------
+    # -- forward (NOTE [ Recompute in parts ] Rule 2) ------------------------------------------------
     def capture(self, tensors: list[torch.Tensor]) -> None:
         self.fwd = ForwardState(tensors, self.preserve)
 
@@ -373,7 +381,7 @@ class _Frame:
         if self.check:
             self.metas.append(_meta(t))
         self.ops_at.append(self.keeping.k if self.keeping is not None else 0)
-        node = _next_node() if _next_node is not None else i  # the node being built (Rule 11)
+        node = _next_node() if _next_node is not None else i  # the node being built (NOTE [ Recompute in parts ] Rule 11)
         nodes = self.stats.nodes
         nodes.append(0 if i == 0 else nodes[-1] + (node != self.last_node))
         self.last_node = node
@@ -390,7 +398,8 @@ class _Frame:
         return h
 
     def finish(self) -> None:
-        """The forward's end: check the cuts (Rule 1); the parts' bounds and their ``K`` (Rule 7)."""
+        """The forward's end: check the cuts (NOTE [ Recompute in parts ] Rule 1); the parts' bounds and their ``K``
+        (NOTE [ Recompute in parts ] Rule 7)."""
         n = len(self.holders)
         self.completed = True
         self.seen, self.external = {}, frozenset()
@@ -404,12 +413,12 @@ class _Frame:
         edges = [0, *self.cuts, n]
         self.bounds = list(zip(edges, edges[1:]))
         self.ops_to = [self.ops_at[hi - 1] for _, hi in self.bounds]
-        if self.handing is not None:  # Rule 7: no recomputation reaches these
+        if self.handing is not None:  # NOTE [ Recompute in parts ] Rule 7: no recomputation reaches these
             for k in [k for k in self.handing.cache if k >= self.ops_to[-1]]:
                 del self.handing.cache[k]
             self.stats.kept = len(self.handing.cache)
 
-    # -- backward (Rules 3-8) --------------------------------------------------------------------------
+    # -- backward (NOTE [ Recompute in parts ] Rules 3-8) ----------------------------------------------
     def unpack(self, h: _Holder) -> torch.Tensor:
         if not self.completed:
             raise CheckpointError(_NESTED_BACKWARD)
@@ -435,7 +444,8 @@ class _Frame:
         return t
 
     def recompute(self, p: int, g: Any, only: int | None) -> None:
-        """Rule 3: run the block from its start until part ``p``'s last tensor is packed, keeping that part."""
+        """NOTE [ Recompute in parts ] Rule 3: run the block from its start until part ``p``'s last tensor is packed,
+        keeping that part."""
         lo, hi = self.bounds[p]
         args, kwargs = self.args(g)
         external = set(self.keep_ptrs) | storage_ptrs(
@@ -476,16 +486,17 @@ class _Frame:
         self.done.setdefault(g, set()).add(p)
         self.release_kept(g)
         if not any(h() is not None and k not in used and k not in vals for k, h in enumerate(self.holders)):
-            self.inputs.pop(g, None)  # Rule 6: no part is left to recompute in this backward
+            self.inputs.pop(g, None)  # NOTE [ Recompute in parts ] Rule 6: no part is left to recompute in this backward
 
     def replay(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        """Run the block again under the forward's RNG, autocast and device state (Rule 3)."""
+        """Run the block again under the forward's RNG, autocast and device state
+        (NOTE [ Recompute in parts ] Rule 3)."""
         assert self.fwd is not None
         with self.fwd.replayed(), self.handing or contextlib.nullcontext(), self.rec_log or contextlib.nullcontext():
             self.fn(*args, **kwargs)
 
     def mismatch(self, what: str) -> CheckpointError:
-        """Rule 4's error."""
+        """NOTE [ Recompute in parts ] Rule 4's error."""
         msg = (f"torchckpt: recomputing a block under Recompute(parts=...) saved {what}: the block's forward is not "
                "deterministic (another branch taken, another shape), so its saved tensors cannot be recomputed. Make "
                "it deterministic, or keep this block's tensors (Keep(), Offload(store)).")
@@ -499,7 +510,7 @@ class _Frame:
         return CheckpointError(msg)
 
     def args(self, g: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
-        """The block's inputs, fetched once per backward (Rule 6)."""
+        """The block's inputs, fetched once per backward (NOTE [ Recompute in parts ] Rule 6)."""
         got = self.inputs.get(g)
         if got is None:
             assert self.saver is not None and self.saver.grad_fn is not None
@@ -511,7 +522,7 @@ class _Frame:
         return got
 
     def release_kept(self, g: Any) -> None:
-        """Rule 7: drop the kept outputs no part left to recompute in this backward runs."""
+        """NOTE [ Recompute in parts ] Rule 7: drop the kept outputs no part left to recompute in this backward runs."""
         if self.handing is None:
             return
         done = self.done[g]
@@ -521,7 +532,7 @@ class _Frame:
                 del self.handing.cache[k]
         self.stats.kept = len(self.handing.cache)
 
-    # -- what is held (Rules 5, 10) --------------------------------------------------------------------
+    # -- what is held (NOTE [ Recompute in parts ] Rules 5, 10) ----------------------------------------
     def hold(self, g: Any, i: int, t: torch.Tensor, external: set[int]) -> None:
         self.vals.setdefault(g, {})[i] = t
         ptr = _ptr(t)
@@ -546,13 +557,13 @@ class _Frame:
                 self.stats._add(-ref[1])
 
     def forget(self, i: int) -> None:
-        """Rule 5: holder ``i`` died (its graph was freed): release what was recomputed for it."""
+        """NOTE [ Recompute in parts ] Rule 5: holder ``i`` died (its graph was freed): release what was recomputed for it."""
         for g, vals in list(self.vals.items()):
             if vals.pop(i, None) is not None:
                 self.let_go(g, i)
 
     def forget_backward(self, g: Any) -> None:
-        """Rule 8: an unpack outside backward leaves nothing behind."""
+        """NOTE [ Recompute in parts ] Rule 8: an unpack outside backward leaves nothing behind."""
         for i in list(self.vals.pop(g, {})):
             self.let_go(g, i)
         for d in (self.used, self.done, self.inputs):
@@ -560,7 +571,7 @@ class _Frame:
 
 
 class _Hooks(torch.autograd.graph.saved_tensors_hooks):
-    """The forward's hooks (Rule 2)."""
+    """The forward's hooks (NOTE [ Recompute in parts ] Rule 2)."""
 
     def __init__(self, frame: _Frame) -> None:
         super().__init__(frame.pack, frame.unpack)
@@ -575,12 +586,12 @@ def run_in_parts(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str
 
     Args:
         fn: the block.
-        cuts: the cuts (Rule 1), checked by ``check_parts``.
+        cuts: the cuts (NOTE [ Recompute in parts ] Rule 1), checked by ``check_parts``.
         save: ops whose outputs are kept from the forward (NOTE [ Selective recompute ]).
         store: where the kept outputs go (``None``: kept by reference).
         codec: compresses the kept outputs on their way through ``store``.
         preserve_rng_state: restore the RNG states before each recomputation.
-        determinism_check: ``"default"`` or ``"none"`` (Rule 4).
+        determinism_check: ``"default"`` or ``"none"`` (NOTE [ Recompute in parts ] Rule 4).
         debug: list the ops of both runs in a determinism error.
         keep: tensors whose storages a recomputation does not make (the module's parameters and buffers).
 

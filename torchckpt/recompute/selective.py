@@ -77,15 +77,15 @@ def check_save(owner: str, save: object) -> Save | None:
     return frozenset(items or ())
 
 
-_UNINITIALISED = frozenset(  # Rule 2: their outputs are memory meant to be written, and cost nothing to make again
+_UNINITIALISED = frozenset(  # NOTE [ Selective recompute ] Rule 2: their outputs are memory meant to be written, and cost nothing to make again
     getattr(torch.ops.aten, name).default if name != "empty" else torch.ops.aten.empty.memory_format
     for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
 
 
 def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
-    """Whether a call's outputs may stand in for running ``func`` again (Rule 2): it writes no argument, draws
-    nothing from the RNG, makes no uninitialised memory, and returns only new memory (no view, no output sharing
-    an input's storage), some of it."""
+    """Whether a call's outputs may stand in for running ``func`` again (NOTE [ Selective recompute ] Rule 2): it writes
+    no argument, draws nothing from the RNG, makes no uninitialised memory, and returns only new memory (no view, no
+    output sharing an input's storage), some of it."""
     if func in _UNINITIALISED or func._schema.is_mutable or (
             torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not _no_dropout(func, args, kwargs)):
         return False
@@ -99,8 +99,8 @@ def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
 
 
 def _no_dropout(func: Any, args: Any, kwargs: Any) -> bool:
-    """Whether a seeded op draws nothing here: its randomness is a ``dropout_p`` argument, and it is 0 (Rule 2:
-    attention kernels, whose schema is seeded for the dropout they may apply)."""
+    """Whether a seeded op draws nothing here: its randomness is a ``dropout_p`` argument, and it is 0
+    (NOTE [ Selective recompute ] Rule 2: attention kernels, whose schema is seeded for the dropout they may apply)."""
     names = [a.name for a in func._schema.arguments]
     if "dropout_p" not in names:
         return False
@@ -110,7 +110,8 @@ def _no_dropout(func: Any, args: Any, kwargs: Any) -> bool:
 
 
 class OpCounter(TorchDispatchMode):
-    """A dispatch mode that numbers the aten ops it sees as Rule 1 does and hands each to ``op(k, func, ...)``."""
+    """A dispatch mode that numbers the aten ops it sees as NOTE [ Selective recompute ] Rule 1 does and hands each to
+    ``op(k, func, ...)``."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -129,7 +130,7 @@ class OpCounter(TorchDispatchMode):
 
 
 def _detach(x: Any, aliases: bool) -> Any:
-    """Torch SAC's detach (Rule 2): views detached beneath autograd keep their version counter."""
+    """Torch SAC's detach (NOTE [ Selective recompute ] Rule 2): views detached beneath autograd keep their version counter."""
     if isinstance(x, torch.Tensor) and (x.is_floating_point() or x.is_complex() or aliases):
         with torch._C._SetExcludeDispatchKeyGuard(torch._C.DispatchKey.ADInplaceOrView, False):
             x = x.detach()
@@ -137,7 +138,7 @@ def _detach(x: Any, aliases: bool) -> Any:
 
 
 class _Keeping(OpCounter):
-    """The forward's mode: run every op, keep the chosen ones' outputs (Rules 1-2)."""
+    """The forward's mode: run every op, keep the chosen ones' outputs (NOTE [ Selective recompute ] Rules 1-2)."""
 
     def __init__(self, save: Save, cache: dict[int, Any], kept: set[int], store: Store | None,
                  codec: Codec | None = None) -> None:
@@ -162,7 +163,8 @@ class _Keeping(OpCounter):
         return out
 
     def forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
-        """Rule 4: an op of the forward wrote into a kept output: recompute that op instead of keeping it."""
+        """NOTE [ Selective recompute ] Rule 4: an op of the forward wrote into a kept output: recompute that op instead
+        of keeping it."""
         named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
         for a in func._schema.arguments:
             x = named.get(a.name)
@@ -183,7 +185,8 @@ class _Slot:
 
 
 class _Reusing(OpCounter):
-    """The recomputation's mode: hand back the kept outputs, run the other ops (Rules 1, 3)."""
+    """The recomputation's mode: hand back the kept outputs, run the other ops
+    (NOTE [ Selective recompute ] Rules 1, 3)."""
 
     def __init__(self, cache: dict[int, Any], kept: set[int], store: Store | None) -> None:
         super().__init__()
@@ -203,7 +206,7 @@ class _Reusing(OpCounter):
         return self.store.unpack(h)
 
     def take(self, k: int) -> tuple[Any, Any]:
-        """The op and kept outputs of position ``k``, handed back once (Rule 3)."""
+        """The op and kept outputs of position ``k``, handed back once (NOTE [ Selective recompute ] Rule 3)."""
         return self.cache.pop(k)  # type: ignore[no-any-return]
 
     def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:

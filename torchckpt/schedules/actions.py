@@ -163,7 +163,7 @@ class Adjoint(Action):
     """Reverse forward step ``n`` (``n -> n+1``); needs current state ``n``.
 
     The recorded re-evaluation of step ``n`` belongs to this action (NOTE [ Schedule
-    actions ], Rule 3).
+    actions ] Rule 3).
 
     Args:
         n: the step to reverse.

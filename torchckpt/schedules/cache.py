@@ -84,7 +84,8 @@ class Cache(Generic[K]):
         return self.used + size <= self.capacity
 
     def can_take(self, size: int = 1) -> bool:
-        """Whether ``admit`` of ``size`` can succeed: free capacity plus unpinned entries suffice (Rule 3)."""
+        """Whether ``admit`` of ``size`` can succeed: free capacity plus unpinned entries suffice
+        (NOTE [ Cache model ] Rule 3)."""
         return self.capacity - self._pinned_size >= size  # free + unpinned = capacity - pinned
 
     def insert(self, key: K, size: int = 1, pinned: bool = False) -> None:
@@ -111,7 +112,7 @@ class Cache(Generic[K]):
         return out
 
     def pin(self, key: K) -> None:
-        """Add one pin to resident ``key`` (Rule 2); a key not resident is left alone."""
+        """Add one pin to resident ``key`` (NOTE [ Cache model ] Rule 2); a key not resident is left alone."""
         if key in self._rank:
             count = self._pins.get(key, 0)
             if count == 0:
@@ -119,7 +120,7 @@ class Cache(Generic[K]):
             self._pins[key] = count + 1
 
     def use(self, key: K) -> bool:
-        """One use of ``key``: a hit makes it most recently used; one pin ends (Rule 2). Returns the hit."""
+        """One use of ``key``: a hit makes it most recently used; one pin ends (NOTE [ Cache model ] Rule 2). Returns the hit."""
         hit = key in self._rank
         if hit:
             self._rank.move_to_end(key)
@@ -153,7 +154,8 @@ class Cache(Generic[K]):
         return [k for k in self._rank if k not in self._pins]
 
     def victims(self, extra: int = 0) -> list[K]:
-        """Unpinned keys, LRU first, whose removal brings usage to the capacity with ``extra`` more (Rule 3).
+        """Unpinned keys, LRU first, whose removal brings usage to the capacity with ``extra`` more
+        (NOTE [ Cache model ] Rule 3).
 
         Fewer (all unpinned keys) when even that does not suffice; the caller removes them.
         """

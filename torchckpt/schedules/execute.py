@@ -55,20 +55,22 @@ class Walker:
         return None
 
     def unknown(self, a: Any, i: int) -> TypeError:
-        """The error for ``a``, which is not an action (Rule 4)."""
+        """The error for ``a``, which is not an action (NOTE [ Executor ] Rule 4)."""
         return TypeError(f"torchckpt: unknown schedule action {a!r} at position {i}; a schedule holds actions of "
                          "torchckpt.schedules (Save, Advance, Restore, Adjoint, ...).")
 
 
 @functools.singledispatch
 def execute(action: Action, driver: Any, i: int) -> bool:
-    """Execute ``action`` (at position ``i`` of the stream) on ``driver``; False stops the walk (Rule 2)."""
+    """Execute ``action`` (at position ``i`` of the stream) on ``driver``; False stops the walk
+    (NOTE [ Executor ] Rule 2)."""
     unknown = getattr(driver, "unknown", None)
     raise unknown(action, i) if unknown is not None else Walker.unknown(driver, action, i)
 
 
 def _to(method: str) -> Any:
-    """The dispatch of one action class: the driver's ``method`` with the action and its position (Rules 1-2)."""
+    """The dispatch of one action class: the driver's ``method`` with the action and its position
+    (NOTE [ Executor ] Rules 1-2)."""
     def call(a: Action, driver: Any, i: int) -> bool:
         return getattr(driver, method)(a, i) is not False
     return call
@@ -82,7 +84,7 @@ for _cls, _method in ((Advance, "advance"), (Save, "save"), (Restore, "restore")
 @execute.register
 def _(a: End, driver: Any, i: int) -> bool:
     driver.end(a, i)
-    return False  # Rule 2: End stops the walk always
+    return False  # NOTE [ Executor ] Rule 2: End stops the walk always
 
 
 def run(actions: Iterable[tuple[int, Action]], driver: Any) -> bool:

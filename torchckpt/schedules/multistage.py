@@ -47,7 +47,7 @@ __all__ = ["Multistage", "place_slots", "slot_traffic"]
 
 
 def slot_traffic(codes: list[int], n_slots: int) -> list[int]:
-    """Saves + restores of each slot class in packed Revolve codes (Rules 3 and 4).
+    """Saves + restores of each slot class in packed Revolve codes (NOTE [ Multi-tier Revolve ] Rules 3 and 4).
 
     Args:
         codes: packed actions with one slot class per slot (``binomial_codes``).
@@ -112,8 +112,8 @@ class Multistage(Schedule):
         gpu_slots: snapshot slots in GPU memory (>= 0).
         host_slots: snapshot slots in host memory (>= 0).
         disk_slots: snapshot slots on disk (>= 0; gpu_slots + host_slots + disk_slots >= 1).
-        ranking: the three tiers, fastest first (Rule 4); the default suits a disk tier behind
-            host memory. ``AutoSchedule`` ranks them by measured bandwidth.
+        ranking: the three tiers, fastest first (NOTE [ Multi-tier Revolve ] Rule 4); the default suits a disk tier
+            behind host memory. ``AutoSchedule`` ranks them by measured bandwidth.
 
     Returns:
         A schedule; iterate it for its actions.
@@ -164,7 +164,7 @@ class Multistage(Schedule):
 
     @property
     def slot_tiers(self) -> tuple[Tier, ...]:
-        """Tier of each Revolve slot, x0's slot first (Rules 3 and 4)."""
+        """Tier of each Revolve slot, x0's slot first (NOTE [ Multi-tier Revolve ] Rules 3 and 4)."""
         return self._tiers
 
     @property
@@ -174,7 +174,7 @@ class Multistage(Schedule):
 
     @property
     def forward_steps(self) -> int:
-        """Forward advances: single-level Revolve's optimum with all slots (Rule 1)."""
+        """Forward advances: single-level Revolve's optimum with all slots (NOTE [ Multi-tier Revolve ] Rule 1)."""
         return optimal_forward_steps(self.n_steps, self.gpu_slots + self.host_slots + self.disk_slots)
 
     def pack(self) -> PackedSchedule:

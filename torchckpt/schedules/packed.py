@@ -41,8 +41,8 @@ class PackedSchedule:
     """Packed actions of a schedule (NOTE [ Packed schedules ]); iterate it for the actions.
 
     Args:
-        codes: one int per action (Rule 1).
-        tiers: tier of each slot class (Rule 2).
+        codes: one int per action (NOTE [ Packed schedules ] Rule 1).
+        tiers: tier of each slot class (NOTE [ Packed schedules ] Rule 2).
 
     Returns:
         An iterable of actions with a length.

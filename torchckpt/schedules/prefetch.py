@@ -177,7 +177,7 @@ class PrefetchStream:
     """A schedule's actions with prefetches inserted, planned as they are read (NOTE [ Prefetch setup ]).
 
     Iterate it once for the actions. It reads the schedule through two iterators, one at the
-    action being emitted and one scouting for the next restore to handle (Rule 2), so it holds
+    action being emitted and one scouting for the next restore to handle (NOTE [ Prefetch setup ] Rule 2), so it holds
     the snapshots alive and the cache's slots, not the schedule: its memory does not grow with
     the number of actions. ``copies`` and ``pins`` count the prefetches emitted so far.
 
@@ -215,9 +215,9 @@ class PrefetchStream:
         nxt = next(restores, None)
         cache: Cache[int] = Cache(cache_slots)
         follow = _CacheFollower(cache)
-        ahead = cache_slots - 1  # Rule 3
+        ahead = cache_slots - 1  # NOTE [ Prefetch setup ] Rule 3
         for i, act in enumerate(main):
-            while nxt is not None:  # Rule 2
+            while nxt is not None:  # NOTE [ Prefetch setup ] Rule 2
                 pos, n, tier, saved_at = nxt
                 if saved_at >= i:
                     break
@@ -463,7 +463,7 @@ class _CacheRun(Walker):
             self.restores += 1
             hit = self.cache.use(act.n)
             self.hits += hit
-            if not hit and self.cache.can_take():  # Rule 4: the on-demand copy lands in a slot
+            if not hit and self.cache.can_take():  # NOTE [ Snapshot cache ] Rule 4: the on-demand copy lands in a slot
                 self._evicted(self.cache.admit(act.n))
             issued_at = self.awaiting.pop(act.n, None)
             if issued_at is not None:

@@ -121,9 +121,9 @@ def binomial_codes(n_steps: int, snapshots: int) -> list[int]:
     pop = stack.pop
     a, l, c = 0, n_steps, s
     while True:
-        # Reverse steps a .. a+l-1: current state a, x_a in slot s-c (Rule 2).
+        # Reverse steps a .. a+l-1: current state a, x_a in slot s-c (NOTE [ Binomial reversal ] Rule 2).
         while l > c + 1 and c > 1:  # t >= 2 and l >= 3
-            # The smallest optimal split m (Rules 3 and 4), inlined: the hot path.
+            # The smallest optimal split m (NOTE [ Binomial reversal ] Rules 3 and 4), inlined: the hot path.
             t, beta = 2, (c + 1) * (c + 2) // 2
             while beta < l:
                 t += 1
@@ -140,14 +140,14 @@ def binomial_codes(n_steps: int, snapshots: int) -> list[int]:
             else:  # Advance(a, b), Adjoint(b), Restore(a)
                 ext((b << 3, ADJOINT, (a * s + s - c) << 3 | RESTORE))
                 l = m
-        if l > c + 1:  # c == 1: x_a is the only slot left (Rule 2).
+        if l > c + 1:  # c == 1: x_a is the only slot left (NOTE [ Binomial reversal ] Rule 2).
             v = (a * s + s - 1) << 3
             for j in range(a + l - 1, a, -1):
                 ext((j << 3, ADJOINT, v | RESTORE))  # Advance(a, j), Adjoint(j), Restore(a)
             ext((v | FREE, ADJOINT))
         elif l == 1:  # x_a was restored just before: this was its last use.  # x_a was restored just before: this was its last use.
             ext(((a * s + s - c) << 3 | FREE, ADJOINT))
-        else:  # l <= c + 1 (t = 1): keep every state, then reverse them (Rule 7).
+        else:  # l <= c + 1 (t = 1): keep every state, then reverse them (NOTE [ Binomial reversal ] Rule 7).
             k = s - c - a  # slot of state j
             for j in range(a + 1, a + l - 1):
                 ext((j << 3, (j + k) << 3 | SAVE))  # Advance(j-1, j), Save(j)
@@ -159,7 +159,7 @@ def binomial_codes(n_steps: int, snapshots: int) -> list[int]:
             break
         a, l, c = pop()
         put((a * s + s - c) << 3 | RESTORE)
-    # The first Adjoint is Adjoint(n-1), reached after the first sweep (actions.py Rule 4).
+    # The first Adjoint is Adjoint(n-1), reached after the first sweep (NOTE [ Schedule actions ] Rule 4).
     out.insert(out.index(ADJOINT), END_FORWARD)
     put(END)
     return out

@@ -11,11 +11,10 @@
 #    first adjoint, a slot limit exceeded, snapshots still held at ``End``, or no ``End``.
 # 2. ``n_steps`` comes from the schedule (its ``n_steps``), or from the argument, or else
 #    from the first adjoint step (which must be ``n_steps - 1``).
-# 3. Slot limits come from the schedule's ``capacity``, or from ``capacity=``.
-# 4. Bytes: a ``Save`` writes ``snapshot_bytes`` into its tier, a ``Restore`` reads them
+# 3. Bytes: a ``Save`` writes ``snapshot_bytes`` into its tier, a ``Restore`` reads them
 #    out of it, a ``Prefetch`` moves them from ``src`` to ``dst`` (none when they are the
 #    same: a pin of a cached copy, whose snapshot must be held in some tier). Prefetches
-#    do not change which snapshots are held (actions.py Rule 6).
+#    do not change which snapshots are held (NOTE [ Schedule actions ] Rule 6).
 """
 from __future__ import annotations
 
@@ -216,14 +215,14 @@ def simulate(
     Args:
         schedule: a ``Schedule`` or any iterable of actions.
         snapshot_bytes: size of one snapshot, for the byte counts.
-        n_steps: steps to be reversed, when ``schedule`` does not say (Rule 2).
-        capacity: slot limit per tier, when ``schedule`` does not say (Rule 3).
+        n_steps: steps to be reversed, when ``schedule`` does not say (NOTE [ Simulating a schedule ] Rule 2).
+        capacity: slot limit per tier, when ``schedule`` does not say.
 
     Returns:
         A ``SimResult``.
 
     Raises:
-        CheckpointError: the schedule cannot be executed (Rule 1).
+        CheckpointError: the schedule cannot be executed (NOTE [ Simulating a schedule ] Rule 1).
 
     Example::
 
@@ -244,7 +243,7 @@ def simulate(
             f"torchckpt: invalid schedule: expected it to finish with End(), found "
             f"{count} actions without one; a schedule must be complete to be simulated."
         )
-    for act in actions:  # Rule 1
+    for act in actions:  # NOTE [ Simulating a schedule ] Rule 1
         raise _fail(count, act, "expected nothing after End(), found another action")
     n_steps = sim.n_steps
     if n_steps is None:  # End() checked that every adjoint step ran, which sets it.

@@ -55,7 +55,7 @@ def _check(overflow: Sequence[float], spare: Sequence[float], host: Sequence[flo
 
 def spill_time(to_host: Sequence[float], to_peer: Sequence[Sequence[float]], host: Sequence[float],
                peer: Sequence[Sequence[float]]) -> float:
-    """The slowest link's time of a split (Rule 1)."""
+    """The slowest link's time of a split (NOTE [ Peer spill ] Rule 1)."""
     t = max((x / h for x, h in zip(to_host, host)), default=0.0)
     for i, row in enumerate(to_peer):
         for j, x in enumerate(row):

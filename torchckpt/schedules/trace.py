@@ -52,7 +52,7 @@ class TracePrefetch:
     Attributes:
         trace: the events planned for.
         actions: trace position -> entry ids to schedule (pin if resident, else prefetch).
-        writes: entries evicted at some point, which need a host copy (Rule 5).
+        writes: entries evicted at some point, which need a host copy (NOTE [ Prefetch from a recorded trace ] Rule 5).
         cache_hits: unpacks served by an entry resident since its pack.
         prefetch_hits: unpacks served by a prefetch.
         misses: unpacks that must load on demand.
@@ -151,7 +151,7 @@ def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: in
             in_use.add(i)
         if kind == PACK or k < 0:
             continue
-        # Rule 3: schedule the next unpacks in order while their bytes fit.
+        # NOTE [ Prefetch from a recorded trace ] Rule 3: schedule the next unpacks in order while their bytes fit.
         nxt = max(nxt, k + 1)
         chosen: list[int] = []
         while nxt < len(unpacks) and nxt <= k + lookahead:
@@ -162,7 +162,7 @@ def prefetch_from_trace(trace: Sequence[Event], budget_bytes: int, lookahead: in
                 cache.pin(j)
             else:
                 short = cache.used + sizes[j] - cache.capacity
-                if short > 0:  # Rule 3: make room from entries used after j, if they suffice
+                if short > 0:  # NOTE [ Prefetch from a recorded trace ] Rule 3: make room from entries used after j, if they suffice
                     # Entries with no later use are about to be released: wait for that instead.
                     later = [(next_use(v, nxt), v) for v in cache.unpinned()]  # type: ignore[arg-type]
                     spare = [v for u, v in sorted(later, key=lambda p: -p[0]) if u < len(unpacks) and v not in in_use]

@@ -52,7 +52,7 @@ class Uniform(Schedule):
 
     @property
     def interval(self) -> int:
-        """Steps between snapshots, ``k`` of Rule 1 (at least 1)."""
+        """Steps between snapshots, ``k`` of NOTE [ Uniform checkpointing ] Rule 1 (at least 1)."""
         return max(1, -(-(self.n_steps - 1) // self.snapshots))
 
     @property
@@ -64,7 +64,7 @@ class Uniform(Schedule):
         """Pack the schedule; iterate the result for actions."""
         n, k = self.n_steps, self.interval
         b = PackedBuilder((self.tier,))
-        for p in range(0, n - 1, k):  # Rule 1
+        for p in range(0, n - 1, k):  # NOTE [ Uniform checkpointing ] Rule 1
             if p:
                 b.advance(p)
             b.save()
@@ -72,7 +72,7 @@ class Uniform(Schedule):
             b.advance(n - 1)
         b.end_forward()
         b.adjoint()  # Adjoint(n-1) from the current state.
-        for i in range(n - 2, -1, -1):  # Rule 2
+        for i in range(n - 2, -1, -1):  # NOTE [ Uniform checkpointing ] Rule 2
             p = i - i % k
             b.restore(p)
             if i > p:

@@ -4,11 +4,11 @@ Beaumont, O., Eyraud-Dubois, L., Herrmann, J., Joly, A. and Shilova, A. (2019), 
 checkpointing for heterogeneous chains: how to train deep neural networks with limited
 memory", arXiv:1911.13214 (the rotor dynamic program). Simplified here: only the snapshots'
 memory is constrained, and an adjoint step's own recorded evaluation costs nothing extra
-(NOTE [ Schedule actions ], Rule 3). With equal costs and sizes it is Revolve.
+(NOTE [ Schedule actions ] Rule 3). With equal costs and sizes it is Revolve.
 
-Known gaps: the plan is O(n^3 * M) time and O(n^2 * M) memory (Rule 6), so it suits chains
+Known gaps: the plan is O(n^3 * M) time and O(n^2 * M) memory (NOTE [ Weighted reversal ] Rule 6), so it suits chains
 of tens to a few hundred steps; for long uniform chains use Revolve. Memory is discretised
-(Rule 3): with a coarse unit the schedule is optimal for the rounded sizes, not the exact ones.
+(NOTE [ Weighted reversal ] Rule 3): with a coarse unit the schedule is optimal for the rounded sizes, not the exact ones.
 
 # NOTE [ Weighted reversal ]
 # Conventions of NOTE [ Schedule actions ]; state i is the input of step i, of
@@ -35,7 +35,7 @@ of tens to a few hundred steps; for long uniform chains use Revolve. Memory is d
 #    snapshot's slot is its depth (one slot class per depth, as Revolve), and each is freed
 #    right after its last restore, just before the ``Adjoint`` of its own step.
 # 5. Ties (cost equal to the bit, the same float sums are recomputed when emitting): option
-#    (i) first, then the smallest k, as Revolve's Rule 4 takes the smallest split.
+#    (i) first, then the smallest k, as NOTE [ Binomial reversal ] Rule 4 takes the smallest split.
 # 6. Planning fills C bottom-up over segment length, one list over m per (a, b): about
 #    n^3 * (M+1) / 6 additions in list comprehensions (n = 64, M = 128: ~5.6 * 10^6). A
 #    schedule plans once, on first use, and keeps the plan (``_plan``).
@@ -55,7 +55,7 @@ from torchckpt.schedules.schedule import Schedule, check_int
 
 __all__ = ["WeightedRevolve"]
 
-_MAX_UNITS = 128  # Rule 3
+_MAX_UNITS = 128  # NOTE [ Weighted reversal ] Rule 3
 _ADVANCE, _SAVE, _RESTORE, _FREE, _ADJOINT, _END_FORWARD = range(6)
 
 
@@ -72,7 +72,7 @@ class _Plan:
 
 
 def _memory_units(sizes: tuple[int, ...], memory: int) -> tuple[int, list[int], int]:
-    """Rule 3: the unit, each state's size in units (rounded up), and the budget M."""
+    """NOTE [ Weighted reversal ] Rule 3: the unit, each state's size in units (rounded up), and the budget M."""
     n = len(sizes)
     inner = sizes[1:n - 1]
     free = memory - sizes[0]
@@ -93,7 +93,8 @@ def _memory_units(sizes: tuple[int, ...], memory: int) -> tuple[int, list[int], 
 
 
 def _cost_table(prefix: list[float], units: list[int], budget: int) -> list[list[list[float]]]:
-    """Rule 1 bottom-up: ``table[a][b][m]`` = C(a, b, m) for b > a (Rule 6)."""
+    """NOTE [ Weighted reversal ] Rule 1 bottom-up: ``table[a][b][m]`` = C(a, b, m) for b > a
+    (NOTE [ Weighted reversal ] Rule 6)."""
     n = len(prefix) - 1
     zero = [0.0] * (budget + 1)
     table = [[zero] * (n + 1) for _ in range(n)]
@@ -123,7 +124,7 @@ def _plan(costs: tuple[float, ...], sizes: tuple[int, ...], memory: int) -> _Pla
     prefix = [0.0, *accumulate(costs)]
     table = _cost_table(prefix, units, budget)
     ops: list[tuple[int, int, int]] = [(_SAVE, 0, 0)]
-    held = [0]  # the stack of snapshots (Rule 4); slot = index
+    held = [0]  # the stack of snapshots (NOTE [ Weighted reversal ] Rule 4); slot = index
     held_bytes = peak_bytes = sizes[0]
     slots = 1
     steps = 0
@@ -134,14 +135,14 @@ def _plan(costs: tuple[float, ...], sizes: tuple[int, ...], memory: int) -> _Pla
         if b < 0:
             ops.append((_RESTORE, a, held.index(a)))
             continue
-        if b - a == 1:  # x_a was just restored, its last use (Rule 4)
+        if b - a == 1:  # x_a was just restored, its last use (NOTE [ Weighted reversal ] Rule 4)
             held.pop()
             held_bytes -= sizes[a]
             ops += ((_FREE, a, len(held)), (_ADJOINT, a, 0))
             continue
         want = table[a][b][m]
         row = table[a]
-        if prefix[b - 1] - prefix[a] + row[b - 1][m] == want:  # option (i), Rule 5
+        if prefix[b - 1] - prefix[a] + row[b - 1][m] == want:  # option (i), NOTE [ Weighted reversal ] Rule 5
             ops.append((_ADVANCE, b - 1, 0))
             steps += b - 1 - a
             if first:
@@ -180,7 +181,7 @@ class WeightedRevolve(Schedule):
         tier: where the snapshots are kept.
 
     Returns:
-        A schedule; iterate it for its actions. It plans on first use (Rule 6).
+        A schedule; iterate it for its actions. It plans on first use (NOTE [ Weighted reversal ] Rule 6).
 
     Example::
 
@@ -239,7 +240,7 @@ class WeightedRevolve(Schedule):
 
     @property
     def forward_cost(self) -> float:
-        """The optimum C(0, n, M): total cost of the advances (Rule 1)."""
+        """The optimum C(0, n, M): total cost of the advances (NOTE [ Weighted reversal ] Rule 1)."""
         return self._planned().cost
 
     @property
@@ -254,12 +255,12 @@ class WeightedRevolve(Schedule):
 
     @property
     def peak_bytes(self) -> int:
-        """Most snapshot bytes held at once (at most ``memory``, Rule 3)."""
+        """Most snapshot bytes held at once (at most ``memory``, NOTE [ Weighted reversal ] Rule 3)."""
         return self._planned().peak_bytes
 
     @property
     def memory_unit(self) -> int:
-        """Bytes per memory unit of the plan (Rule 3)."""
+        """Bytes per memory unit of the plan (NOTE [ Weighted reversal ] Rule 3)."""
         return self._planned().unit
 
     @property
@@ -268,7 +269,7 @@ class WeightedRevolve(Schedule):
         return {self.tier: self.slots_used}
 
     def pack(self) -> PackedSchedule:
-        """Pack the planned actions (slot class = depth, Rule 4); iterate the result for actions."""
+        """Pack the planned actions (slot class = depth, NOTE [ Weighted reversal ] Rule 4); iterate the result for actions."""
         plan = self._planned()
         b = PackedBuilder((self.tier,) * max(plan.slots, 1))
         for op, state, slot in plan.ops:

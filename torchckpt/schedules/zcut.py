@@ -35,7 +35,7 @@ __all__ = ["ZCut", "zcut_cost"]
 
 
 def zcut_cost(n_steps: int, segment: int) -> tuple[int, int]:
-    """Forward advances and peak snapshots of ZCut with a given segment length (Rule 3).
+    """Forward advances and peak snapshots of ZCut with a given segment length (NOTE [ ZCut checkpointing ] Rule 3).
 
     Args:
         n_steps: number of forward steps (>= 1).
@@ -59,7 +59,7 @@ def zcut_cost(n_steps: int, segment: int) -> tuple[int, int]:
 
 
 def _choose_segment(n: int, memory_slots: int | None) -> int:
-    """Rule 4."""
+    """NOTE [ ZCut checkpointing ] Rule 4."""
     if memory_slots is None:
         lengths = range(1, min(n, 2 * isqrt(n) + 2) + 1)  # the optimum is near sqrt(n)
         return min(lengths, key=lambda length: (*zcut_cost(n, length)[::-1], length))
@@ -89,8 +89,8 @@ class ZCut(Schedule):
 
     Args:
         n_steps: number of forward steps to reverse (>= 1).
-        segment: segment length; by default chosen by Rule 4.
-        memory_slots: most snapshots held at once; picks the segment (Rule 4).
+        segment: segment length; by default chosen by NOTE [ ZCut checkpointing ] Rule 4.
+        memory_slots: most snapshots held at once; picks the segment (NOTE [ ZCut checkpointing ] Rule 4).
         tier: where the snapshots are kept.
 
     Returns:
@@ -141,12 +141,12 @@ class ZCut(Schedule):
 
     @property
     def capacity(self) -> Mapping[Tier, int]:
-        """``{tier: peak snapshots}`` (Rule 3)."""
+        """``{tier: peak snapshots}`` (NOTE [ ZCut checkpointing ] Rule 3)."""
         return {self.tier: zcut_cost(self.n_steps, self._length)[1]}
 
     @property
     def forward_steps(self) -> int:
-        """Forward advances of this schedule (Rule 3)."""
+        """Forward advances of this schedule (NOTE [ ZCut checkpointing ] Rule 3)."""
         return zcut_cost(self.n_steps, self._length)[0]
 
     def pack(self) -> PackedSchedule:
@@ -154,7 +154,7 @@ class ZCut(Schedule):
         n, length = self.n_steps, self._length
         b = PackedBuilder((self.tier,))
         last = (n - 1) // length * length  # first state of the last segment
-        # Rule 1: boundaries, then every state of the last segment, up to state n-2.
+        # NOTE [ ZCut checkpointing ] Rule 1: boundaries, then every state of the last segment, up to state n-2.
         for p in range(0, n - 1):
             if p % length == 0 or p >= last:
                 if p:
@@ -168,7 +168,7 @@ class ZCut(Schedule):
             b.restore(j)
             b.free(j)
             b.adjoint()
-        # Rule 2: the other segments, last first.
+        # NOTE [ ZCut checkpointing ] Rule 2: the other segments, last first.
         for start in range(last - length, -1, -length):
             end = start + length  # exclusive
             b.restore(start)

@@ -69,7 +69,7 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def keep_reason(t: torch.Tensor, device: torch.device, min_bytes: int) -> str | None:
-    """Why ``t`` must stay by reference (Rule 4), or ``None`` if the store may move it."""
+    """Why ``t`` must stay by reference (NOTE [ Saved tensor identity ] Rule 4), or ``None`` if the store may move it."""
     if type(t) not in _PLAIN:
         return "subclass"
     if _is_functorch_wrapped is not None and (_is_functorch_wrapped(t) or _is_batched(t)):
@@ -114,7 +114,8 @@ def _dense(t: torch.Tensor) -> bool:
 
 
 class Coverage:
-    """What a shared entry's creator guarantees about the bytes a later save reads (Rule 2b)."""
+    """What a shared entry's creator guarantees about the bytes a later save reads
+    (NOTE [ Saved tensor identity ] Rule 2b)."""
 
     __slots__ = ("moment", "geometry", "lo", "hi")
 
@@ -138,7 +139,7 @@ def _moment() -> tuple[int, int] | None:
 
 
 def family_root(t: torch.Tensor) -> torch.Tensor:
-    """The tensor whose version counter ``t`` shares through views (Rule 2)."""
+    """The tensor whose version counter ``t`` shares through views (NOTE [ Saved tensor identity ] Rule 2)."""
     b = t._base
     return t if b is None else b
 
@@ -167,7 +168,8 @@ def _origin(t: torch.Tensor) -> str | None:
 
 
 class Version:
-    """A saved tensor's version at save time and a memory-free alias of its counter (Rule 1)."""
+    """A saved tensor's version at save time and a memory-free alias of its counter
+    (NOTE [ Saved tensor identity ] Rule 1)."""
 
     __slots__ = ("alias", "saved", "grad_fn", "output_nr", "sizes")
 
@@ -188,13 +190,13 @@ class Version:
 
 
 class Kept:
-    """A saved tensor kept by reference, with its version check (Rules 1 and 5)."""
+    """A saved tensor kept by reference, with its version check (NOTE [ Saved tensor identity ] Rules 1 and 5)."""
 
     __slots__ = ("tensor", "version", "grad_fn", "output_nr")
 
     def __init__(self, t: torch.Tensor) -> None:
         self.version = t._version
-        if t.grad_fn is not None or t._base is not None:  # Rule 5: never hold the saved tensor's graph
+        if t.grad_fn is not None or t._base is not None:  # NOTE [ Saved tensor identity ] Rule 5: never hold the saved tensor's graph
             self.grad_fn, self.output_nr = _origin(t), t.output_nr
             if not (_is_functorch_wrapped is not None and (_is_functorch_wrapped(t) or _is_batched(t))):
                 t = t.detach()
@@ -215,7 +217,8 @@ class Kept:
 
 def rebuild(storage: torch.UntypedStorage, offset: int, dtype: torch.dtype, size: torch.Size,
             stride: tuple[int, ...], bits: int, device: torch.device) -> torch.Tensor:
-    """The saved tensor's view of ``storage``, with the neg and conj bits of ``bits`` (Rule 3)."""
+    """The saved tensor's view of ``storage``, with the neg and conj bits of ``bits``
+    (NOTE [ Saved tensor identity ] Rule 3)."""
     out = torch.empty(0, dtype=dtype, device=device).set_(storage, offset, size, stride)
     if bits & NEG:
         out = out._neg_view()
@@ -228,11 +231,11 @@ CONJ, NEG = 1, 2
 
 
 def value_bits(t: torch.Tensor) -> int:
-    """The metadata bits that change ``t``'s values (Rule 3)."""
+    """The metadata bits that change ``t``'s values (NOTE [ Saved tensor identity ] Rule 3)."""
     return (CONJ if t.is_conj() else 0) | (NEG if t.is_neg() else 0)
 
 
 def root_ref(t: torch.Tensor) -> tuple[int, Any]:
-    """``(id, weak reference)`` of ``t``'s family root (Rule 2)."""
+    """``(id, weak reference)`` of ``t``'s family root (NOTE [ Saved tensor identity ] Rule 2)."""
     r = family_root(t)
     return id(r), weakref.ref(r)

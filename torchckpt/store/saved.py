@@ -89,7 +89,7 @@ def _in_backward() -> bool:
     return _graph_task_id is not None and _graph_task_id() != -1
 
 
-_TRACE_MIN = 1 << 16  # Rule 10: records a step may hold at least before the trace stops
+_TRACE_MIN = 1 << 16  # NOTE [ Store ] Rule 10: records a step may hold at least before the trace stops
 _STAT_FIELDS = [f for f in Stats.__dataclass_fields__ if f not in ("host", "gpu_peak_bytes", "disk", "min_bytes")]
 
 
@@ -112,13 +112,13 @@ class _Entry:
         self.prefetched = False
         self.refs = 0
         self.key = key
-        self.codec: Codec | None = None  # Rule 9
+        self.codec: Codec | None = None  # NOTE [ Store ] Rule 9
         self.dtype: torch.dtype = torch.uint8
         self.blob: Blob | None = None  # where the compressed buffers sit in the host block
         self.version = version  # NOTE [ Saved tensor identity ] Rule 1
-        self.root = root  # weak reference to the view family's root (Rule 2a), or None
-        self.cover: Coverage | None = None  # what later saves may share it (Rule 2b)
-        self.disk: Any = None  # its file's key on the disk tier, once spilled (Rule 11)
+        self.root = root  # weak reference to the view family's root (NOTE [ Saved tensor identity ] Rule 2a), or None
+        self.cover: Coverage | None = None  # what later saves may share it (NOTE [ Saved tensor identity ] Rule 2b)
+        self.disk: Any = None  # its file's key on the disk tier, once spilled (NOTE [ Store ] Rule 11)
 
 
 class _Handle:
@@ -267,14 +267,14 @@ class Store(DiskSpill):
         self._entries: dict[int, _Entry] = {}
         self._by_storage: dict[tuple[Any, ...], tuple[_Entry, StorageWeakRef]] = {}
         self._trace: list[tuple[int, int, int]] = []
-        self._tracing = True  # Rule 10
+        self._tracing = True  # NOTE [ Store ] Rule 10
         self._last_trace_len = 0
         self._plan: TracePrefetch | None = None
         self._on_plan = False
         self._timings: list[tuple[str, Any, Any]] = []
         self._c: dict[str, Any] = dict.fromkeys(_STAT_FIELDS, 0)
         self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
-        self._disk_init(disk)  # Rule 11 (made last: nothing above can fail and leave its directory behind)
+        self._disk_init(disk)  # NOTE [ Store ] Rule 11 (made last: nothing above can fail and leave its directory behind)
 
     # -- public --------------------------------------------------------------------------
     def __deepcopy__(self, memo: dict[int, Any]) -> Store:
@@ -315,7 +315,7 @@ class Store(DiskSpill):
             keep: tensors (e.g. a module's buffers) whose storages stay by reference.
             codec: compress with this codec instead of the store's (NOTE [ Store ] Rule 9).
             only: route only the tensors saved at these positions (0 for the first tensor saved
-                under this context); the others are kept by reference (Rule 1), and the hooks'
+                under this context); the others are kept by reference (NOTE [ Store ] Rule 1), and the hooks'
                 ``saved`` counts them all. ``None``: route all (nothing counted).
         """
         keep_ptrs = storage_ptrs(keep)
@@ -361,7 +361,8 @@ class Store(DiskSpill):
 
     # -- hooks ---------------------------------------------------------------------------
     def pack(self, t: torch.Tensor, keep_ptrs: frozenset[int] = frozenset(), codec: Codec | None = None) -> Any:
-        """Saved-tensor pack hook: a handle, or a version-checked reference when ``t`` is kept (Rule 1)."""
+        """Saved-tensor pack hook: a handle, or a version-checked reference when ``t`` is kept
+        (NOTE [ Store ] Rule 1)."""
         c = self._c
         c["packed"] += 1
         reason = "backward" if _in_backward() else keep_reason(t, self.device, self.min_bytes)
@@ -383,7 +384,7 @@ class Store(DiskSpill):
         span = int(extent) * es
         whole = 2 * span >= storage.nbytes()
         with self._lock, nvtx_range("torchckpt.pack"):
-            self._poll_disk(raise_errors=True)  # Rule 11
+            self._poll_disk(raise_errors=True)  # NOTE [ Store ] Rule 11
             if self._live == 0 and (self._trace or not self._tracing):
                 self._finish_step()
             if codec is not None and not codec.supports(t.dtype):
@@ -431,7 +432,7 @@ class Store(DiskSpill):
         e.version.check()
         c = self._c
         with self._lock, nvtx_range("torchckpt.unpack"):
-            self._poll_disk(raise_errors=True)  # Rule 11
+            self._poll_disk(raise_errors=True)  # NOTE [ Store ] Rule 11
             pos = self._record(UNPACK, e.id, 0)
             if e.gpu is not None:
                 if e.id in self.cache:
@@ -469,14 +470,14 @@ class Store(DiskSpill):
 
     # -- internals -----------------------------------------------------------------------
     def _record(self, kind: int, eid: int, nbytes: int) -> int:
-        """Append to the trace; check the step against the plan (NOTE [ Prefetch ... ] Rule 6).
+        """Append to the trace; check the step against the plan (NOTE [ Prefetch from a recorded trace ] Rule 6).
 
-        Returns the record's position, or -1 while the trace is off (Rule 10).
+        Returns the record's position, or -1 while the trace is off (NOTE [ Store ] Rule 10).
         """
         if not self._tracing:
             return -1
         n = len(self._trace)
-        if n >= max(_TRACE_MIN, 4 * self._last_trace_len):  # Rule 10: graphs overlap, no step ends
+        if n >= max(_TRACE_MIN, 4 * self._last_trace_len):  # NOTE [ Store ] Rule 10: graphs overlap, no step ends
             self._tracing, self._trace = False, []
             self._plan, self._on_plan = None, False
             self._c["trace_overflows"] += 1
@@ -492,7 +493,7 @@ class Store(DiskSpill):
     def _write(self, e: _Entry) -> None:
         """Start the entry's device-to-host copy (its GPU copy must be present); to disk past the pool's cap."""
         assert e.gpu is not None
-        alloc = self._alloc_for(e)  # Rule 11: a host block, or a staging buffer for the disk
+        alloc = self._alloc_for(e)  # NOTE [ Store ] Rule 11: a host block, or a staging buffer for the disk
         if e.codec is not None:
             e.host, e.blob, e.d2h = self._mover.to_host_packed(e.codec, e.gpu.view(e.dtype), alloc)
             self._c["compressed"] += 1
@@ -507,7 +508,7 @@ class Store(DiskSpill):
 
     def _load(self, e: _Entry) -> torch.Tensor:
         if e.disk is not None:
-            src = self._disk_source(e)  # Rule 11
+            src = self._disk_source(e)  # NOTE [ Store ] Rule 11
         elif e.host is None:
             raise internal_error(f"entry {e.id} has neither a GPU nor a host copy")
         else:
@@ -527,7 +528,7 @@ class Store(DiskSpill):
         if plan is None:
             return
         if self.disk is not None:
-            self._read_ahead(pos)  # Rule 11
+            self._read_ahead(pos)  # NOTE [ Store ] Rule 11
         for j in plan.actions.get(pos, ()):
             if j < 0:  # make room for the next prefetch (NOTE [ Prefetch from a recorded trace ] Rule 3)
                 v = self._entries.get(~j)
@@ -567,11 +568,11 @@ class Store(DiskSpill):
     def _evict(self, e: _Entry) -> None:
         """Drop the GPU copy of ``e`` (already out of the cache's ranking), writing it first if needed."""
         c = self._c
-        if e.host is None and e.disk is None:  # not written yet (Rule 3; the plan did not foresee this eviction)
+        if e.host is None and e.disk is None:  # not written yet (NOTE [ Store ] Rule 3; the plan did not foresee this eviction)
             self._write(e)
         if e.d2h is not None and not e.d2h.query():
             c["eviction_waits"] += 1
-            need = self._mover.wait(e.d2h)  # Rule 3: the compute stream waits, not the host
+            need = self._mover.wait(e.d2h)  # NOTE [ Store ] Rule 3: the compute stream waits, not the host
             if need is not None:
                 self._timings.append(("evict", need, e.d2h))
         self._drop_gpu(e)
@@ -579,7 +580,7 @@ class Store(DiskSpill):
 
     def _drop_gpu(self, e: _Entry) -> None:
         if e.h2d is not None and e.h2d_stream is not None:
-            e.h2d_stream.wait_event(e.h2d)  # Rule 5
+            e.h2d_stream.wait_event(e.h2d)  # NOTE [ Store ] Rule 5
         e.gpu = None
         e.h2d = None
         e.h2d_stream = None
@@ -600,7 +601,7 @@ class Store(DiskSpill):
                 e.host = None
             if e.disk is not None:
                 self._poll_disk(raise_errors=False)
-                self._forget_disk(e)  # Rule 11
+                self._forget_disk(e)  # NOTE [ Store ] Rule 11
             self._entries.pop(e.id, None)
             if e.key is not None and self._by_storage.get(e.key, (None,))[0] is e:
                 del self._by_storage[e.key]
@@ -616,7 +617,7 @@ class Store(DiskSpill):
         self._c["steps"] += 1
         self._next_id = 0
         self._resolve_timings(block=False)
-        if not self._tracing:  # the trace overflowed (Rule 10): start afresh, with no plan
+        if not self._tracing:  # the trace overflowed (NOTE [ Store ] Rule 10): start afresh, with no plan
             self._tracing = True
             return
         self._last_trace_len = len(trace)

@@ -53,7 +53,7 @@ from torchckpt.schedules.trace import UNPACK, TracePrefetch
 
 __all__ = ["STAGING_BYTES", "DiskSpill"]
 
-STAGING_BYTES = 256 << 20  # Rule 2
+STAGING_BYTES = 256 << 20  # NOTE [ Spill to disk ] Rule 2
 _uids = itertools.count()  # names a store's files in a tier it may share
 
 
@@ -80,18 +80,19 @@ class DiskSpill:
         self.disk: DiskTier | None = disk if disk is None or isinstance(disk, DiskTier) else DiskTier(disk)
         self._disk_uid = next(_uids)
         self._disk_seq = itertools.count()
-        self._disk_keys: set[Any] = set()  # files of live entries (and writes that failed: Rule 6)
+        self._disk_keys: set[Any] = set()  # files of live entries (and writes that failed: NOTE [ Spill to disk ] Rule 6)
         self._staged: dict[Any, tuple[torch.Tensor, Future[None] | None]] = {}  # key -> (buffer, its write or None)
-        self._ahead: dict[Any, tuple[Future[Any], torch.Tensor]] = {}  # Rule 4: reads under way
+        self._ahead: dict[Any, tuple[Future[Any], torch.Tensor]] = {}  # NOTE [ Spill to disk ] Rule 4: reads under way
         self._staged_bytes = 0
-        self._refused_at: int | None = None  # Rule 1: the pool's use when it last refused a block under its cap
-        self._spill_error: BaseException | None = None  # Rule 6: a failed write, not raised yet
-        self._ahead_pos = 0  # Rule 4: how far the read-ahead has looked in the plan's trace
+        self._refused_at: int | None = None  # NOTE [ Spill to disk ] Rule 1: the pool's use when it last refused a block under its cap
+        self._spill_error: BaseException | None = None  # NOTE [ Spill to disk ] Rule 6: a failed write, not raised yet
+        self._ahead_pos = 0  # NOTE [ Spill to disk ] Rule 4: how far the read-ahead has looked in the plan's trace
         self._ahead_last = -1
 
-    # -- Rule 1: host block or staging buffer ------------------------------------------------
+    # -- NOTE [ Spill to disk ] Rule 1: host block or staging buffer -------------------------
     def _alloc_for(self, e: Any) -> Callable[[int], HostBlock]:
-        """The allocator of ``e``'s copy off the device: the host pool, or a staging buffer (Rule 1)."""
+        """The allocator of ``e``'s copy off the device: the host pool, or a staging buffer
+        (NOTE [ Spill to disk ] Rule 1)."""
         if self.disk is None:
             return self.host.alloc
 
@@ -115,7 +116,8 @@ class DiskSpill:
         return alloc
 
     def _staging(self, n: int, wait_writes: bool) -> torch.Tensor:
-        """A staging buffer of ``n`` bytes, first waiting for old writes to keep within the budget (Rule 2)."""
+        """A staging buffer of ``n`` bytes, first waiting for old writes to keep within the budget
+        (NOTE [ Spill to disk ] Rule 2)."""
         if wait_writes:
             for key, (_, fut) in list(self._staged.items()):
                 if self._staged_bytes + n <= STAGING_BYTES:
@@ -127,12 +129,13 @@ class DiskSpill:
         return torch.empty(n, dtype=torch.uint8, pin_memory=pin)
 
     def _spill(self, e: Any) -> None:
-        """Start writing the staging buffer ``e.host`` (just filled by the copy off the device) to a file (Rule 1)."""
+        """Start writing the staging buffer ``e.host`` (just filled by the copy off the device) to a file
+        (NOTE [ Spill to disk ] Rule 1)."""
         assert self.disk is not None and e.host is not None
         buf, e.host = e.host.tensor, None
         key = e.disk
         self._disk_keys.add(key)
-        self._staged[key] = (buf, None)  # the bytes stay here whatever the write does (Rule 6)
+        self._staged[key] = (buf, None)  # the bytes stay here whatever the write does (NOTE [ Spill to disk ] Rule 6)
         self._staged_bytes += buf.numel()
         self._c["spilled"] += 1
         self._c["spilled_bytes"] += buf.numel()
@@ -140,7 +143,8 @@ class DiskSpill:
             self._staged[key] = (buf, self.disk.write(key, buf, after=e.d2h))
 
     def _collect(self, key: Any) -> None:
-        """Let go of ``key``'s staging buffer if its write has ended well; keep it if it failed (Rule 6)."""
+        """Let go of ``key``'s staging buffer if its write has ended well; keep it if it failed
+        (NOTE [ Spill to disk ] Rule 6)."""
         buf, fut = self._staged[key]
         if fut is None or not fut.done():
             return
@@ -154,7 +158,8 @@ class DiskSpill:
                 self._spill_error = err
 
     def _poll_disk(self, raise_errors: bool) -> None:
-        """Collect finished writes; with ``raise_errors``, raise a failed one's error (Rule 6) and the tier's."""
+        """Collect finished writes; with ``raise_errors``, raise a failed one's error (NOTE [ Spill to disk ] Rule 6)
+        and the tier's."""
         if self.disk is None:
             return
         for key in [k for k, (_, f) in self._staged.items() if f is not None and f.done()]:
@@ -171,9 +176,9 @@ class DiskSpill:
         with self._disk_errors():
             self.disk.check()
 
-    # -- Rules 3 and 4: reading back ---------------------------------------------------------
+    # -- NOTE [ Spill to disk ] Rules 3 and 4: reading back ----------------------------------
     def _disk_source(self, e: Any) -> torch.Tensor:
-        """Host bytes of spilled entry ``e`` for its copy to the device (Rule 3)."""
+        """Host bytes of spilled entry ``e`` for its copy to the device (NOTE [ Spill to disk ] Rule 3)."""
         disk, key = self.disk, e.disk
         if disk is None or disk.closed:
             raise CheckpointError("torchckpt: a saved tensor this Store spilled to disk is needed after Store.close() "
@@ -186,11 +191,12 @@ class DiskSpill:
             ahead = self._ahead.pop(key, None)
             if ahead is not None:
                 self._staged_bytes -= ahead[1].numel()
-                return disk.read(key, ahead[1])  # waits for the read-ahead if needed (Rule 4)
+                return disk.read(key, ahead[1])  # waits for the read-ahead if needed (NOTE [ Spill to disk ] Rule 4)
             return disk.read(key, self._staging(disk.nbytes(key), wait_writes=False))
 
     def _read_ahead(self, pos: int) -> None:
-        """Start the file reads of the spilled entries unpacked next on the plan, within the budget (Rule 4)."""
+        """Start the file reads of the spilled entries unpacked next on the plan, within the budget
+        (NOTE [ Spill to disk ] Rule 4)."""
         disk, plan = self.disk, self._plan
         if disk is None or disk.closed or plan is None or pos < 0:
             return
@@ -214,7 +220,7 @@ class DiskSpill:
             i += 1
         self._ahead_pos = i
 
-    # -- Rule 5: files freed -----------------------------------------------------------------
+    # -- NOTE [ Spill to disk ] Rule 5: files freed ------------------------------------------
     def _forget_disk(self, e: Any) -> None:
         """``e`` died: its read-ahead and staging buffer dropped, its write cancelled or waited for, its file deleted."""
         key = e.disk
@@ -264,7 +270,7 @@ class DiskSpill:
 
     @contextlib.contextmanager
     def _disk_errors(self) -> Iterator[None]:
-        """The tier's errors (raised by its calls) as the Store's (Rule 6)."""
+        """The tier's errors (raised by its calls) as the Store's (NOTE [ Spill to disk ] Rule 6)."""
         try:
             yield
         except CheckpointError as err:
@@ -280,7 +286,7 @@ class DiskSpill:
 
 
 def _write_failed(disk: DiskTier, err: BaseException) -> CheckpointError:
-    """Rule 6's error for a spilled tensor whose file could not be written."""
+    """NOTE [ Spill to disk ] Rule 6's error for a spilled tensor whose file could not be written."""
     cause = err.__cause__ if isinstance(err.__cause__, OSError) else err
     where = os.path.dirname(disk.root)
     if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:

@@ -1,7 +1,27 @@
 """The disk side of ``SnapshotStore``: its ``Tier.DISK`` snapshots written behind, read back and freed.
 
-``SnapshotStore`` (store/snapshots.py) takes these methods from ``DiskSide``; the rules are NOTE
-[ Snapshot store ] Rules 11-13 there, and the files' own NOTE [ Disk tier ] is memory/disk.py's.
+``SnapshotStore`` (store/snapshots.py, NOTE [ Snapshot store ]) takes these methods from ``DiskSide``; the
+files' own NOTE [ Disk tier ] is memory/disk.py's.
+
+# NOTE [ Snapshot disk tier ]
+# 1. With ``disk=`` (a directory, or a ``DiskTier``: NOTE [ Disk tier ], memory/disk.py),
+#    ``Tier.DISK`` snapshots go one tier further. A save is a HOST save (a slot, flushed to a host
+#    block); the block is then written behind to a file, and given back to the host pool once
+#    the write has ended, so host memory holds only the disk snapshots in flight. On CUDA the
+#    I/O thread waits for the flush's event before it reads the block. A write-back snapshot
+#    (NOTE [ Snapshot store ] Rule 6) is written when it is flushed, at its eviction.
+# 2. A restore that misses the slots reads the file into a host block (or collects a prefetch's
+#    read) and goes on as a HOST restore; the block goes back once the slot is filled from it.
+#    ``Prefetch(n, DISK, GPU)`` takes and pins a slot as NOTE [ Snapshot store ] Rule 3 says and
+#    starts the read on an I/O thread; the slot's fill is issued on the owner's thread once the
+#    read has ended: by the next action that finds it done, at the latest by the restore (which
+#    waits for the read).
+# 3. ``free`` deletes the file (cancelling a queued write, waiting for one under way); ``close``
+#    deletes every file of the store, and closes the tier when the store made it. Each action
+#    first collects the tier's finished jobs and raises its I/O errors (NOTE [ Disk tier ] Rule 5);
+#    a snapshot whose write failed keeps its host block and is a HOST snapshot from then on: an
+#    error, never a lost or wrong snapshot. ``stats()`` waits for the jobs under way, so a loop's
+#    own write errors reach it. With a codec the files hold the blobs (NOTE [ Snapshot store ] Rule 8).
 """
 from __future__ import annotations
 
@@ -36,7 +56,7 @@ class DiskSide:
     _fill_of: list[int | None]
     _fill_ev: list[Any]
 
-    def _fill(self, s: int, n: int) -> Any:  # SnapshotStore's: a slot filled from host (Rule 3)
+    def _fill(self, s: int, n: int) -> Any:  # SnapshotStore's: a slot filled from host (NOTE [ Snapshot store ] Rule 3)
         raise NotImplementedError
 
     def _key(self, n: int) -> tuple[int, int]:
@@ -50,7 +70,7 @@ class DiskSide:
         return self._layout.nbytes
 
     def _write_behind(self, n: int) -> None:
-        """Start writing disk snapshot ``n``'s new host block to its file (Rule 11)."""
+        """Start writing disk snapshot ``n``'s new host block to its file (NOTE [ Snapshot disk tier ] Rule 1)."""
         if n not in self._disk_ns:
             return
         assert self.disk is not None
@@ -59,7 +79,7 @@ class DiskSide:
         self._writing[n] = self.disk.write(self._key(n), block.tensor, after=ev)
 
     def _load(self, n: int) -> None:
-        """Read disk snapshot ``n`` into a new host block, now (Rule 12)."""
+        """Read disk snapshot ``n`` into a new host block, now (NOTE [ Snapshot disk tier ] Rule 2)."""
         assert self.disk is not None
         block = self.host.alloc(self._size(n))
         try:
@@ -70,7 +90,8 @@ class DiskSide:
         self._on_host[n] = (block, None)
 
     def _finish_read(self, n: int) -> None:
-        """Collect the prefetch's read of ``n`` (waiting for it) and fill its pinned slot (Rule 12)."""
+        """Collect the prefetch's read of ``n`` (waiting for it) and fill its pinned slot
+        (NOTE [ Snapshot disk tier ] Rule 2)."""
         assert self.disk is not None
         self._reading.pop(n)
         block, _ = self._on_host[n]
@@ -91,7 +112,8 @@ class DiskSide:
         self._release_host(n)
 
     def _release_host(self, n: int) -> None:
-        """Give back disk snapshot ``n``'s host block once its file is complete and nothing waits on it (Rule 11)."""
+        """Give back disk snapshot ``n``'s host block once its file is complete and nothing waits on it
+        (NOTE [ Snapshot disk tier ] Rule 1)."""
         if n not in self._on_disk or n in self._writing or n in self._reading or n not in self._on_host:
             return
         block, ev = self._on_host.pop(n)
@@ -100,7 +122,7 @@ class DiskSide:
         self.host.free(block, self._fill_ev[s] if filled else ev)  # type: ignore[index]
 
     def _poll(self) -> None:
-        """Collect the disk tier's finished jobs, then raise its I/O errors (Rule 13)."""
+        """Collect the disk tier's finished jobs, then raise its I/O errors (NOTE [ Snapshot disk tier ] Rule 3)."""
         disk = self.disk
         if disk is None or disk.closed:
             return
@@ -119,7 +141,8 @@ class DiskSide:
         disk.check()
 
     def _drop_disk(self, n: int) -> None:
-        """Forget disk snapshot ``n``: its jobs cancelled or waited for, its file deleted (Rule 13)."""
+        """Forget disk snapshot ``n``: its jobs cancelled or waited for, its file deleted
+        (NOTE [ Snapshot disk tier ] Rule 3)."""
         if n not in self._disk_ns:
             return
         assert self.disk is not None

@@ -1,14 +1,39 @@
 """The peer side of ``SnapshotStore``: its ``Tier.HOST`` snapshots sent to other ranks' spare memory and taken back.
 
-``SnapshotStore`` (store/snapshots.py) takes these methods from ``PeerSide``; the rules are NOTE [ Snapshot store ]
-Rules 14-19 there. The bytes move in ``PeerTier`` rounds (NOTE [ Peer tier ], memory/peer_tier.py) by the group's
-``SpillPlan`` (NOTE [ Capacity exchange ], distributed/capacity.py; NOTE [ Peer spill ], schedules/spill.py):
-collaborative multi-level checkpointing (Maurya et al., MASCOTS'21) on a checkpoint schedule's snapshots.
+``SnapshotStore`` (store/snapshots.py, NOTE [ Snapshot store ]) takes these methods from ``PeerSide``. The bytes
+move in ``PeerTier`` rounds (NOTE [ Peer tier ], memory/peer_tier.py) by the group's ``SpillPlan``
+(NOTE [ Capacity exchange ], distributed/capacity.py; NOTE [ Peer spill ], schedules/spill.py): collaborative
+multi-level checkpointing (Maurya et al., MASCOTS'21) on a checkpoint schedule's snapshots.
 
 Known gaps: a fetch takes the snapshot back from its holder, so a snapshot restored again after its slot was
-reused comes back from host memory, not from the peer (Rule 18); the split follows the plan's bytes, not the
-links' measured times; ``Tier.DISK`` snapshots never go to peers; a rank that skips an action is not detected,
-the others wait until the process group's timeout (Rule 15).
+reused comes back from host memory, not from the peer (NOTE [ Snapshot peer tier ] Rule 5); the split follows the
+plan's bytes, not the links' measured times; ``Tier.DISK`` snapshots never go to peers; a rank that skips an action
+is not detected, the others wait until the process group's timeout (NOTE [ Snapshot peer tier ] Rule 2).
+
+# NOTE [ Snapshot peer tier ]
+# 1. With ``peers=`` (a ``PeerSpill``: a ``PeerTier`` and the group's ``SpillPlan``) the use is SPMD and every rank
+#    calls the store's actions in the same order: each save/restore/free of a ``Tier.HOST`` snapshot, prefetch from
+#    HOST, and ``close`` first gathers every rank's (count, action, n) on the tier's metadata group, then every rank
+#    enters the rounds some rank needs (send, fetch, drop, in that order; its own part possibly empty:
+#    NOTE [ Peer tier ] Rule 1). Nothing else talks.
+# 2. Ranks whose (count, action, n) differ all raise the same ``torchckpt:`` error and the peer side stops (later
+#    actions raise; ``close`` is local). A rank that skips an action (an error of its own, a GPU-tier save where
+#    others save to HOST) is not seen: the others wait until the process group's timeout; so an exception leaving
+#    a ``with`` block stops the peer side locally.
+# 3. A save that copies off the GPU (``flush=True``, or straight to host) is split, by whole snapshots and from this
+#    rank's plan row and history only: it goes to the peer furthest below its share of the bytes split so far
+#    (``to_peer[j] / overflow``, this save included) among those where this store's copies would stay within
+#    ``to_peer[j]`` bytes (to ``PLAN_SLACK``); else to host. Write-back saves (NOTE [ Snapshot store ] Rule 6) go
+#    to host if evicted.
+# 4. A peer copy is the save's flush: the slot's bytes (with a codec its blob, NOTE [ Snapshot store ] Rule 8) go in
+#    the send round on the offload stream, whose event is the slot's flush event (NOTE [ Snapshot store ] Rule 3); a
+#    re-save elsewhere drops the old copy.
+# 5. ``prefetch`` fetches a peer snapshot into the slot it takes (on the prefetch stream; the fill is
+#    NOTE [ Snapshot store ] Rule 3's); with no slot to take, ``restore`` fetches it on demand on the compute stream
+#    (so every rank's restore of a HOST snapshot enters a fetch round when any rank misses). A fetch takes the copy
+#    back from its holder: the slot then holds the only one, as a write-back snapshot flushed to host if evicted (a
+#    later restore reads host); with no slot at all the fetched bytes are copied to a host block.
+# 6. ``free`` of a HOST snapshot drops its peer copy (``drop_round``), ``close`` all left; ``stats()`` counts ``peer_*``.
 """
 from __future__ import annotations
 
@@ -31,21 +56,21 @@ __all__ = ["PeerSide", "PeerSpill"]
 PLAN_SLACK = 1e-3
 """A peer has room while this store's copies there stay within ``(1 + PLAN_SLACK) * to_peer[j]`` bytes: the plan's
 bytes are as exact as its bisection (``plan_spill``'s ``rel_tol``), and a share a hair under whole snapshots
-should still hold them (Rule 16)."""
+should still hold them (NOTE [ Snapshot peer tier ] Rule 3)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class PeerSpill:
     """Where a ``SnapshotStore`` may send ``Tier.HOST`` snapshots besides host memory: a tier and the group's plan.
 
-    Pass it as ``SnapshotStore(..., peers=...)``, one per store, on every rank (NOTE [ Snapshot store ] Rules 14-19).
+    Pass it as ``SnapshotStore(..., peers=...)``, one per store, on every rank (NOTE [ Snapshot peer tier ] Rules 1-6).
 
     Args:
         tier: the ``PeerTier`` the snapshots travel through, on the store's device.
         plan: the group's ``SpillPlan`` (``torchckpt.distributed.exchange`` on the tier's group; or
             ``PeerSpill.exchange``, which calls it): this rank's copies held by rank ``j`` total at most
             ``plan.to_peer[j]`` bytes at a time, and the bytes it copies off the GPU are split in the plan's
-            proportions (Rule 16).
+            proportions (NOTE [ Snapshot peer tier ] Rule 3).
 
     Example::
 
@@ -106,7 +131,7 @@ class PeerSpill:
 
 @dataclasses.dataclass
 class _Pending:
-    """A save's agreed rounds, entered by ``_peer_end`` (Rules 14, 16)."""
+    """A save's agreed rounds, entered by ``_peer_end`` (NOTE [ Snapshot peer tier ] Rules 1, 3)."""
 
     dest: int | None  # the peer this rank's copy goes to; None: host (or no copy)
     old: int | None  # the peer that held the snapshot's previous copy, if another: dropped
@@ -139,10 +164,10 @@ class PeerSide:
     def _size(self, n: int) -> int:  # DiskSide's: bytes of off-GPU snapshot n
         raise NotImplementedError
 
-    def _ensure_room(self, s: int, nbytes: int) -> None:  # SnapshotStore's (Rule 9)
+    def _ensure_room(self, s: int, nbytes: int) -> None:  # SnapshotStore's (NOTE [ Snapshot store ] Rule 9)
         raise NotImplementedError
 
-    def _views(self, n: int, flat: torch.Tensor) -> list[torch.Tensor]:  # SnapshotStore's (Rule 8)
+    def _views(self, n: int, flat: torch.Tensor) -> list[torch.Tensor]:  # SnapshotStore's (NOTE [ Snapshot store ] Rule 8)
         raise NotImplementedError
 
     def _take_slot(self, n: int) -> int:  # SnapshotStore's
@@ -165,20 +190,21 @@ class PeerSide:
                                  f"{str(self.device)!r}) (under NCCL: torch.cuda.set_device first).")
         self.peers = peers
         w = peers.tier.world_size if peers is not None else 0
-        self._peer_of: dict[int, tuple[int, int]] = {}  # snapshot -> (holder rank, bytes) (Rule 16)
+        self._peer_of: dict[int, tuple[int, int]] = {}  # snapshot -> (holder rank, bytes) (NOTE [ Snapshot peer tier ] Rule 3)
         self._peer_held = [0] * w  # bytes of this store's copies per holder
-        self._peer_split = [0] * (w + 1)  # bytes of split saves sent per peer, host last (Rule 16)
-        self._peer_seq = 0  # actions agreed so far (Rule 14)
-        self._peer_stop: str | None = None  # why the peer side stopped (Rule 15)
+        self._peer_split = [0] * (w + 1)  # bytes of split saves sent per peer, host last (NOTE [ Snapshot peer tier ] Rule 3)
+        self._peer_seq = 0  # actions agreed so far (NOTE [ Snapshot peer tier ] Rule 1)
+        self._peer_stop: str | None = None  # why the peer side stopped (NOTE [ Snapshot peer tier ] Rule 2)
         self._peer_pending: _Pending | None = None
 
     def _peer_key(self, n: int) -> Hashable:
         return (self._uid, n)
 
-    # -- agreement and rounds (Rules 14, 15) ---------------------------------------------------------------------
+    # -- agreement and rounds (NOTE [ Snapshot peer tier ] Rules 1, 2) -------------------------------------------
     def _peer_agree(self, what: str, n: int, send: bool = False, fetch: bool = False,
                     drop: bool = False) -> tuple[bool, bool, bool]:
-        """One gather of every rank's (count, action, n) and needs; raises on every rank if they differ (Rule 15).
+        """One gather of every rank's (count, action, n) and needs; raises on every rank if they differ
+        (NOTE [ Snapshot peer tier ] Rule 2).
 
         Returns which rounds some rank needs (send, fetch, drop): every rank enters those, in that order.
         """
@@ -196,14 +222,15 @@ class PeerSide:
             self._peer_stop = (
                 f"torchckpt: the ranks called their SnapshotStore(peers=...) in different orders ({acts}). Every "
                 "rank must call save/restore/free of Tier.HOST snapshots, prefetch from Tier.HOST and close() with "
-                "the same n in the same order (the same schedule on every rank; NOTE [ Snapshot store ] Rule 14). "
+                "the same n in the same order (the same schedule on every rank; NOTE [ Snapshot peer tier ] Rule 1). "
                 "This store's peer side has stopped on every rank: close() it (locally; what it left on peers "
                 "stays there until PeerTier.close()) and make a new store.")
             raise CheckpointError(self._peer_stop)
         return any(g[1] for g in got), any(g[2] for g in got), any(g[3] for g in got)
 
     def _peer_round(self, fn: Any, part: Mapping[int, Any], stream: Any = None) -> Any:
-        """Enter one ``PeerTier`` round with this rank's part (on ``stream`` under CUDA, Rule 17)."""
+        """Enter one ``PeerTier`` round with this rank's part (on ``stream`` under CUDA,
+        NOTE [ Snapshot peer tier ] Rule 4)."""
         t0 = time.perf_counter()
         ctx = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
         with ctx:
@@ -228,9 +255,10 @@ class PeerSide:
         self._c["peer_held_bytes"] -= old[1]
         return old[0]
 
-    # -- save (Rules 16, 17) -------------------------------------------------------------------------------------
+    # -- save (NOTE [ Snapshot peer tier ] Rules 3, 4) -----------------------------------------------------------
     def _peer_begin(self, n: int, tier: Tier, size: int, split: bool) -> None:
-        """Agree on a save with the other ranks; pick where this rank's copy goes (Rule 16)."""
+        """Agree on a save with the other ranks; pick where this rank's copy goes
+        (NOTE [ Snapshot peer tier ] Rule 3)."""
         self._peer_pending = None
         if self.peers is None or tier is not Tier.HOST:
             return
@@ -291,12 +319,12 @@ class PeerSide:
             self.host.free(old[0], old[1])
         self._dirty.discard(n)
         if s is not None:
-            self._flush_ev[s] = ev  # Rule 3: the slot is overwritten only after the send
+            self._flush_ev[s] = ev  # NOTE [ Snapshot store ] Rule 3: the slot is overwritten only after the send
         elif ev is not None:
             self._mover.current().wait_event(ev)  # src is a temporary: it must outlive the send
         return True
 
-    # -- prefetch and restore (Rule 18) --------------------------------------------------------------------------
+    # -- prefetch and restore (NOTE [ Snapshot peer tier ] Rule 5) -----------------------------------------------
     def _peer_take(self, what: str, n: int, tier: Tier) -> torch.Tensor | None:
         """Agree on a prefetch from or restore of a HOST snapshot; fetch ``n`` back when this rank needs it now.
 
@@ -324,7 +352,8 @@ class PeerSide:
         return buf
 
     def _peer_fill(self, s: int, n: int, buf: torch.Tensor, on_compute: bool) -> Any:
-        """Copy fetched bytes into slot ``s`` as a host fill does (Rule 3); the slot then holds the only copy.
+        """Copy fetched bytes into slot ``s`` as a host fill does (NOTE [ Snapshot store ] Rule 3); the slot then holds
+        the only copy.
 
         ``on_compute``: the fetch ran on the compute stream (a restore's), so the fill waits for that stream;
         a prefetch's fetch ran on the prefetch stream, where the fill follows it anyway.
@@ -336,11 +365,12 @@ class PeerSide:
                               after_all=self._use_ev[s] is None or grown or on_compute)
         self._fill_ev[s] = ev
         self._fill_of[s] = n
-        self._dirty.add(n)  # Rule 18: written back to host if evicted before its free
+        self._dirty.add(n)  # NOTE [ Snapshot peer tier ] Rule 5: written back to host if evicted before its free
         return ev
 
     def _peer_restore(self, n: int, buf: torch.Tensor) -> list[torch.Tensor]:
-        """A restore that fetched ``n`` on demand: into a slot, or kept on host with no slot to take (Rule 18)."""
+        """A restore that fetched ``n`` on demand: into a slot, or kept on host with no slot to take
+        (NOTE [ Snapshot peer tier ] Rule 5)."""
         self._c["misses"] += 1
         if self._rank.can_take():
             s = self._take_slot(n)
@@ -352,7 +382,7 @@ class PeerSide:
         self._on_host[n] = (block, self._mover.to_host(block.tensor, buf))
         return self._views(n, buf)
 
-    # -- free and close (Rule 19) --------------------------------------------------------------------------------
+    # -- free and close (NOTE [ Snapshot peer tier ] Rule 6) -----------------------------------------------------
     def _peer_free(self, n: int, tier: Tier) -> None:
         """Agree on a free of a HOST snapshot and drop its peer copy."""
         if self.peers is None or tier is not Tier.HOST:
@@ -366,9 +396,10 @@ class PeerSide:
             self._c["peer_drops"] += 1
 
     def _peer_close(self) -> CheckpointError | None:
-        """Drop every peer copy of this store (collective, unless the peer side stopped: Rule 19).
+        """Drop every peer copy of this store (collective, unless the peer side stopped:
+        NOTE [ Snapshot peer tier ] Rule 6).
 
-        Returns the mismatch error (Rule 15) for ``close`` to raise once its local part is done.
+        Returns the mismatch error (NOTE [ Snapshot peer tier ] Rule 2) for ``close`` to raise once its local part is done.
         """
         if self.peers is None:
             return None
@@ -393,7 +424,8 @@ class PeerSide:
         return err
 
     def _peer_abandon(self) -> None:
-        """Stop the peer side locally (an exception on this rank may not be on the others: Rule 15)."""
+        """Stop the peer side locally (an exception on this rank may not be on the others:
+        NOTE [ Snapshot peer tier ] Rule 2)."""
         if self.peers is not None and self._peer_stop is None:
             self._peer_stop = ("torchckpt: this SnapshotStore's peer side stopped when an exception left its `with` "
                                "block; make a new SnapshotStore(peers=...) on every rank.")

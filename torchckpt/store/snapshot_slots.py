@@ -34,7 +34,8 @@ class Layout:
 
 
 class Slots:
-    """The store's slots: arena slots (Rule 10), each replaceable by a grown buffer (Rule 9)."""
+    """The store's slots: arena slots (NOTE [ Snapshot store ] Rule 10), each replaceable by a grown buffer
+    (NOTE [ Snapshot store ] Rule 9)."""
 
     def __init__(self, slots: ArenaSlots | None = None) -> None:
         self._arena_slots = slots

@@ -3,12 +3,13 @@
 # NOTE [ Snapshot store ]
 # The runtime of NOTE [ Snapshot cache ] (schedules/prefetch.py): the same ``Cache`` ranks the
 # slots and holds the pins; the memory is real and every copy goes through the mover
-# (NOTE [ Mover ], store/streams.py).
+# (NOTE [ Mover ], store/streams.py). Its disk tier is NOTE [ Snapshot disk tier ]
+# (store/snapshot_disk.py), its peers NOTE [ Snapshot peer tier ] (store/snapshot_peer.py).
 # 1. A snapshot is a tuple of tensors (a wave equation carries u_t and u_{t-1}); every
 #    snapshot of one loop has the same layout (shapes, dtypes), checked at each save.
 # 2. ``Tier.GPU`` snapshots are device copies held by reference. Off-GPU snapshots
-#    (``Tier.HOST``; DISK too, as HOST without ``disk=``, Rule 11) live in the host pool and pass through
-#    ``slots`` device slots, each one flat buffer allocated once for the loop: a save
+#    (``Tier.HOST``; DISK too, as HOST without ``disk=``, NOTE [ Snapshot disk tier ] Rule 1) live in the host pool and
+#    pass through ``slots`` device slots, each one flat buffer allocated once for the loop: a save
 #    copies the state into a slot on the compute stream and the slot is flushed to host on
 #    the offload stream; a restore that hits reads the slot.
 # 3. Every slot remembers three events: its last flush (device-to-host), its last fill
@@ -44,45 +45,6 @@
 #    at once and the rest in the background (a slot's first use waits for its own range only);
 #    elsewhere one ``torch.empty``. ``TORCHCKPT_DEVICE_CACHE=caching`` forces the latter. Arena
 #    memory is outside PyTorch's caching allocator: ``device_bytes()`` reports it.
-# 11. With ``disk=`` (a directory, or a ``DiskTier``: NOTE [ Disk tier ], memory/disk.py; the
-#    store's disk side is store/snapshot_disk.py),
-#    ``Tier.DISK`` snapshots go one tier further. A save is a HOST save (a slot, flushed to a host
-#    block); the block is then written behind to a file, and given back to the host pool once
-#    the write has ended, so host memory holds only the disk snapshots in flight. On CUDA the
-#    I/O thread waits for the flush's event before it reads the block. A write-back snapshot
-#    (Rule 6) is written when it is flushed, at its eviction.
-# 12. A restore that misses the slots reads the file into a host block (or collects a prefetch's
-#    read) and goes on as a HOST restore; the block goes back once the slot is filled from it.
-#    ``Prefetch(n, DISK, GPU)`` takes and pins a slot as Rule 3 says and starts the read on an
-#    I/O thread; the slot's fill is issued on the owner's thread once the read has ended: by the
-#    next action that finds it done, at the latest by the restore (which waits for the read).
-# 13. ``free`` deletes the file (cancelling a queued write, waiting for one under way); ``close``
-#    deletes every file of the store, and closes the tier when the store made it. Each action
-#    first collects the tier's finished jobs and raises its I/O errors (NOTE [ Disk tier ] Rule 5);
-#    a snapshot whose write failed keeps its host block and is a HOST snapshot from then on: an
-#    error, never a lost or wrong snapshot. ``stats()`` waits for the jobs under way, so a loop's
-#    own write errors reach it. With a codec the files hold the blobs (Rule 8).
-# 14. With ``peers=`` (a ``PeerSpill``: a ``PeerTier`` and the group's ``SpillPlan``; store/snapshot_peer.py) the use
-#    is SPMD and every rank calls the store's actions in the same order: each save/restore/free of a ``Tier.HOST``
-#    snapshot, prefetch from HOST, and ``close`` first gathers every rank's (count, action, n) on the tier's metadata
-#    group, then every rank enters the rounds some rank needs (send, fetch, drop, in that order; its own part
-#    possibly empty: NOTE [ Peer tier ] Rule 1). Nothing else talks.
-# 15. Ranks whose (count, action, n) differ all raise the same ``torchckpt:`` error and the peer side stops (later
-#    actions raise; ``close`` is local). A rank that skips an action (an error of its own, a GPU-tier save where
-#    others save to HOST) is not seen: the others wait until the process group's timeout; so an exception leaving
-#    a ``with`` block stops the peer side locally.
-# 16. A save that copies off the GPU (``flush=True``, or straight to host) is split, by whole snapshots and from this
-#    rank's plan row and history only: it goes to the peer furthest below its share of the bytes split so far
-#    (``to_peer[j] / overflow``, this save included) among those where this store's copies would stay within
-#    ``to_peer[j]`` bytes (to ``PLAN_SLACK``); else to host. Write-back saves (Rule 6) go to host if evicted.
-# 17. A peer copy is the save's flush: the slot's bytes (with a codec its blob, Rule 8) go in the send round on the
-#    offload stream, whose event is the slot's flush event (Rule 3); a re-save elsewhere drops the old copy.
-# 18. ``prefetch`` fetches a peer snapshot into the slot it takes (on the prefetch stream; the fill is Rule 3's);
-#    with no slot to take, ``restore`` fetches it on demand on the compute stream (so every rank's restore of a
-#    HOST snapshot enters a fetch round when any rank misses). A fetch takes the copy back from its holder: the slot
-#    then holds the only one, as a write-back snapshot flushed to host if evicted (a later restore reads host);
-#    with no slot at all the fetched bytes are copied to a host block.
-# 19. ``free`` of a HOST snapshot drops its peer copy (``drop_round``), ``close`` all left; ``stats()`` counts ``peer_*``.
 """
 from __future__ import annotations
 
@@ -111,7 +73,7 @@ from torchckpt.store.snapshot_peer import PeerSide, PeerSpill
 from torchckpt.store.snapshot_slots import ALIGN, Layout, Slots
 from torchckpt.store.stats import SnapshotStats
 
-_store_ids = itertools.count()  # names a store's files in a DiskTier it may share (Rule 11)
+_store_ids = itertools.count()  # names a store's files in a DiskTier it may share (NOTE [ Snapshot disk tier ] Rule 1)
 
 
 def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
@@ -159,12 +121,12 @@ class SnapshotStore(DiskSide, PeerSide):
         slot_bytes: bytes of one slot (with a codec: the compressed room per snapshot);
             ``None``: the snapshot's size, or with a codec its first blob times ``1 + slot_margin``.
         slot_margin: headroom of a calibrated compressed slot (>= 0).
-        disk: where ``Tier.DISK`` snapshots go (NOTE [ Snapshot store ] Rules 11-13): a directory
+        disk: where ``Tier.DISK`` snapshots go (NOTE [ Snapshot disk tier ] Rules 1-3): a directory
             (an NVMe path in practice; the store makes a ``DiskTier`` there and closes it), or a
             ``torchckpt.memory.DiskTier``. ``None``: DISK snapshots are held as HOST ones.
         peers: a ``PeerSpill`` (store/snapshot_peer.py): ``Tier.HOST`` snapshots split between host memory and
             other ranks' spare memory by the group's plan, every rank calling the store's actions in the same
-            order (NOTE [ Snapshot store ] Rules 14-19). ``None``: host memory only.
+            order (NOTE [ Snapshot peer tier ] Rules 1-6). ``None``: host memory only.
 
     The store is a context manager: leaving the ``with`` block (also by an exception) calls ``close()``.
 
@@ -236,8 +198,8 @@ class SnapshotStore(DiskSide, PeerSide):
         self._pending_use: int | None = None
         self._c: dict[str, Any] = {f.name: f.default for f in dataclasses.fields(SnapshotStats) if f.name != "disk"}
         self._mover = Mover(device, self.timing, self.host)
-        self._peer_init(peers)  # Rules 14-19
-        # Rules 11-13: the disk tier (made last: nothing above can fail and leave its directory behind).
+        self._peer_init(peers)  # NOTE [ Snapshot peer tier ] Rules 1-6
+        # NOTE [ Snapshot disk tier ] Rules 1-3: the disk tier (made last: nothing above can fail and leave its directory behind).
         self._own_disk = disk is not None and not isinstance(disk, DiskTier)
         self.disk: DiskTier | None = disk if disk is None or isinstance(disk, DiskTier) else DiskTier(disk)
         self._uid = next(_store_ids)
@@ -276,11 +238,11 @@ class SnapshotStore(DiskSide, PeerSide):
             size = blob.nbytes if blob is not None else lay.nbytes
             if blob is not None:
                 self._blobs[n] = blob
-            self._peer_begin(n, tier, size, split=flush or not self._rank.can_take())  # Rules 14, 16
-            if not self._rank.can_take():  # every slot pinned: straight to host (Rule 4)
+            self._peer_begin(n, tier, size, split=flush or not self._rank.can_take())  # NOTE [ Snapshot peer tier ] Rules 1, 3
+            if not self._rank.can_take():  # every slot pinned: straight to host (NOTE [ Snapshot store ] Rule 4)
                 flat = torch.empty(size, dtype=torch.uint8, device=self.device)
                 self._fill_flat(flat, tensors, packs, blob)
-                if self._peer_end(n, flat, None):  # to a peer instead (Rule 17)
+                if self._peer_end(n, flat, None):  # to a peer instead (NOTE [ Snapshot peer tier ] Rule 4)
                     return
                 block = self.host.alloc(size)
                 ev = self._to_host(block.tensor, flat)
@@ -301,7 +263,7 @@ class SnapshotStore(DiskSide, PeerSide):
             old = self._on_host.pop(n, None)
             if old is not None:
                 self.host.free(old[0], old[1])
-            if self._peer_end(n, self._slots[s], s):  # sent to a peer: that was its flush (Rule 17)
+            if self._peer_end(n, self._slots[s], s):  # sent to a peer: that was its flush (NOTE [ Snapshot peer tier ] Rule 4)
                 return
             if flush:
                 self._flush(n, s)
@@ -315,7 +277,7 @@ class SnapshotStore(DiskSide, PeerSide):
                 self._rank.pin(n)
             return
         self._poll()
-        fetched = self._peer_take("prefetch", n, src)  # Rules 14, 18
+        fetched = self._peer_take("prefetch", n, src)  # NOTE [ Snapshot peer tier ] Rules 1, 5
         if n in self._slot_of:
             self._rank.pin(n)
             return
@@ -329,7 +291,7 @@ class SnapshotStore(DiskSide, PeerSide):
             self._rank.pin(n)
             if fetched is not None:
                 self._peer_fill(s, n, fetched, on_compute=False)
-            elif on_disk:  # Rule 12: read ahead; the fill follows once the read has ended
+            elif on_disk:  # NOTE [ Snapshot disk tier ] Rule 2: read ahead; the fill follows once the read has ended
                 assert self.disk is not None
                 block = self.host.alloc(self._size(n))
                 self._on_host[n] = (block, None)
@@ -340,7 +302,7 @@ class SnapshotStore(DiskSide, PeerSide):
             self._c["prefetches"] += 1
 
     def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
-        """Views of snapshot ``n`` valid on the current stream (Rule 5: copy them, do not modify them)."""
+        """Views of snapshot ``n`` valid on the current stream (NOTE [ Snapshot store ] Rule 5: copy them, do not modify them)."""
         c = self._c
         c["restores"] += 1
         with nvtx_range(f"torchckpt.restore {n}"):
@@ -352,8 +314,8 @@ class SnapshotStore(DiskSide, PeerSide):
                 return self._gpu[n]
             self._poll()
             if n in self._reading:
-                self._finish_read(n)  # Rule 12: the restore waits for its prefetch's read
-            fetched = self._peer_take("restore", n, tier)  # Rules 14, 18
+                self._finish_read(n)  # NOTE [ Snapshot disk tier ] Rule 2: the restore waits for its prefetch's read
+            fetched = self._peer_take("restore", n, tier)  # NOTE [ Snapshot peer tier ] Rules 1, 5
             hit = self._rank.use(n)
             if hit:
                 s = self._slot_of[n]
@@ -373,7 +335,7 @@ class SnapshotStore(DiskSide, PeerSide):
             if fetched is not None:
                 return self._peer_restore(n, fetched)
             if n not in self._on_host and n in self._on_disk:
-                self._load(n)  # Rule 12
+                self._load(n)  # NOTE [ Snapshot disk tier ] Rule 2
             if n not in self._on_host:
                 raise CheckpointError(f"torchckpt: Restore({n}, HOST) of a snapshot that was never saved.")
             c["misses"] += 1
@@ -398,10 +360,10 @@ class SnapshotStore(DiskSide, PeerSide):
             return self._views(n, flat)
 
     def free(self, n: int, tier: Tier) -> None:
-        """Release snapshot ``n`` of ``tier`` (a disk snapshot's file too, Rule 13)."""
+        """Release snapshot ``n`` of ``tier`` (a disk snapshot's file too, NOTE [ Snapshot disk tier ] Rule 3)."""
         if tier is not Tier.GPU:
             self._poll()
-        self._peer_free(n, tier)  # Rules 14, 19
+        self._peer_free(n, tier)  # NOTE [ Snapshot peer tier ] Rules 1, 6
         self._free(n, tier)
 
     def _free(self, n: int, tier: Tier) -> None:
@@ -423,14 +385,15 @@ class SnapshotStore(DiskSide, PeerSide):
             self.host.free(old[0], self._fill_ev[s] if filled else old[1])  # type: ignore[index]
 
     def after_use(self) -> None:
-        """Mark the end of the caller's reads of the views ``restore`` returned (Rule 5)."""
+        """Mark the end of the caller's reads of the views ``restore`` returned (NOTE [ Snapshot store ] Rule 5)."""
         s = self._pending_use
         if s is not None:
             self._use_ev[s] = self._record()
             self._pending_use = None
 
     def stats(self) -> SnapshotStats:
-        """Counters so far (waits for pending timing events, and for the disk tier's jobs: Rule 13)."""
+        """Counters so far (waits for pending timing events, and for the disk tier's jobs:
+        NOTE [ Snapshot disk tier ] Rule 3)."""
         if self.disk is not None:
             self.disk.wait()
             self._poll()
@@ -447,10 +410,11 @@ class SnapshotStore(DiskSide, PeerSide):
         return SnapshotStats(**self._c, disk=self.disk.stats() if self.disk is not None else None)
 
     def close(self) -> None:
-        """Free every snapshot and the slots (waits for copies in flight); delete the disk files (Rule 13).
+        """Free every snapshot and the slots (waits for copies in flight); delete the disk files
+        (NOTE [ Snapshot disk tier ] Rule 3).
 
-        With ``peers=`` this is collective, as every action is: it drops the store's peer copies (Rule 19); ranks
-        that were not all closing raise after the local part is done.
+        With ``peers=`` this is collective, as every action is: it drops the store's peer copies
+        (NOTE [ Snapshot peer tier ] Rule 6); ranks that were not all closing raise after the local part is done.
         """
         err = self._peer_close()
         for n in [*self._on_host, *(self._disk_ns - self._on_host.keys())]:
@@ -473,7 +437,7 @@ class SnapshotStore(DiskSide, PeerSide):
 
     def __exit__(self, *exc: object) -> None:
         if exc[0] is not None:
-            self._peer_abandon()  # Rule 15: the other ranks may not be closing
+            self._peer_abandon()  # NOTE [ Snapshot peer tier ] Rule 2: the other ranks may not be closing
         self.close()
 
     def device_bytes(self) -> int:
@@ -538,7 +502,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._layout = lay
         self._slot_bytes = nb
         use_vmm = False if os.environ.get("TORCHCKPT_DEVICE_CACHE", "auto") == "caching" else None
-        self._arena, slots = arena_slots(self.device, self.nslots, nb, use_vmm=use_vmm)  # Rule 10
+        self._arena, slots = arena_slots(self.device, self.nslots, nb, use_vmm=use_vmm)  # NOTE [ Snapshot store ] Rule 10
         self._slots = Slots(slots)
         self._free_slots = list(range(self.nslots - 1, -1, -1))
         self._flush_ev = [None] * self.nslots
@@ -569,7 +533,8 @@ class SnapshotStore(DiskSide, PeerSide):
         return [self.codec.decompress(p) for p in packs]
 
     def _views(self, n: int, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed (Rule 8)."""
+        """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed
+        (NOTE [ Snapshot store ] Rule 8)."""
         if self.codec is not None:
             return self._decompress(self._blobs[n].read(flat))
         assert self._layout is not None
@@ -585,7 +550,7 @@ class SnapshotStore(DiskSide, PeerSide):
             dst.copy_(src)
 
     def _ensure_room(self, s: int, nbytes: int) -> None:
-        """Grow slot ``s`` to ``nbytes`` when a blob does not fit (Rule 9)."""
+        """Grow slot ``s`` to ``nbytes`` when a blob does not fit (NOTE [ Snapshot store ] Rule 9)."""
         old = self._slots[s]
         if nbytes <= old.numel():
             return
@@ -619,7 +584,7 @@ class SnapshotStore(DiskSide, PeerSide):
             return self._slot_of[n]
         if evicted:
             (old,) = evicted
-            if old in self._dirty:  # written back only now: the new content waits for it (Rule 3)
+            if old in self._dirty:  # written back only now: the new content waits for it (NOTE [ Snapshot store ] Rule 3)
                 self._flush(old, self._slot_of[old])
             s = self._slot_of.pop(old)
         elif self._free_slots:
@@ -635,7 +600,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._ensure_room(s, block.tensor.numel())
         slot = self._slots[s]
         self._c["bytes_to_device"] += block.tensor.numel()
-        # Rule 3; with no record of the slot's last use, or a new buffer: after everything so far.
+        # NOTE [ Snapshot store ] Rule 3; with no record of the slot's last use, or a new buffer: after everything so far.
         ev = self._mover.fill(slot[: block.tensor.numel()], block.tensor, (flushed, self._flush_ev[s], self._use_ev[s]),
                               after_all=self._use_ev[s] is None or grown)
         self._fill_ev[s] = ev

@@ -138,13 +138,14 @@ class SnapshotStats:
             compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
             (NOTE [ Snapshot store ] Rule 9).
         peer_saves / peer_bytes_sent: snapshots (and their bytes) this rank sent to peers instead of host
-            (``SnapshotStore(peers=...)``, NOTE [ Snapshot store ] Rules 14-19; all peer counters 0 without);
+            (``SnapshotStore(peers=...)``, NOTE [ Snapshot peer tier ] Rules 1-6; all peer counters 0 without);
             peer_fetches / peer_bytes_fetched: of them, taken back (at a prefetch, or on demand at a restore,
             which then also counts as a miss); peer_drops: peer copies dropped unread (freed, saved again
             elsewhere, closed); peer_held_bytes: bytes of this store's copies its peers hold now.
-        peer_actions: actions agreed with the other ranks (one metadata gather each, Rule 14); peer_rounds:
-            ``PeerTier`` rounds entered (its own part possibly empty); peer_wait_s: host time in both.
-        disk: the disk tier's counters (``SnapshotStore(disk=...)``, NOTE [ Snapshot store ] Rule 11),
+        peer_actions: actions agreed with the other ranks (one metadata gather each,
+            NOTE [ Snapshot peer tier ] Rule 1); peer_rounds: ``PeerTier`` rounds entered (its own part possibly empty);
+            peer_wait_s: host time in both.
+        disk: the disk tier's counters (``SnapshotStore(disk=...)``, NOTE [ Snapshot disk tier ] Rule 1),
             else ``None``.
     """
 

@@ -34,7 +34,7 @@ _NVTX = torch.cuda.is_available()
 
 @contextlib.contextmanager
 def nvtx_range(name: str) -> Iterator[None]:
-    """Mark ``name`` as an NVTX range on the calling thread (no-op without CUDA; Rule 4)."""
+    """Mark ``name`` as an NVTX range on the calling thread (no-op without CUDA; NOTE [ Mover ] Rule 4)."""
     if not _NVTX:
         yield
         return
@@ -47,7 +47,7 @@ def nvtx_range(name: str) -> Iterator[None]:
 
 def timed_wait(stream: Any, done: Any, timing: bool) -> Any:
     """Make ``stream`` wait for the event ``done`` on the device; with ``timing``, return an event
-    recorded on ``stream`` just before the wait (Rule 2)."""
+    recorded on ``stream`` just before the wait (NOTE [ Mover ] Rule 2)."""
     need = None
     if timing:
         need = torch.cuda.Event(enable_timing=True)
@@ -94,7 +94,7 @@ class Mover:
         return ev
 
     def wait(self, done: Any) -> Any:
-        """The compute stream waits for ``done``; returns a timing event, or ``None`` (Rule 2)."""
+        """The compute stream waits for ``done``; returns a timing event, or ``None`` (NOTE [ Mover ] Rule 2)."""
         if not self.cuda or done is None:
             return None
         return timed_wait(self.current(), done, self.timing)
@@ -120,10 +120,11 @@ class Mover:
 
     def _heard(self, stream: Any) -> None:
         if self.host is not None:
-            self.host.note_copy(stream)  # Rule 3
+            self.host.note_copy(stream)  # NOTE [ Mover ] Rule 3
 
     def _copy(self, s: Any, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
-        """Issue ``dst.copy_(src)`` on stream ``s`` (its waits already queued); its event (Rules 1, 3, 4)."""
+        """Issue ``dst.copy_(src)`` on stream ``s`` (its waits already queued); its event
+        (NOTE [ Mover ] Rules 1, 3, 4)."""
         with torch.cuda.stream(s), nvtx_range("torchckpt." + kind):
             if self.delay is not None:
                 self.delay(kind, s)
