@@ -2,11 +2,12 @@
 
 from torchckpt.planner.costs import Block, StepCosts, CodecCost, Decision, Link, Prediction, predict
 from torchckpt.planner.optimize import PlanError, Search, search
-from torchckpt.planner.plan import Applied, AutoPlan, BlockPlan, Plan, auto, plan, plans
+from torchckpt.planner.plan import Applied, AutoPlan, BlockPlan, Measurement, Plan, auto, plan, plans
 from torchckpt.planner.blocks import find_blocks
 from torchckpt.planner.profiling import Profile, SavedTensor, profile
 
 __all__ = [
-    "Applied", "AutoPlan", "Block", "BlockPlan", "StepCosts", "CodecCost", "Decision", "Link", "Plan", "PlanError", "Prediction",
+    "Applied", "AutoPlan", "Block", "BlockPlan", "StepCosts", "CodecCost", "Decision", "Link", "Measurement", "Plan",
+    "PlanError", "Prediction",
     "Profile", "SavedTensor", "Search", "auto", "find_blocks", "plan", "plans", "profile", "search", "predict",
 ]

@@ -128,11 +128,13 @@ class Block:
         ops: ``(position, bytes, seconds)`` of the forward's ops a recomputation may keep
             instead of running again (NOTE [ Selective recompute ]).
         saved_at: for each saved tensor, the forward's time from the block's start to the end of
-            the op that saved it (Rule 2c); ``()``: not measured (no recomputation in parts).
-        cuts: the positions a recomputation in parts may cut at (Rule 2c): where the tensors before and after
-            cannot have been saved by one autograd node (a node's backward unpacks all it saved at once).
+            the op that saved it (NOTE [ Step model ] Rule 2c); ``()``: not measured (no recomputation in parts).
+        cuts: the positions a recomputation in parts may cut at (NOTE [ Step model ] Rule 2c): where the tensors before
+            and after cannot have been saved by one autograd node (a node's backward unpacks all it saved at once).
         recomputable: ``False`` for a block whose forward writes its buffers (NOTE [ Profiling step ] Rule 7):
             its options are keep and offload only.
+        sac: positions among ``ops`` of its matmuls and attention ops, those torch SAC users save: what the simple
+            policy ``Recompute(save=...)`` on every block keeps (NOTE [ Plan search ] Rule 7).
     """
 
     name: str
@@ -146,6 +148,7 @@ class Block:
     saved_at: tuple[float, ...] = ()
     cuts: tuple[int, ...] = ()
     recomputable: bool = True
+    sac: tuple[int, ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -164,7 +167,7 @@ class StepCosts:
         link: the host link.
         codec: the codec offloads may use (``None``: offloads are uncompressed).
         bwd_fixed_bytes: device bytes that no decision changes during the backward, when measured
-            (Rule 4); ``None``: ``fixed_bytes``.
+            (NOTE [ Step model ] Rule 4); ``None``: ``fixed_bytes``.
     """
 
     blocks: tuple[Block, ...]
@@ -180,10 +183,11 @@ class StepCosts:
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
                    other_bwd_s: float, link: Link, codec: CodecCost | None = None,
                    bwd_start: Sequence[int] = ()) -> StepCosts:
-        """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak (Rule 4).
+        """A chain whose keep-everything peak is ``peak_none``, the measured no-checkpointing peak
+        (NOTE [ Step model ] Rule 4).
 
         ``bwd_start``: what was allocated when each block's backward began in that step, if measured; it
-        calibrates the backward on its own (Rule 4).
+        calibrates the backward on its own (NOTE [ Step model ] Rule 4).
         """
         if len(bwd_start) != len(blocks) or not blocks:
             return StepCosts.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
@@ -199,7 +203,7 @@ class StepCosts:
     @staticmethod
     def calibrated_on(blocks: Sequence[Block], plan: Sequence[Decision], peak: int, other_saved_bytes: int,
                       other_fwd_s: float, other_bwd_s: float, link: Link, codec: CodecCost | None = None) -> StepCosts:
-        """A chain whose prediction for ``plan`` is ``peak``, that plan's measured peak (Rule 4)."""
+        """A chain whose prediction for ``plan`` is ``peak``, that plan's measured peak (NOTE [ Step model ] Rule 4)."""
         bare = StepCosts(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec)
         return dataclasses.replace(bare, fixed_bytes=max(0, peak - predict(bare, plan).peak_bytes))
 
@@ -221,9 +225,9 @@ class Decision:
             the forward (on the device, or on the host with ``host``) instead of being computed again.
         parts: for ``"recompute"``, cuts among the block's saved tensors (positions in
             ``Block.saved``, increasing, > 0): its backward recomputes and holds one part at a time
-            (Rule 2c).
+            (NOTE [ Step model ] Rule 2c).
         revolve: for ``"recompute"`` on the device, > 0: the block's input is kept or rebuilt by Revolve over
-            the chain whose snapshots hold at most this many bytes (Rule 5); every block of the plan has it.
+            the chain whose snapshots hold at most this many bytes (NOTE [ Step model ] Rule 5); every block of the plan has it.
     """
 
     mode: str
@@ -259,8 +263,8 @@ def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, 
                 chained: bool = False) -> tuple[int, int]:
     """(bytes left on the device, bytes sent to host before compression) between a block's forward and backward,
     for a decision's ``mode`` and ``host``: its saved bytes, the offloaded ones, its inputs' and its kept ops'
-    (Rules 2b, 3); ``chained``: its input is Revolve's to keep (Rule 5). The one home of this arithmetic for the
-    model and for ``BlockPlan``."""
+    (NOTE [ Step model ] Rules 2b, 3); ``chained``: its input is Revolve's to keep (NOTE [ Step model ] Rule 5). The one
+    home of this arithmetic for the model and for ``BlockPlan``."""
     if mode == "keep":
         return saved, 0
     if mode == "recompute" and chained:
@@ -276,20 +280,21 @@ def _split(block: Block, d: Decision) -> tuple[int, int]:
 
 
 def device_bytes(block: Block, d: Decision) -> int:
-    """Bytes ``d`` leaves of ``block`` on the device between its forward and its backward (Rules 2b, 3)."""
+    """Bytes ``d`` leaves of ``block`` on the device between its forward and its backward
+    (NOTE [ Step model ] Rules 2b, 3)."""
     return _split(block, d)[0]
 
 
 def kept_bytes(block: Block, d: Decision) -> int:
-    """Bytes of the outputs of the ops ``d`` keeps from a recomputed block's forward (Rule 2b)."""
+    """Bytes of the outputs of the ops ``d`` keeps from a recomputed block's forward (NOTE [ Step model ] Rule 2b)."""
     chosen = set(d.keep)
     return sum(nb for k, nb, _ in block.ops if k in chosen)
 
 
 def materialised_bytes(block: Block, d: Decision) -> int:
-    """Bytes a recomputed block holds at once in its backward besides its working memory (Rule 2c): all its saved
-    tensors; in parts, the largest part and, besides it, its inputs and kept outputs (held through all its parts;
-    counted apart even where the part holds them too), but no less than its saved bytes less its working memory:
+    """Bytes a recomputed block holds at once in its backward besides its working memory (NOTE [ Step model ] Rule 2c):
+    all its saved tensors; in parts, the largest part and, besides it, its inputs and kept outputs (held through all its
+    parts; counted apart even where the part holds them too), but no less than its saved bytes less its working memory:
     the first recomputation runs the whole forward, whose frame may hold every tensor it made until it returns,
     before the backward's working memory is allocated."""
     if not d.parts:
@@ -299,14 +304,15 @@ def materialised_bytes(block: Block, d: Decision) -> int:
 
 
 def parts_seconds(block: Block, d: Decision) -> float:
-    """What recomputing in parts adds: the forward again up to each earlier part's last saved tensor (Rule 2c)."""
+    """What recomputing in parts adds: the forward again up to each earlier part's last saved tensor
+    (NOTE [ Step model ] Rule 2c)."""
     if not d.parts or len(block.saved_at) != len(block.saved):
         return 0.0
     return sum(block.saved_at[c - 1] for c in d.parts)
 
 
 def recompute_seconds(block: Block, d: Decision) -> float:
-    """The time a recomputed block's recomputation takes (Rules 2b, 2c)."""
+    """The time a recomputed block's recomputation takes (NOTE [ Step model ] Rules 2b, 2c)."""
     chosen = set(d.keep)
     return max(0.0, block.fwd_s - sum(sec for k, _, sec in block.ops if k in chosen)) + parts_seconds(block, d)
 
@@ -352,7 +358,8 @@ def host_bytes(block: Block, d: Decision) -> int:
 
 
 def cache_bytes(offloaded: Sequence[int], lookahead: int = 1) -> int:
-    """The GPU cache a plan's store gets: ``lookahead + 1`` times the most bytes one block offloads (Rule 3)."""
+    """The GPU cache a plan's store gets: ``lookahead + 1`` times the most bytes one block offloads
+    (NOTE [ Step model ] Rule 3)."""
     return (lookahead + 1) * max(offloaded, default=0)
 
 
@@ -384,20 +391,22 @@ class Prediction:
 def predict(chain: StepCosts, plan: Sequence[Decision], lookahead: int = 1, cache: bool = True) -> Prediction:
     """Replay one step of ``chain`` under ``plan`` (one decision per block) on the model of NOTE [ Step model ].
 
-    ``cache=False`` leaves the store's GPU cache out of the memory (Rule 3): what the plan's
+    ``cache=False`` leaves the store's GPU cache out of the memory (NOTE [ Step model ] Rule 3): what the plan's
     decisions alone free, which the search ranks moves by (NOTE [ Plan search ] Rule 2).
     """
     n = len(chain.blocks)
     if len(plan) != n:
         raise ValueError(f"torchckpt: a plan needs one decision per block: {n} blocks, {len(plan)} decisions.")
     if len({d.revolve for d in plan}) > 1:
-        raise ValueError("torchckpt: Decision(revolve=...) is the chain's: every block of a plan has the same (Rule 5).")
+        raise ValueError("torchckpt: Decision(revolve=...) is the chain's: every block of a plan has the same "
+                         "(NOTE [ Step model ] Rule 5).")
     return replay(chain, [terms(chain, b, d) for b, d in zip(chain.blocks, plan)], lookahead, cache,
                   chain_states(chain, plan[0].revolve) if n and plan[0].revolve else None)
 
 
 def chain_states(chain: StepCosts, memory: int) -> States:
-    """What Revolve over ``chain``'s blocks with ``memory`` bytes of snapshots holds and runs again (Rule 5)."""
+    """What Revolve over ``chain``'s blocks with ``memory`` bytes of snapshots holds and runs again
+    (NOTE [ Step model ] Rule 5)."""
     return states([b.fwd_s for b in chain.blocks], [b.input_bytes for b in chain.blocks], memory)
 
 
@@ -436,7 +445,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
     base = chain.fixed_bytes + chain.other_saved_bytes
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
-    # Forward (Rule 1): d2h[i] is when block i's copy to host ends.
+    # Forward (NOTE [ Step model ] Rule 1): d2h[i] is when block i's copy to host ends.
     t = chain.other_fwd_s
     free = 0.0
     d2h = [0.0] * n
@@ -458,7 +467,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             d2h[i] = t
         offloaded += off[i]
         while head < len(queue) and (queue[head][0] <= t or (room and flying > room)):
-            if queue[head][0] > t:  # Rule 1b: the store evicts only what reached the host: compute waits
+            if queue[head][0] > t:  # NOTE [ Step model ] Rule 1b: the store evicts only what reached the host: compute waits
                 stall += queue[head][0] - t
                 t = queue[head][0]
             flying -= queue[head][1]
@@ -467,7 +476,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
         if mem > peak:
             peak, at = mem, i
     fwd_peak = peak
-    # Backward (Rule 2): the work outside the blocks (head, loss) runs first and frees what it saved.
+    # Backward (NOTE [ Step model ] Rule 2): the work outside the blocks (head, loss) runs first and frees what it saved.
     base = chain.fixed_bytes if chain.bwd_fixed_bytes is None else chain.bwd_fixed_bytes
     t += chain.other_bwd_s
     h2d_free = 0.0
@@ -477,7 +486,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
     nxt = n - 1  # the next block whose copy back may be issued (they are issued in backward order)
     recompute = 0.0
     for i in range(n - 1, -1, -1):
-        while nxt >= 0 and nxt >= i - lookahead:  # at the start of block i + lookahead's backward (Rule 2)
+        while nxt >= 0 and nxt >= i - lookahead:  # at the start of block i + lookahead's backward (NOTE [ Step model ] Rule 2)
             if wire[nxt]:
                 issued[nxt] = True
                 issued_bytes += off[nxt]
@@ -491,7 +500,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
         rec, host, materialised = pi[6], pi[7], pi[5]
         if rec:
             recompute += extra_b[i]
-        if revolve is not None:  # Rule 5: the blocks run again to rebuild this block's input, then the states held
+        if revolve is not None:  # NOTE [ Step model ] Rule 5: the blocks run again to rebuild this block's input, then the states held
             mem = base + resident + back + revolve.rebuild[i]
             if mem > peak:
                 peak, at = mem, -1 - i

@@ -34,6 +34,16 @@
 #    snapshot memory from one input to all but two (eight amounts for inputs of unequal size), each recorded with its prediction beside the walks'
 #    plans. It can reach below the floor of keeping every block's input where nothing may cross the host link,
 #    and Rule 3 picks it only where it is the fastest plan that fits.
+# 7. The policies a user writes in one line are plans of the search too (``simple_policies``), each recorded
+#    with its prediction as any other plan is, so Rule 3 may pick one and the floor is at or below each one's
+#    predicted peak: keep everything; ``Recompute()`` on every block; ``Recompute(save=...)`` on every block,
+#    keeping its matmuls' and attention's outputs (``Block.sac``: the ops torch SAC users save); ``Recompute()``
+#    on every other block, from the first and from the second; Revolve over the chain (``checkpoint_chain``)
+#    of whole blocks with each amount of Rule 6. A policy that would recompute a block that may not be
+#    (NOTE [ Profiling step ] Rule 7) is left out, and so is ``Recompute(save=...)`` where no block has such
+#    ops (it would be ``Recompute()``). ``Search.simple`` lists them by name, simplest first; ``best_simple``
+#    is the fastest whose predicted peak is within a budget (among equally fast ones, the simpler): the one
+#    verification measures beside the plan (NOTE [ Applying a plan ] Rule 7).
 """
 from __future__ import annotations
 
@@ -43,10 +53,10 @@ import heapq
 from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.planner.costs import (
     KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, StepCosts, Decision, Prediction, Terms, balanced_parts, chain_states,
-    device_bytes, host_bytes, materialised_bytes, replay, terms,
+    device_bytes, host_bytes, materialised_bytes, predict, replay, terms,
 )
 
-__all__ = ["FAMILIES", "PlanError", "Search", "ladder", "search"]
+__all__ = ["FAMILIES", "PlanError", "Search", "ladder", "search", "simple_policies"]
 
 
 class PlanError(CheckpointError, ValueError):
@@ -54,7 +64,7 @@ class PlanError(CheckpointError, ValueError):
 
 
 def ladder(block: Block, compress: bool, rungs: int = 4, parts: int = 2) -> list[Decision]:
-    """A block's options, from the most device bytes to the fewest (Rule 1).
+    """A block's options, from the most device bytes to the fewest (NOTE [ Plan search ] Rule 1).
 
     ``parts``: recomputation in up to this many parts is offered too (cuts balancing the parts' bytes).
 
@@ -100,14 +110,14 @@ def ladder(block: Block, compress: bool, rungs: int = 4, parts: int = 2) -> list
 
 
 def rung_key(block: Block, d: Decision) -> tuple[int, int]:
-    """How far down a block's ladder ``d`` is (Rule 1): the bytes it leaves on the device between forward and
-    backward, then the bytes its backward holds of its own (a recomputation in parts holds one part)."""
+    """How far down a block's ladder ``d`` is (NOTE [ Plan search ] Rule 1): the bytes it leaves on the device between
+    forward and backward, then the bytes its backward holds of its own (a recomputation in parts holds one part)."""
     return device_bytes(block, d), materialised_bytes(block, d) if d.mode == "recompute" else block.saved_bytes
 
 
 def _selective(block: Block, rungs: int, first: int = 6) -> list[Decision]:
-    """Recompute options keeping the ops that save the most time per byte (Rule 1): the first ``first`` of
-    them one by one, then up to 1/rungs, 2/rungs, ... of the block's forward time."""
+    """Recompute options keeping the ops that save the most time per byte (NOTE [ Plan search ] Rule 1): the first
+    ``first`` of them one by one, then up to 1/rungs, 2/rungs, ... of the block's forward time."""
     ops = sorted((o for o in block.ops if o[1] > 0 and o[2] > 0), key=lambda o: -o[2] / o[1])
     total = sum(o[2] for o in ops)
     out: list[Decision] = []
@@ -129,6 +139,7 @@ class Search:
 
     chain: StepCosts
     plans: tuple[tuple[tuple[Decision, ...], Prediction], ...]
+    simple: tuple[tuple[str, tuple[Decision, ...], Prediction], ...] = ()  # NOTE [ Plan search ] Rule 7, simplest first
 
     @property
     def floor(self) -> int:
@@ -136,8 +147,8 @@ class Search:
         return min(p.peak_bytes for _, p in self.plans)
 
     def best(self, budget: int, family: str = "all") -> tuple[tuple[Decision, ...], Prediction]:
-        """The fastest recorded plan whose predicted peak is at most ``budget`` (Rules 3-4), among ``family``:
-        ``"all"``, ``"lossless"`` (no compression) or ``"local"`` (nothing crosses the host link)."""
+        """The fastest recorded plan whose predicted peak is at most ``budget`` (NOTE [ Plan search ] Rules 3-4), among
+        ``family``: ``"all"``, ``"lossless"`` (no compression) or ``"local"`` (nothing crosses the host link)."""
         if family not in FAMILIES:
             raise ValueError(f"torchckpt: Search.best(family=...) is one of {FAMILIES}, got {family!r}.")
         fit = [(d, p) for d, p in self.plans if p.peak_bytes <= budget and _in(family, d, self.chain)]
@@ -151,6 +162,16 @@ class Search:
                 f"pass budget >= {self.floor}, or make the step smaller (batch, sequence length)."
             )
         return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
+
+    def best_simple(self, budget: int) -> tuple[str, tuple[Decision, ...], Prediction] | None:
+        """The fastest simple policy whose predicted peak is at most ``budget`` (among equally fast ones, the simpler),
+        as (name, plan, prediction), or ``None`` if none fits (NOTE [ Plan search ] Rule 7)."""
+        fit = [(p.step_s, k) for k, (_, _, p) in enumerate(self.simple) if p.peak_bytes <= budget]
+        return self.simple[min(fit)[1]] if fit else None
+
+    def simple_name(self, plan: tuple[Decision, ...]) -> str:
+        """The name of the simple policy ``plan`` is (NOTE [ Plan search ] Rule 7), or ``""``."""
+        return next((name for name, d, _ in self.simple if d == plan), "")
 
 
 FAMILIES = ("all", "lossless", "local")
@@ -188,23 +209,51 @@ def search(chain: StepCosts, rungs: int = 4, lookahead: int = 1) -> Search:
         if d not in seen:
             seen.add(d)
             plans.append((d, p))
-    return Search(chain, tuple(plans))
+    recorded = dict(plans)
+    simple = []
+    for name, d in simple_policies(chain):  # NOTE [ Plan search ] Rule 7: candidates as any plan, same model
+        if d not in recorded:
+            recorded[d] = predict(chain, d, lookahead)
+            plans.append((d, recorded[d]))
+        simple.append((name, d, recorded[d]))
+    return Search(chain, tuple(plans), tuple(simple))
+
+
+def simple_policies(chain: StepCosts) -> list[tuple[str, tuple[Decision, ...]]]:
+    """The one-line policies, by name, simplest first, each as a plan of ``chain`` (NOTE [ Plan search ] Rule 7)."""
+    blocks = chain.blocks
+    n = len(blocks)
+    every = [("every block Recompute()", [RECOMPUTE] * n)]
+    if any(b.sac for b in blocks):
+        every.append(("every block Recompute(save=matmuls, attention)",
+                      [Decision("recompute", keep=b.sac) if b.sac else RECOMPUTE for b in blocks]))
+    for first in (0, 1) if n >= 2 else ():
+        names = [b.name for b in blocks[first::2]]
+        every.append((f"every other block Recompute() ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})",
+                      [RECOMPUTE if i % 2 == first else KEEP for i in range(n)]))
+    sizes = [b.input_bytes for b in blocks]
+    for m in _memories(blocks):
+        k = m // sizes[0]
+        how = (f"Revolve, {k} snapshot{'s' if k > 1 else ''}" if min(sizes) == max(sizes)
+               else f"WeightedRevolve, {format_bytes(m)} of snapshots")
+        every.append((f"checkpoint_chain ({how})", [dataclasses.replace(RECOMPUTE, revolve=m)] * n))
+    out: list[tuple[str, tuple[Decision, ...]]] = [("keep everything", (KEEP,) * n)] if n else []
+    for name, plan in every:
+        if n and all(d.mode != "recompute" or b.recomputable for b, d in zip(blocks, plan)) and all(
+                tuple(plan) != d for _, d in out):
+            out.append((name, tuple(plan)))
+    return out
 
 
 def _revolve_plans(chain: StepCosts, options: list[list[Decision]],
                    lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
-    """Rule 6: every block recomputed (whole, or in its parts when every block has them) under Revolve over the
-    chain, for each number of inputs its snapshots may hold."""
+    """NOTE [ Plan search ] Rule 6: every block recomputed (whole, or in its parts when every block has them) under
+    Revolve over the chain, for each number of inputs its snapshots may hold."""
     blocks = chain.blocks
     n = len(blocks)
-    if n < 3 or not all(b.recomputable and b.input_bytes > 0 for b in blocks):
+    memories = _memories(blocks)
+    if not memories:
         return []
-    sizes = [b.input_bytes for b in blocks]
-    if min(sizes) == max(sizes):
-        memories = [k * sizes[0] for k in range(1, n - 1)]
-    else:
-        lo, hi = sizes[0], sum(sizes[:-1])  # eight amounts: each WeightedRevolve is a dynamic program of its own
-        memories = sorted({lo + (hi - lo) * k // 7 for k in range(8)})
     firsts = [next((d for d in opts if d.parts and not d.host and not d.keep), RECOMPUTE) for opts in options]
     variants = [[RECOMPUTE] * n] + ([firsts] if all(d.parts for d in firsts) else [])
     out = []
@@ -217,8 +266,21 @@ def _revolve_plans(chain: StepCosts, options: list[list[Decision]],
     return out
 
 
+def _memories(blocks: tuple[Block, ...]) -> list[int]:
+    """NOTE [ Plan search ] Rule 6's amounts of snapshot memory for Revolve over the chain (none where it may not
+    run)."""
+    n = len(blocks)
+    if n < 3 or not all(b.recomputable and b.input_bytes > 0 for b in blocks):
+        return []
+    sizes = [b.input_bytes for b in blocks]
+    if min(sizes) == max(sizes):
+        return [k * sizes[0] for k in range(1, n - 1)]
+    lo, hi = sizes[0], sum(sizes[:-1])  # eight amounts: each WeightedRevolve is a dynamic program of its own
+    return sorted({lo + (hi - lo) * k // 7 for k in range(8)})
+
+
 def _walk(chain: StepCosts, options: list[list[Decision]], lookahead: int) -> list[tuple[tuple[Decision, ...], Prediction]]:
-    """One greedy walk over ``options`` (each block's ladder, keep first) (Rule 2).
+    """One greedy walk over ``options`` (each block's ladder, keep first) (NOTE [ Plan search ] Rule 2).
 
     Lazy greedy: a move's score (added time per byte of peak saved) is kept from when it was last
     simulated; the best stale score is simulated again and taken if it still beats every other
@@ -287,8 +349,8 @@ def _walk(chain: StepCosts, options: list[list[Decision]], lookahead: int) -> li
 def _group_move(chain: StepCosts, options: list[list[Decision]], nbytes: list[list[tuple[int, int]]],
                 table: list[list[Terms]], pos: list[int], per: list[Terms], pred: Prediction,
                 lookahead: int) -> list[tuple[int, int]] | None:
-    """Rule 2's move off a plateau: one option taken by every block whose ladder has it further down, the one that
-    lowers the peak for the least added time per byte; ``None`` if none lowers it."""
+    """NOTE [ Plan search ] Rule 2's move off a plateau: one option taken by every block whose ladder has it further
+    down, the one that lowers the peak for the least added time per byte; ``None`` if none lowers it."""
     best: tuple[tuple[float, int], list[tuple[int, int]]] | None = None
     seen: set[Decision] = set()
     for i0 in range(len(options)):

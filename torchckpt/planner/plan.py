@@ -32,7 +32,18 @@
 #    the measured step time from rising with the budget too: a budget whose own verified plan measured slower
 #    than one verified for another budget, whose measured peak is within this budget's slack, gets that plan
 #    (measurements of one plan differ by a few percent between steps; the model's predictions are monotone
-#    by Rule 3 of NOTE [ Plan search ], the measurements need this).
+#    by NOTE [ Plan search ] Rule 3, the measurements need this).
+# 7. The policies a user writes in one line are measured too, not only predicted (NOTE [ Plan search ] Rule 7):
+#    beside the plan Rule 5 returns, verification runs the simple policy ``Search.best_simple`` names for the
+#    budget (the fastest whose predicted peak is within it), once, as in Rule 4 but never made again: at most
+#    one more verification per budget, none when that policy is the plan or Rule 5 measured it already for
+#    this budget (its figures are taken from there). The simple policy is returned instead of the plan when
+#    its measured peak is within the budget less Rule 4's slack and its measured step is no slower than the
+#    plan's (equal: the simpler, which it is). ``Plan.simple`` names the simple policy a plan is (``""``: none);
+#    ``Plan.measurements`` records what was measured for its budget (the plan, then the simple policy), which
+#    ``explain()`` prints ("measured: plan 118.2 ms, every block Recompute() 119.0 ms: kept the plan"). Both
+#    survive ``to_json``; a plan written before them loads with none. Rule 6 then compares budgets on what
+#    this rule returned; a plan it takes from another budget keeps the record of the budget it was verified for.
 """
 from __future__ import annotations
 
@@ -65,12 +76,12 @@ from torchckpt.planner.profiling import Profile, SavedTensor, StepRaised, _loss_
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
-__all__ = ["Applied", "AutoPlan", "BlockPlan", "Plan", "auto", "plan", "plans"]
+__all__ = ["Applied", "AutoPlan", "BlockPlan", "Measurement", "Plan", "auto", "plan", "plans"]
 
 _FORMAT = 3
-_REPLANS = 3  # Rule 4: plans made again after a measured step over the budget
-_VERIFY_STEPS = 3  # Rule 4: measured steps, after one that builds the store's prefetch plan
-_SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
+_REPLANS = 3  # NOTE [ Applying a plan ] Rule 4: plans made again after a measured step over the budget
+_VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one that builds the store's prefetch plan
+_SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # NOTE [ Applying a plan ] Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
 _SMALL_DIV = 100  # explain(verbose=True) sums a block's tensors sent to host under 1% of its largest one
 
 
@@ -138,6 +149,24 @@ class BlockPlan:
 
 
 @dataclasses.dataclass(frozen=True)
+class Measurement:
+    """A plan verification measured for a budget (NOTE [ Applying a plan ] Rule 7).
+
+    Attributes:
+        what: ``"plan"``, the search's plan (after the race of NOTE [ Applying a plan ] Rule 5), or the name of the
+            simple policy measured beside it (NOTE [ Plan search ] Rule 7).
+        step_time: its measured step, seconds (the median of the verification steps).
+        peak_bytes: its measured peak.
+        fits: its measured peak was within the budget less NOTE [ Applying a plan ] Rule 4's slack.
+    """
+
+    what: str
+    step_time: float
+    peak_bytes: int
+    fits: bool = True
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
     """What to do with every block's saved tensors for one model and batch shape (``torchckpt.plan``).
 
@@ -158,6 +187,10 @@ class Plan:
         measured_step_time: the median time of those steps (seconds; ``None`` when not measured).
         none_measured: the no-checkpointing figures were measured (``False``: predicted, for a step
             that only fits with its blocks recomputed; NOTE [ Profiling step ] Rule 6).
+        simple: the simple policy this plan is (NOTE [ Plan search ] Rule 7), e.g. ``"every block Recompute()"``;
+            ``""`` if none.
+        measurements: what verification measured for the budget: the plan, then the best simple policy that fits
+            (NOTE [ Applying a plan ] Rule 7); ``()`` when not measured.
     """
 
     budget: int
@@ -175,6 +208,8 @@ class Plan:
     measured_peak_bytes: int | None = None
     none_measured: bool = True
     measured_step_time: float | None = None
+    simple: str = ""
+    measurements: tuple[Measurement, ...] = ()
 
     # -- reading ----------------------------------------------------------------------------
     def explain(self, file: Any = None, *, verbose: bool = False) -> None:
@@ -206,6 +241,8 @@ class Plan:
             + (f", step {self.measured_step_time * 1e3:.1f} ms" if self.measured_step_time is not None else ""),
             f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
         ]
+        if self.measurements:
+            lines.append(self._measured())
         if self.codec is not None:
             lines.append(f"codec {self.codec}: " + (f"LOSSY, {self.bound}" if self.lossy else "lossless"))
         if self.revolve:
@@ -249,6 +286,19 @@ class Plan:
         if more and not verbose:
             lines.append(f"explain(verbose=True) lists {', '.join(more)} of each block")
         return "\n".join(lines)
+
+    def _measured(self) -> str:
+        """``summary``'s line on what verification measured (NOTE [ Applying a plan ] Rule 7)."""
+        mine, *rest = self.measurements
+        took = bool(rest) and self.simple == rest[0].what
+        line = f"measured: plan{f' ({self.simple})' if self.simple and not took else ''} {mine.step_time * 1e3:.1f} ms"
+        if not rest:
+            return line + ("" if self.simple else "; no simple policy fits the budget")
+        s = rest[0]
+        line += f", {s.what} {s.step_time * 1e3:.1f} ms"
+        if not s.fits:
+            line += f" at {format_bytes(s.peak_bytes)}, over the budget"
+        return line + (f": took {s.what}" if took else ": kept the plan")
 
     def _details(self, b: BlockPlan) -> list[str]:
         """``summary(verbose=True)``'s lines under block ``b``: its kept ops, its parts, its tensors sent to host."""
@@ -304,7 +354,8 @@ class Plan:
                                     "keep_names": tuple(b.get("keep_names", ())), "parts": tuple(b.get("parts", ())),
                                     "tensors": tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
                        for b in d.pop("blocks"))
-        return Plan(blocks=blocks, **{**d, "link": tuple(d["link"])})
+        measurements = tuple(Measurement(**m) for m in d.pop("measurements", ()))  # NOTE [ Applying a plan ] Rule 7
+        return Plan(blocks=blocks, measurements=measurements, **{**d, "link": tuple(d["link"])})
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
@@ -324,7 +375,7 @@ class Plan:
 
         Args:
             model: the model planned (its blocks are found by name).
-            store: the store offloads go through (default: one made for the plan, Rule 2).
+            store: the store offloads go through (default: one made for the plan, NOTE [ Applying a plan ] Rule 2).
             codec: the codec for compressed offloads (the one passed to ``plan``; needed when the
                 plan was loaded from JSON and compresses).
         """
@@ -499,7 +550,7 @@ class _Profiled:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(prof.chain(link, codec))
         self.step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
-        self.verified: list[Plan] = []  # Rule 6: the plans returned so far, measured
+        self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.say: Callable[[str], None] = _quiet
 
     @staticmethod
@@ -565,8 +616,8 @@ class _Profiled:
         return planned
 
     def plan(self, budget: int) -> Plan:
-        """The plan for ``budget``, verified, the fastest measured of the families' best (NOTE [ Applying a plan ]
-        Rules 4-5)."""
+        """The plan for ``budget``, verified, the fastest measured of the families' best and the best simple policy
+        (NOTE [ Applying a plan ] Rules 4-7)."""
         best, tried = self._verified(budget, "all")
         if best.measured_step_time is None:
             return best
@@ -585,8 +636,9 @@ class _Profiled:
                 best = p
         if len(times) > 1:
             self.say(f"budget {size(budget)}: measured the best plan of each family: {', '.join(times)}")
+        best = self._or_simple(budget, best, tried)  # NOTE [ Applying a plan ] Rule 7, before NOTE [ Applying a plan ] Rule 6
         limit = budget - _slack(budget)
-        for p in self.verified:  # Rule 6: a plan verified for a smaller budget that fits this one and measured faster
+        for p in self.verified:  # NOTE [ Applying a plan ] Rule 6: a plan verified for a smaller budget that fits this one and measured faster
             assert p.measured_peak_bytes is not None and p.measured_step_time is not None
             assert best.measured_step_time is not None
             if p.measured_peak_bytes <= limit and p.measured_step_time < best.measured_step_time:
@@ -597,17 +649,42 @@ class _Profiled:
         self.verified.append(best)
         return best
 
-    def _verified(self, budget: int, family: str) -> tuple[Plan, set[tuple[Decision, ...]]]:
-        """The fastest plan of ``family`` whose measured peak is within ``budget`` (Rule 4), and the plans tried."""
+    def _or_simple(self, budget: int, best: Plan,
+                   tried: dict[tuple[Decision, ...], tuple[int, float] | None]) -> Plan:
+        """NOTE [ Applying a plan ] Rule 7: ``best`` (measured) or the best simple policy that fits ``budget``, whichever
+        measures faster (equal: the simple one), with what was measured; ``tried``: what this budget measured so far."""
+        assert best.measured_step_time is not None and best.measured_peak_bytes is not None
+        mine = Measurement("plan", best.measured_step_time, best.measured_peak_bytes)
+        found = self.found.best_simple(budget)
+        if found is None or found[0] == best.simple:
+            return dataclasses.replace(best, measurements=(mine,))
+        name, decisions, pred = found
+        p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
+                                      self.link, self.codec), simple=name)
+        got = tried[decisions] if decisions in tried else self.step(p)  # at most one more verification
+        if got is None:
+            return dataclasses.replace(best, measurements=(mine,))
+        peak, seconds = got
+        theirs = Measurement(name, seconds, peak, peak <= budget - _slack(budget))
+        took = theirs.fits and seconds <= best.measured_step_time
+        self.say(f"budget {size(budget)}: measured the plan {best.measured_step_time * 1e3:.1f} ms and {name} "
+                 f"{seconds * 1e3:.1f} ms{'' if theirs.fits else f' at {size(peak)}, over the budget'}: "
+                 + (f"took {name}" if took else "kept the plan"))
+        if took:
+            best = dataclasses.replace(p, measured_peak_bytes=peak, measured_step_time=seconds)
+        return dataclasses.replace(best, measurements=(mine, theirs))
+
+    def _verified(self, budget: int, family: str) -> tuple[Plan, dict[tuple[Decision, ...], tuple[int, float] | None]]:
+        """The fastest plan of ``family`` whose measured peak is within ``budget`` (NOTE [ Applying a plan ] Rule 4),
+        and the plans tried, with what each measured."""
         target = budget
         measured: int | None = None
-        tried: set[tuple[Decision, ...]] = set()
+        tried: dict[tuple[Decision, ...], tuple[int, float] | None] = {}
         for _ in range(_REPLANS + 1):
             decisions, pred = self.found.best(target, family)
-            tried.add(decisions)
-            p = _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link,
-                      self.codec)
-            got = self.step(p)
+            p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
+                                          self.link, self.codec), simple=self.found.simple_name(decisions))
+            got = tried[decisions] = self.step(p)
             if got is None:
                 return p, tried
             measured, seconds = got
@@ -631,7 +708,7 @@ class _Profiled:
 
 
 def _slack(budget: int) -> int:
-    """Rule 4's slack: 1% of the budget, at least 2 MiB (10% of budgets under 20 MiB)."""
+    """NOTE [ Applying a plan ] Rule 4's slack: 1% of the budget, at least 2 MiB (10% of budgets under 20 MiB)."""
     return max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
 
 

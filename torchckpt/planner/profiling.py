@@ -30,8 +30,8 @@
 #    64 MiB copies, once per process and device.
 # 5. A last forward (no backward) times each aten op inside each block, counting ops as
 #    ``Recompute(save=...)`` does (``OpCounter``, NOTE [ Selective recompute ] Rule 1), and sizes
-#    the outputs of those it could keep (``keepable``, Rule 2): the candidates a recomputed block
-#    may keep. Timing each op alone adds the launch gap the timer itself opens around it (the ops
+#    the outputs of those it could keep (``keepable``, NOTE [ Selective recompute ] Rule 2): the candidates a recomputed
+#    block may keep. Timing each op alone adds the launch gap the timer itself opens around it (the ops
 #    of a Llama layer summed to 13% more than its forward, those of the GPT block to 4-40% more,
 #    by machine), about the same for every op, so it weighs on small ops and hardly on a matmul.
 #    The costs the optimiser reads are the op times less one gap each (none below zero), the gap
@@ -80,7 +80,15 @@ from torchckpt.planner.measure import Clock
 from torchckpt.recompute.mutation import CallState, module_state
 from torchckpt.recompute.selective import OpCounter, keepable
 
-__all__ = ["OpCost", "Profile", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
+__all__ = ["OpCost", "Profile", "SAC_OPS", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
+
+# NOTE [ Plan search ] Rule 7: the ops whose outputs torch SAC users save (matmuls, attention), by overload name
+SAC_OPS = frozenset({
+    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
+    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten._scaled_dot_product_fused_attention_overrideable.default",
+})
 
 
 @dataclasses.dataclass(frozen=True)
@@ -142,7 +150,7 @@ class Profile:
     bwd_start_bytes: tuple[int, ...] = ()
     saved_after: tuple[tuple[int, ...], ...] = ()
     writes_buffers: tuple[bool, ...] = ()
-    mutates: tuple[str, ...] = ()  # Rule 7: what each block's forward changed besides its outputs ("": nothing)
+    mutates: tuple[str, ...] = ()  # NOTE [ Profiling step ] Rule 7: what each block's forward changed besides its outputs ("": nothing)
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -160,7 +168,7 @@ class Profile:
     def blocks(self) -> list[Block]:
         out = []
         for i, name in enumerate(self.names):
-            secs = _less_gaps([o.seconds for o in self.ops[i]], self.fwd_s[i])  # Rule 5
+            secs = _less_gaps([o.seconds for o in self.ops[i]], self.fwd_s[i])  # NOTE [ Profiling step ] Rule 5
             ops = tuple((o.position, o.nbytes, t) for o, t in zip(self.ops[i], secs) if o.nbytes > 0)
             after = self.saved_after[i] if i < len(self.saved_after) else ()
             at: tuple[float, ...] = ()
@@ -169,21 +177,22 @@ class Profile:
                 cum = [0.0]
                 for t in secs:
                     cum.append(cum[-1] + t)
-                at = tuple(cum[min(a, len(secs))] for a in after)  # Rule 5: the time up to each saved tensor
+                at = tuple(cum[min(a, len(secs))] for a in after)  # NOTE [ Profiling step ] Rule 5: the time up to each saved tensor
                 # A node saves its inputs before its op runs (count k) and its outputs after (k + 1): tensors two
                 # counts apart or more were saved by different nodes (NOTE [ Step model ] Rule 2c).
                 cuts = tuple(c for c in range(1, len(after)) if after[c] >= after[c - 1] + 2)
             fixed = (i < len(self.writes_buffers) and self.writes_buffers[i]) or (
-                i < len(self.mutates) and bool(self.mutates[i]))  # Rule 7: never recomputed
+                i < len(self.mutates) and bool(self.mutates[i]))  # NOTE [ Profiling step ] Rule 7: never recomputed
+            sac = tuple(o.position for o in self.ops[i] if o.op in SAC_OPS and o.nbytes > 0)  # NOTE [ Plan search ] Rule 7
             out.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
-                             recomputable=not fixed))
+                             recomputable=not fixed, sac=sac))
         return out
 
     def chain(self, link: Link, codec: CodecCost | None = None) -> StepCosts:
         """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order).
 
-        ``peak_none`` is the measured no-checkpointing peak, or with ``by_blocks`` (Rule 6) the
+        ``peak_none`` is the measured no-checkpointing peak, or with ``by_blocks`` (NOTE [ Profiling step ] Rule 6) the
         measured peak of the step with every block recomputed; the chain is calibrated on it.
         """
         blocks = self.blocks()
@@ -195,8 +204,8 @@ class Profile:
 
 
 def _less_gaps(seconds: Sequence[float], total: float) -> list[float]:
-    """Op times less the gap the timer opened around each (Rule 5): the same amount off every op (none below 0),
-    chosen so that they sum to the block's measured forward ``total``; unchanged when they already fit in it."""
+    """Op times less the gap the timer opened around each (NOTE [ Profiling step ] Rule 5): the same amount off every op
+    (none below 0), chosen so that they sum to the block's measured forward ``total``; unchanged when they already fit in it."""
     if sum(seconds) <= total or not seconds:
         return list(seconds)
     lo, hi = 0.0, max(seconds)
@@ -227,7 +236,8 @@ def _first_grad_tensor(x: Any) -> torch.Tensor | None:
 
 
 class _Recorder:
-    """Saved-tensor hooks that record and change nothing (Rule 2), and the per-block timing hooks (Rule 3)."""
+    """Saved-tensor hooks that record and change nothing (NOTE [ Profiling step ] Rule 2), and the per-block timing
+    hooks (NOTE [ Profiling step ] Rule 3)."""
 
     def __init__(self, blocks: Sequence[tuple[str, nn.Module]], params: set[int], clock: Clock) -> None:
         self.blocks = blocks
@@ -247,8 +257,8 @@ class _Recorder:
         self.peak = 0  # the step's peak, carried over the resets below
         self.keep_sample = False
         self.sample: torch.Tensor | None = None
-        self.writes_buffers = [False] * len(blocks)  # Rule 7: blocks whose forward writes their buffers
-        self.mutates = [""] * len(blocks)  # Rule 7: what else each block's forward changed
+        self.writes_buffers = [False] * len(blocks)  # NOTE [ Profiling step ] Rule 7: blocks whose forward writes their buffers
+        self.mutates = [""] * len(blocks)  # NOTE [ Profiling step ] Rule 7: what else each block's forward changed
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -293,10 +303,10 @@ class _Recorder:
         finally:
             self.fwd[i] = (start, self.clock.mark())
             self.current = outer
-            if any(b._version != v for b, v in zip(bufs, versions)):  # Rule 7
+            if any(b._version != v for b, v in zip(bufs, versions)):  # NOTE [ Profiling step ] Rule 7
                 self.writes_buffers[i] = True
             changed = "; ".join(st.describe(w) for st in state for w in [st.changes()] if w)
-            if changed:  # Rule 7: NOTE [ Mutating forwards ] Rule 5
+            if changed:  # NOTE [ Profiling step ] Rule 7: NOTE [ Mutating forwards ] Rule 5
                 self.mutates[i] = changed
 
     def output(self, i: int, out: Any) -> None:
@@ -308,7 +318,7 @@ class _Recorder:
         if where[i] is not None:
             return
         where[i] = self.clock.mark()
-        if self.clock.cuda:  # Rule 3: each block's backward working memory, from the allocator's peak
+        if self.clock.cuda:  # NOTE [ Profiling step ] Rule 3: each block's backward working memory, from the allocator's peak
             top = torch.cuda.max_memory_allocated()  # since the last reset, which may have been a moment ago
             self.peak = max(self.peak, top)
             for j in self.running:  # another block's hook on the same tensor may reset the peak first: keep it
@@ -349,7 +359,8 @@ def _setup(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]] | None,
 
 
 class StepRaised(CheckpointError):
-    """``where`` in a profiling step (the model's forward, the loss, the backward) raised ``error`` (Rule 8)."""
+    """``where`` in a profiling step (the model's forward, the loss, the backward) raised ``error``
+    (NOTE [ Profiling step ] Rule 8)."""
 
     def __init__(self, where: str, error: Exception) -> None:
         super().__init__(f"torchckpt: {where} raised {type(error).__name__} in a profiling step: {error}")
@@ -360,7 +371,7 @@ def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_
           rec: _Recorder | None, clock: Clock, wraps: list[Callable[[], None]]) -> None:
     """One step, recorded by ``rec`` when given (the output held through backward, as training code holds it), then
     the blocks' forwards put back (``wraps``: their undos). What the model, the loss or the backward raises comes as
-    ``StepRaised`` (Rule 8)."""
+    ``StepRaised`` (NOTE [ Profiling step ] Rule 8)."""
     where = "the model's forward"
     try:
         ctx = (torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack) if rec is not None
@@ -373,7 +384,7 @@ def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_
             rec.fwd_end = clock.mark()  # type: ignore[attr-defined]
         where = "the backward of the loss"
         loss.backward()
-    except torch.cuda.OutOfMemoryError:  # Rule 6
+    except torch.cuda.OutOfMemoryError:  # NOTE [ Profiling step ] Rule 6
         raise
     except Exception as e:
         if isinstance(e, StepRaised) or str(e).startswith("torchckpt:"):
@@ -408,7 +419,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     try:
         for _ in range(warmup):
             step(None)
-    except torch.cuda.OutOfMemoryError:  # Rule 6: the plain step does not fit
+    except torch.cuda.OutOfMemoryError:  # NOTE [ Profiling step ] Rule 6: the plain step does not fit
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
@@ -568,7 +579,7 @@ def _never_unpacked(_: Any) -> torch.Tensor:  # pragma: no cover - the op-timing
 
 
 class _OpTimer(OpCounter):
-    """Times each aten op of each block's forward and sizes its new outputs (Rule 5)."""
+    """Times each aten op of each block's forward and sizes its new outputs (NOTE [ Profiling step ] Rule 5)."""
 
     def __init__(self, n: int, clock: Clock) -> None:
         super().__init__()
@@ -612,8 +623,8 @@ class _OpTimer(OpCounter):
 
 def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tuple[Any, ...],
               kwargs: dict[str, Any], clock: Clock) -> tuple[tuple[tuple[OpCost, ...], ...], tuple[tuple[int, ...], ...]]:
-    """One more forward, each block's aten ops timed (Rule 5), and how many ops each block had run as each of its
-    saved tensors was saved; the graph is dropped, nothing is differentiated."""
+    """One more forward, each block's aten ops timed (NOTE [ Profiling step ] Rule 5), and how many ops each block had
+    run as each of its saved tensors was saved; the graph is dropped, nothing is differentiated."""
     timer = _OpTimer(len(chain), clock)
     undo = []
 
@@ -661,7 +672,7 @@ def _swap_forward(mod: nn.Module, make: Callable[[Callable[..., Any]], Callable[
 
 
 def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
-    """Run ``mod``'s forward inside ``rec.block(i)`` (Rules 2-3); returns the undo."""
+    """Run ``mod``'s forward inside ``rec.block(i)`` (NOTE [ Profiling step ] Rules 2-3); returns the undo."""
 
     def make(call: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*args: Any, **kwargs: Any) -> Any:
@@ -675,7 +686,7 @@ def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
 
 
 def _wrap_call(mod: nn.Module, enter: Callable[[], Callable[[], None]]) -> Callable[[], None]:
-    """Run ``mod``'s forward between ``enter()`` and what it returns (Rule 5); returns the undo."""
+    """Run ``mod``'s forward between ``enter()`` and what it returns (NOTE [ Profiling step ] Rule 5); returns the undo."""
 
     def make(call: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*a: Any, **kw: Any) -> Any:
@@ -690,7 +701,8 @@ def _wrap_call(mod: nn.Module, enter: Callable[[], Callable[[], None]]) -> Calla
 
 
 def _wrap_recomputed(mod: nn.Module, i: int, inputs: list[Any] | None) -> Callable[[], None]:
-    """Run ``mod`` under ``torch.utils.checkpoint``, recording its inputs into ``inputs[i]`` (Rule 6); returns the undo."""
+    """Run ``mod`` under ``torch.utils.checkpoint``, recording its inputs into ``inputs[i]``
+    (NOTE [ Profiling step ] Rule 6); returns the undo."""
 
     def make(call: Callable[..., Any]) -> Callable[..., Any]:
         def forward(*a: Any, **kw: Any) -> Any:

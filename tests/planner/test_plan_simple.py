@@ -1,0 +1,211 @@
+"""The simple policies as candidates of the search, and measured beside the plan (NOTE [ Plan search ] Rule 7,
+NOTE [ Applying a plan ] Rule 7): each is a plan with plain autograd's gradients, verification returns the faster
+measured one, and the record survives JSON."""
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Callable
+
+import pytest
+import torch
+from torch import nn
+
+from torchckpt.planner import Link, Plan, predict, profile
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Decision, StepCosts
+from torchckpt.planner.optimize import search
+from torchckpt.planner.plan import Measurement, _make, _Profiled, _slack
+from torchckpt.planner.profiling import Profile
+
+D, H = 32, 4
+EVERY = "every block Recompute()"
+SAC = "every block Recompute(save=matmuls, attention)"
+
+
+class Attn(nn.Module):
+    """Attention and an MLP: the matmuls (addmm) and the attention op torch SAC users save, and dropout (the RNG)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
+        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
+        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
+        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, D))
+        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 4) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.h = nn.ModuleList(Attn() for _ in range(n))
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for blk in self.h:
+            x = blk(x)
+        return self.out(x)
+
+
+def _grads(m: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    return list(torch.autograd.grad(m(x).square().mean(), list(m.parameters())))
+
+
+def test_every_simple_policy_is_a_plan_with_plain_autograd_gradients() -> None:
+    """NOTE [ Plan search ] Rule 7: keep everything, Recompute() on every block, Recompute(save=matmuls, attention)
+    on every block, every other block, checkpoint_chain: each a recorded plan of the search, priced by its model,
+    and applied as a Plan it gives plain autograd's gradients bit for bit."""
+    torch.manual_seed(3)
+    m = Net(4)
+    x = torch.randn(2, 16, D)
+    ref = _grads(m, x)
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, Link(1e9, 1e9))
+    found, prof = planner.found, planner.prof
+    names = [name for name, _, _ in found.simple]
+    assert names[:5] == ["keep everything", EVERY, SAC, "every other block Recompute() (h.0, h.2)",
+                         "every other block Recompute() (h.1, h.3)"]
+    assert names[5:] == ["checkpoint_chain (Revolve, 1 snapshot)", "checkpoint_chain (Revolve, 2 snapshots)"]
+    recorded = dict(found.plans)
+    for name, decisions, pred in found.simple:
+        assert recorded[decisions] == pred == predict(found.chain, decisions)  # a candidate, priced by the same model
+        assert found.floor <= pred.peak_bytes and found.simple_name(decisions) == name
+    sac = dict((n, d) for n, d, _ in found.simple)[SAC]
+    for i, d in enumerate(sac):  # the matmuls and the attention, by position, as Recompute(save=...) counts them
+        assert sorted({prof.ops[i][k].op for k in d.keep}) == [
+            "aten._scaled_dot_product_flash_attention_for_cpu.default", "aten.addmm.default"]
+        assert len(d.keep) == 5  # qkv, attention, proj, fc1, fc2
+    none = found.plans[0][1]
+    for name, decisions, pred in found.simple:
+        p = dataclasses.replace(_make(prof, decisions, pred, found.floor, none, 1 << 40, Link(1e9, 1e9), None),
+                                simple=name)
+        a = p.apply(m)
+        try:
+            got = _grads(m, x)
+            assert (a.chain is not None) == name.startswith("checkpoint_chain"), name
+        finally:
+            a.remove()
+        assert all(torch.equal(u, v) for u, v in zip(ref, got)), name
+    assert all("forward" not in blk.__dict__ for blk in m.h)
+
+
+def test_simple_policies_leave_out_blocks_that_may_not_be_recomputed() -> None:
+    """NOTE [ Plan search ] Rule 7: a block whose forward writes its buffers is never recomputed, so only the
+    policies that keep it are offered; without matmuls, Recompute(save=...) is not offered (it is Recompute())."""
+    blocks = [Block(f"h.{i}", 1e-3, 2e-3, 1 << 20, (4 << 20,), "b", recomputable=i != 1) for i in range(4)]
+    chain = StepCosts.calibrated(blocks, 64 << 20, 0, 1e-3, 1e-3, Link(1e10, 1e10))
+    found = search(chain)
+    assert {name: d for name, d, _ in found.simple} == {
+        "keep everything": (KEEP,) * 4,
+        "every other block Recompute() (h.0, h.2)": (RECOMPUTE, KEEP, RECOMPUTE, KEEP),
+    }
+
+
+def _planner(prof: Profile, step: Callable[[Plan], tuple[int, float]]) -> tuple[_Profiled, int]:
+    """A planner whose steps are ``step``, and a budget where the search's plan is not a simple policy and moves
+    nothing to host, and the best simple policy that fits is Recompute() on every block."""
+    planner = _Profiled(prof, Link(1e6, 1e6), None, step)  # a link too slow to offload over
+    found = planner.found
+    for pred in sorted((p for _, p in found.plans), key=lambda p: p.peak_bytes):
+        budget = pred.peak_bytes * 10 // 9 + 1  # room for NOTE [ Applying a plan ] Rule 4's slack
+        top, simple = found.best(budget), found.best_simple(budget)
+        fits = budget - _slack(budget)  # both measure as predicted: neither is planned again
+        local = not any(d.offload or d.host for d in top[0])  # NOTE [ Applying a plan ] Rule 5 races no other family
+        if simple is not None and simple[0] == EVERY and not found.simple_name(top[0]) and local and max(
+                top[1].peak_bytes, simple[2].peak_bytes) <= fits:
+            return planner, budget
+    raise AssertionError("no budget where Recompute() on every block is the best simple policy and not the plan")
+
+
+@pytest.fixture(scope="module")
+def prof() -> Profile:
+    """A profile of ``Net(6)`` with fixed times (the CPU's vary from run to run): what the search finds is the same
+    every run."""
+    torch.manual_seed(5)
+    prof = profile(Net(6), (torch.randn(4, 16, D),), {})
+    ops = tuple(tuple(dataclasses.replace(o, seconds=1e-3 / len(b)) for o in b) for b in prof.ops)
+    n = len(prof.names)
+    return dataclasses.replace(prof, fwd_s=(1e-3,) * n, bwd_s=(2e-3,) * n, ops=ops, other_fwd_s=1e-4,
+                               other_bwd_s=2e-4, step_s=3e-3 * n + 3e-4)
+
+
+@pytest.mark.parametrize("simple_s, over, took", [(1.0, False, True), (3.0, False, False), (2.0, False, True),
+                                                  (1.0, True, False)])
+def test_verification_returns_the_faster_measured_of_the_plan_and_the_best_simple_policy(
+        prof: Profile, simple_s: float, over: bool, took: bool) -> None:
+    """NOTE [ Applying a plan ] Rule 7 with injected measurements: every plan but Recompute() on every block
+    measures 2 s; that one ``simple_s`` (equal: the simpler wins), and ``over`` its budget when measured."""
+    calls: list[str] = []
+    budget = 0
+
+    def step(p: Plan) -> tuple[int, float]:
+        calls.append(p.simple)
+        if p.simple == EVERY:
+            return (budget if over else p.peak_bytes), simple_s
+        return p.peak_bytes, 2.0
+
+    planner, budget = _planner(prof, step)
+    top = planner.found.best(budget)[0]
+    p = planner.plan(budget)
+    assert calls.count(EVERY) == 1  # one more verification at most
+    assert p.measurements == (Measurement("plan", 2.0, p.measurements[0].peak_bytes),
+                              Measurement(EVERY, simple_s, p.measurements[1].peak_bytes, not over))
+    assert not over or p.measurements[1].peak_bytes > budget - _slack(budget)
+    line = next(s for s in p.summary().splitlines() if s.startswith("measured: "))
+    if took:
+        assert p.simple == EVERY and p.measured_step_time == simple_s
+        assert all(b.mode == "recompute" and not b.keep_ops and not b.revolve and not b.host for b in p.blocks)
+        assert line == f"measured: plan 2000.0 ms, {EVERY} {simple_s * 1e3:.1f} ms: took {EVERY}"
+    else:
+        assert p.simple == "" and p.measured_step_time == 2.0
+        assert tuple(b.mode for b in p.blocks) == tuple(d.mode for d in top)
+        assert tuple(b.keep_ops for b in p.blocks) == tuple(d.keep for d in top)
+        assert line.startswith(f"measured: plan 2000.0 ms, {EVERY} {simple_s * 1e3:.1f} ms") and line.endswith(
+            ": kept the plan") and ("over the budget" in line) == over
+    assert p.measured_peak_bytes is not None and p.measured_peak_bytes <= budget - _slack(budget)
+
+
+def test_no_extra_verification_when_the_plan_is_a_simple_policy(prof: Profile) -> None:
+    """NOTE [ Applying a plan ] Rule 7: at the no-checkpointing peak the plan is keep everything, measured once."""
+    calls: list[str] = []
+
+    def step(p: Plan) -> tuple[int, float]:
+        calls.append(p.simple)
+        return p.peak_bytes, p.step_time
+
+    planner = _Profiled(prof, Link(2e8, 2e8), None, step)
+    p = planner.plan(planner.found.plans[0][1].peak_bytes * 2)
+    assert calls == ["keep everything"] and p.simple == "keep everything" and len(p.measurements) == 1
+    assert [s for s in p.summary().splitlines() if s.startswith("measured: ")] == [
+        f"measured: plan (keep everything) {p.step_time * 1e3:.1f} ms"]
+
+
+def test_the_measured_record_survives_json_and_older_json_loads(prof: Profile) -> None:
+    """NOTE [ Applying a plan ] Rule 7: ``Plan.simple`` and ``Plan.measurements`` round-trip; a plan written before
+    them loads with none."""
+    planner, budget = _planner(prof, lambda p: (p.peak_bytes, 1.0 if p.simple == EVERY else 2.0))
+    p = planner.plan(budget)
+    assert p.simple == EVERY and len(p.measurements) == 2
+    assert Plan.from_json(p.to_json()) == p
+    old = json.loads(p.to_json())
+    del old["simple"], old["measurements"]
+    q = Plan.from_json(json.dumps(old))
+    assert q == dataclasses.replace(p, simple="", measurements=())
+    assert not any(s.startswith("measured: ") for s in q.summary().splitlines())
+
+
+def test_a_simple_policy_taken_for_one_budget_keeps_larger_budgets_as_fast(prof: Profile) -> None:
+    """NOTE [ Applying a plan ] Rules 6-7: what Rule 7 returned for a smaller budget bounds a larger budget's
+    measured step (here keep everything measures slower than Recompute() on every block)."""
+    planner, budget = _planner(prof, lambda p: (p.peak_bytes, 1.0 if p.simple == EVERY else 2.0))
+    small = planner.plan(budget)
+    large = planner.plan(planner.found.plans[0][1].peak_bytes * 2)
+    assert small.simple == EVERY and small.measured_step_time == 1.0
+    assert large.measured_step_time == 1.0 and large.blocks == small.blocks and large.simple == EVERY
