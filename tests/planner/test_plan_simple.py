@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from ckpt_models import Block as TransformerBlock
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Decision, StepCosts
 from torchckpt.planner.optimize import search
@@ -22,22 +23,10 @@ EVERY = "every block Recompute()"
 SAC = "every block Recompute(save=matmuls, attention)"
 
 
-class Attn(nn.Module):
-    """Attention and an MLP: the matmuls (addmm) and the attention op torch SAC users save, and dropout (the RNG)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(D), nn.LayerNorm(D)
-        self.qkv, self.proj = nn.Linear(D, 3 * D), nn.Linear(D, D)
-        self.fc1, self.fc2 = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
-        self.drop = nn.Dropout(0.2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, _ = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, H, D // H).permute(2, 0, 3, 1, 4).unbind(0)
-        a = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, D))
-        return x + self.drop(self.fc2(nn.functional.gelu(self.fc1(self.ln2(x)))))
+def Attn() -> nn.Module:
+    """Attention and an MLP (tests/ckpt_models.py's Block): the matmuls (addmm) and the attention op torch SAC users
+    save, and dropout (the RNG)."""
+    return TransformerBlock(D, H, p=0.2)
 
 
 class Net(nn.Module):
