@@ -188,6 +188,7 @@ def test_loop_with_auto_over_a_disk_tier_is_bit_exact(tmp_path: Any, monkeypatch
     pool = HostPool(capacity_bytes=1 << 20, chunk_bytes=1 << 20, pin=False)  # 4 snapshots
     with SnapshotStore("cpu", slots=2, host=pool, disk=tmp_path) as snaps:
         out = checkpointed_loop(step, x0, n, schedule=AutoSchedule(bandwidths=given), store=snaps, slots=2)
+        snaps.disk.wait()  # type: ignore[union-attr]  # the forward's writes ended: the backward reads files
         (s,) = picked
         # Two host snapshots, two blocks' room for disk snapshots in flight (NOTE [ Auto schedule ] Rule 2).
         assert isinstance(s, Multistage) and (s.gpu_slots, s.host_slots, s.disk_slots) == (0, 2, n - 3)

@@ -352,7 +352,10 @@ def test_store_replays_disk_schedules_as_host_ones(tmp_path: Any, k: int, mode: 
         replay(s, acts, flushes)
         a, b = host.stats(), s.stats()
         assert (a.hits, a.misses, a.prefetches) == (b.hits, b.misses, b.prefetches), (sched, k)
-        assert b.disk is not None and b.disk.writes > 0 and (b.disk.reads > 0 or b.misses + b.prefetches == 0)
+        # A miss while its write is still under way is served from the host block the write reads (NOTE
+        # [ Snapshot disk tier ] Rule 1), so whether files are read back here depends on the disk's speed;
+        # test_store_round_trip_bit_exact and the loop tests wait for the writes and check the reads.
+        assert b.disk is not None and b.disk.writes > 0
         assert s.disk is not None and s.disk.files() == [] and host_in_use(s.host) == 0, (sched, k)
         s.close()
         s.disk.close()
@@ -454,6 +457,7 @@ def test_scan_and_run_schedule_with_a_disk_store(tmp_path: Any) -> None:
     with SnapshotStore("cpu", slots=2, host=small_pool(), disk=tier) as snaps:
         u2, ys2 = checkpointed_scan(step, torch.zeros(32, dtype=D), xs, schedule=Revolve(30, 3, tier=Tier.DISK),
                                     store=snaps)
+        snaps.disk.wait()  # type: ignore[union-attr]  # the forward's writes ended: the backward reads files
         got = torch.autograd.grad(u2.sum() + ys2.square().sum(), [c])
         assert torch.equal(got[0], g_ref[0]) and snap_files(tmp_path) == []
         assert snaps.stats().disk.reads > 0  # type: ignore[union-attr]

@@ -51,6 +51,7 @@ def test_run_schedule_with_a_disk_store_puts_snapshots_on_disk(tmp_path: Any) ->
         save=lambda n: x[0],
         restore=lambda n, t: x.__setitem__(0, t[0].clone()),
         backward=lambda n: log.append((n, x[0][0].item())),
+        end_forward=lambda: store.disk.wait(),  # type: ignore[union-attr]  # the writes end: backward reads files
         store=store, slots=1)
     assert log == [(n, float(n)) for n in range(7, -1, -1)]  # adjoint step n saw state n, rebuilt from disk
     assert stats.disk is not None and stats.disk.writes > 0 and stats.disk.reads > 0
