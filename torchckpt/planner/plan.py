@@ -48,26 +48,26 @@
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
-from torchckpt._args import check_flag, check_module, found, parse_bytes
-from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
+from torchckpt._args import check_module, found, parse_bytes
+from torchckpt._errors import format_bytes_apart
 from torchckpt.api import ChainCheckpoint, checkpoint, checkpoint_chain
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import (
-    CodecCost, Decision, Link, Prediction, cache_bytes, part_bytes, parts_seconds, split_bytes,
+    CodecCost, Decision, Link, Prediction, cache_bytes, parts_seconds, split_bytes,
 )
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.rebuild import schedule as revolve_schedule
 from torchckpt.planner.rebuild import states
+from torchckpt.planner.args import check_args, check_codec, rejected
 from torchckpt.planner.blocks import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.mutation import UseCacheOff, warn_mutating
@@ -76,13 +76,12 @@ from torchckpt.planner.profiling import Profile, SavedTensor, StepRaised, _loss_
 from torchckpt.policies import Offload, Recompute
 from torchckpt.store import Store
 
-__all__ = ["Applied", "AutoPlan", "BlockPlan", "Measurement", "Plan", "auto", "plan", "plans"]
+__all__ = ["Applied", "BlockPlan", "Measurement", "Plan", "plan", "plans"]
 
 _FORMAT = 3
 _REPLANS = 3  # NOTE [ Applying a plan ] Rule 4: plans made again after a measured step over the budget
 _VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one that builds the store's prefetch plan
 _SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # NOTE [ Applying a plan ] Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
-_SMALL_DIV = 100  # explain(verbose=True) sums a block's tensors sent to host under 1% of its largest one
 
 
 @dataclasses.dataclass(frozen=True)
@@ -226,106 +225,8 @@ class Plan:
 
     def summary(self, *, verbose: bool = False) -> str:
         """What ``explain`` prints, as a string: a header, then one row per block (``verbose``: and per tensor)."""
-        figures = [self.budget, self.peak_bytes, self.none_peak_bytes, self.floor_bytes]
-        if self.measured_peak_bytes is not None:
-            figures.append(self.measured_peak_bytes)
-        budget, peak, none_peak, floor, *measured = format_bytes_apart(*figures)
-        lines = [
-            f"torchckpt plan on {self.device}: budget {budget}, predicted peak "
-            f"{peak}, step {self.step_time * 1e3:.1f} ms "
-            f"(no checkpointing{'' if self.none_measured else ', predicted'}: {none_peak}, "
-            f"{self.none_step_time * 1e3:.1f} ms, "
-            f"{self.step_time / self.none_step_time if self.none_step_time else float('nan'):.2f}x); "
-            f"floor {floor}"
-            + (f"; measured peak {measured[0]}" if measured else "")
-            + (f", step {self.measured_step_time * 1e3:.1f} ms" if self.measured_step_time is not None else ""),
-            f"host link {self.link[0] / 1e9:.1f} GB/s to host, {self.link[1] / 1e9:.1f} GB/s back",
-        ]
-        if self.measurements:
-            lines.append(self._measured())
-        if self.codec is not None:
-            lines.append(f"codec {self.codec}: " + (f"LOSSY, {self.bound}" if self.lossy else "lossless"))
-        if self.revolve:
-            sched = self.schedule()
-            again = sum(b.revolve_s for b in self.blocks)
-            lines.append(f"block inputs: {sched!r} over the chain (checkpoint_chain): snapshots hold at most "
-                         f"{format_bytes(self.revolve)}, the others are rebuilt by running blocks again "
-                         f"({again * 1e3:.1f} ms)")
-        rows = []
-        d2h = self.link[0]
-        for i, b in enumerate(self.blocks):
-            if b.mode == "offload":
-                what = f"offload {len(b.offload)}/{sum(1 for t in b.tensors if t.nbytes)}" + (" compressed" if b.compress
-                                                                                              else "")
-                moved = b.saved_bytes - b.device_bytes
-                cost = f"{moved / d2h * 1e3:.2f}"
-                pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
-            elif b.mode == "recompute":
-                what, cost, pre = "recompute", f"{(max(0.0, b.fwd_s - b.keep_s) + b.parts_s) * 1e3:.2f}", "-"
-                if b.keep_ops:
-                    what = f"recompute, keep {len(b.keep_ops)} ops"
-                if b.parts:
-                    what = f"recompute in {len(b.parts) + 1} parts"
-                if b.host:
-                    what += (", on host" + (" compressed" if b.compress else "")) if b.keep_ops else ", inputs host"
-                    pre = f"at backward of {self.blocks[i + 1].name}" if i + 1 < len(self.blocks) else "end of forward"
-                if b.revolve:
-                    what += ", input by Revolve"
-                    cost = f"{(b.fwd_s + b.parts_s + b.revolve_s) * 1e3:.2f}"
-            else:
-                what, cost, pre = "keep", f"{0:.2f}", "-"
-            rows.append((b.name, what, *format_bytes_apart(b.saved_bytes, b.device_bytes), cost, pre))
-        head = ("block", "decision", "saved", "on device", "cost ms", "prefetch")
-        w = [max(len(r[c]) for r in [head, *rows]) for c in range(5)]
-        for i, r in enumerate([head, *rows]):
-            lines.append(f"{r[0]:<{w[0]}}  {r[1]:<{w[1]}}  {r[2]:>{w[2]}}  {r[3]:>{w[3]}}  {r[4]:>{w[4]}}  {r[5]}")
-            if verbose and i:
-                lines.extend(self._details(self.blocks[i - 1]))
-        more = {what: None for b in self.blocks for what, has in (("the kept ops", b.keep_ops), ("the parts", b.parts),
-                                                                   ("the tensors sent to host", b.offload)) if has}
-        if more and not verbose:
-            lines.append(f"explain(verbose=True) lists {', '.join(more)} of each block")
-        return "\n".join(lines)
-
-    def _measured(self) -> str:
-        """``summary``'s line on what verification measured (NOTE [ Applying a plan ] Rule 7)."""
-        mine, *rest = self.measurements
-        took = bool(rest) and self.simple == rest[0].what
-        line = f"measured: plan{f' ({self.simple})' if self.simple and not took else ''} {mine.step_time * 1e3:.1f} ms"
-        if not rest:
-            return line + ("" if self.simple else "; no simple policy fits the budget")
-        s = rest[0]
-        line += f", {s.what} {s.step_time * 1e3:.1f} ms"
-        if not s.fits:
-            line += f" at {format_bytes(s.peak_bytes)}, over the budget"
-        return line + (f": took {s.what}" if took else ": kept the plan")
-
-    def _details(self, b: BlockPlan) -> list[str]:
-        """``summary(verbose=True)``'s lines under block ``b``: its kept ops, its parts, its tensors sent to host."""
-        lines = []
-        if b.keep_ops:
-            names = ", ".join(f"{n.replace('aten.', '').replace('.default', '')}#{k}"
-                              for n, k in zip(b.keep_names, b.keep_ops))
-            lines.append(f"    keeps {format_bytes(b.keep_bytes)} of op outputs{' on the host' if b.host else ''}"
-                         f"{(' compressed' + (' (lossy)' if self.lossy else '')) if b.compress else ''} "
-                         f"instead of recomputing them ({b.keep_s * 1e3:.2f} ms): {names}")
-        if b.parts:
-            sizes = part_bytes([t.nbytes for t in b.tensors], b.parts)
-            lines.append(f"    parts cut before saved tensors {', '.join(map(str, b.parts))}: "
-                         f"{', '.join(format_bytes_apart(*sizes))}, one held at a time")
-        if b.mode == "offload":
-            moved = [(k, b.tensors[k]) for k in b.offload]
-            small = max(t.nbytes for _, t in moved) / _SMALL_DIV  # smaller tensors: one line for all of them
-            lossy = " (lossy)" if b.compress and self.lossy else ""
-            for k, t in moved:
-                if t.nbytes >= small:
-                    lines.append(f"    tensor {k:<3} {str(list(t.shape)):<28} {t.dtype:<9} {format_bytes(t.nbytes):>10} "
-                                 f"to host{lossy}")
-            rest = [t.nbytes for _, t in moved if t.nbytes < small]
-            if rest:
-                lines.append(f"    and {len(rest)} tensor{'s' if len(rest) > 1 else ''} under "
-                             f"{format_bytes(small)} each: {format_bytes(sum(rest))} to host{lossy}")
-        return lines
+        from torchckpt.planner.explain import summary
+        return summary(self, verbose)
 
     @property
     def revolve(self) -> int:
@@ -383,7 +284,7 @@ class Plan:
         if store is not None and not isinstance(store, Store):
             raise TypeError(f"torchckpt: Plan.apply(store=...) expects a torchckpt.Store or None, got {found(store)}; "
                             "pass None for a store made for the plan, or e.g. store=torchckpt.Store(gpu_bytes=1 << 30).")
-        _check_codec("Plan.apply(codec=...)", codec)
+        check_codec("Plan.apply(codec=...)", codec)
         if any(b.compress for b in self.blocks) and codec is None:
             raise ValueError(f"torchckpt: this plan compresses with {self.codec}; pass the codec: plan.apply(model, "
                              "codec=...).")
@@ -499,7 +400,7 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         >>> [b.mode for b in p.blocks]
         ['keep', 'keep', 'keep', 'keep']
     """
-    _check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+    check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
     nbytes = parse_bytes(budget, "plan(budget=...)")
     with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
         return _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
@@ -525,7 +426,7 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
         >>> list(ps)
         [1073741824]
     """
-    _check_args("plans", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+    check_args("plans", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
     if not isinstance(budgets, (list, tuple)) or not budgets:
         raise TypeError(f"torchckpt: plans(budgets=...) expects a non-empty list of byte counts, got {found(budgets)}; "
                         "pass e.g. budgets=['2GiB', '4GiB'] (plan(model, ..., budget=...) plans one).")
@@ -576,7 +477,7 @@ class _Profiled:
             prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
                        keep_sample=sample if codec is not None else None)
         except StepRaised as e:  # NOTE [ Profiling step ] Rule 8
-            raise _rejected(call, model, args, kwargs, e) from e.error
+            raise rejected(call, model, args, kwargs, e) from e.error
         finally:
             off.remove()
         warn_mutating(prof.names, prof.mutates)  # NOTE [ Mutating forwards ] Rule 5
@@ -731,161 +632,6 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
                 codec=codec.name if codec is not None else None,
                 lossy=bool(codec is not None and codec.lossy and any(d.compress for d in decisions)),
                 bound=codec.bound if codec is not None else "", link=(link.d2h, link.h2d), device=prof.device)
-
-
-class AutoPlan:
-    """What ``auto`` returns: the plan once the first step has made it (``plan``), and ``remove()``."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.model = model
-        self.plan: Plan | None = None
-        self.applied: Applied | None = None
-        self._hook: Any = None
-
-    def remove(self) -> None:
-        """Stop planning (if the first step has not come) or take the plan off the model."""
-        if self._hook is not None:
-            self._hook.remove()
-            self._hook = None
-        if self.applied is not None:
-            self.applied.remove()
-            self.applied = None
-
-
-def auto(model: nn.Module, *, budget: int | str, codec: Codec | None = None, blocks: Sequence[nn.Module] | None = None,
-         loss_fn: Callable[[Any], torch.Tensor] | None = None, verify: bool = True, progress: bool = False) -> AutoPlan:
-    """Plan ``model`` on its first training step, then run every step under the plan.
-
-    The first call of ``model`` with gradients enabled is profiled and planned as ``plan`` does
-    (its own steps, on that call's arguments), then the call goes on under the plan. Those extra
-    steps leave no trace: the parameters' and the arguments' ``.grad``, the model's buffers (batch
-    norm statistics) and the RNG states are put back as they were, so the first step computes
-    what it would have without ``auto``. Arguments as for ``plan`` (``progress``: print each phase
-    of that planning to stderr).
-
-    Returns:
-        An ``AutoPlan``: ``.plan`` once made, ``.remove()``.
-
-    Example::
-
-        >>> import torch, torchckpt
-        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
-        >>> a = torchckpt.auto(model, budget=10**9)
-        >>> model(torch.randn(32, 64)).square().mean().backward()
-        >>> [b.mode for b in a.plan.blocks]
-        ['keep', 'keep', 'keep', 'keep']
-    """
-    _check_args("auto", model, None, codec, blocks, loss_fn, None, verify, progress)
-    nbytes = parse_bytes(budget, "auto(budget=...)")
-    handle = AutoPlan(model)
-
-    def first_call(mod: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, ...] | None:
-        if not torch.is_grad_enabled():
-            return None
-        handle._hook.remove()
-        handle._hook = None
-        with untouched(model, (args, kwargs)):  # NOTE [ Planning leaves no trace ]
-            planned = _Profiled.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify, progress=progress,
-                                       call="auto")
-            handle.plan = planned.plan(nbytes)
-        handle.applied = handle.plan.apply(model, codec=codec)
-        return handle.applied.cache_off(mod, args, kwargs)  # NOTE [ Mutating forwards ] Rule 6: this call too
-
-    handle._hook = model.register_forward_pre_hook(first_call, with_kwargs=True)
-    return handle
-
-
-def _check_args(call: str, model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]] | None, codec: object,
-                blocks: object, loss_fn: object, link: object, verify: object, progress: object) -> None:
-    """The arguments of ``plan``, ``plans`` and ``auto`` (``call``), checked at the call (STYLE.md 6); ``batch``:
-    the example batch of ``plan`` and ``plans`` (``auto`` gets the model's own call)."""
-    check_module(f"{call}(model, ...)", model, "pass the model to plan (an nn.Module; its repeated blocks are found); "
-                 "to checkpoint a function, use torchckpt.checkpoint(fn, *args, policy=...)")
-    _check_codec(f"{call}(codec=...)", codec)
-    if blocks is not None:
-        if not isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)):
-            raise TypeError(f"torchckpt: {call}(blocks=...) expects a list of the model's blocks (submodules, in forward "
-                            f"order) or None, got {found(blocks)}; pass e.g. blocks=list(model.layers), or None to "
-                            "find them.")
-        if len(blocks) == 0:
-            raise ValueError(f"torchckpt: {call}(blocks=...) got no blocks; pass the blocks to plan in forward order "
-                             "(e.g. blocks=list(model.layers)), or None to find them.")
-        names = {id(m) for _, m in model.named_modules()}
-        bad = next((k for k, b in enumerate(blocks) if not isinstance(b, nn.Module) or id(b) not in names), None)
-        if bad is not None:
-            raise ValueError(f"torchckpt: {call}(blocks=...) must be submodules of the model, in forward order; item "
-                             f"{bad}, {found(blocks[bad])}, is not one. Pass modules of this model, e.g. "
-                             "blocks=list(model.layers).")
-        if len({id(b) for b in blocks}) != len(blocks):
-            raise ValueError(f"torchckpt: {call}(blocks=...) got a module twice; pass each block once, in forward order.")
-    if loss_fn is not None and not callable(loss_fn):
-        raise TypeError(f"torchckpt: {call}(loss_fn=...) expects a function of the model's output returning a scalar "
-                        f"loss, or None, got {found(loss_fn)}; pass e.g. loss_fn=lambda out: out.loss.")
-    if link is not None and not isinstance(link, Link):
-        raise TypeError(f"torchckpt: {call}(link=...) expects a torchckpt.planner.Link or None (measured), got "
-                        f"{found(link)}; pass e.g. link=torchckpt.planner.Link(d2h=25e9, h2d=25e9) in bytes/s.")
-    check_flag(call, "verify", verify)
-    check_flag(call, "progress", progress)
-    if batch is not None:
-        _check_batch(call, model, *batch)
-
-
-def _check_codec(where: str, codec: object) -> None:
-    if codec is not None and not isinstance(codec, Codec):
-        raise TypeError(f"torchckpt: {where} expects a torchckpt.codecs.Codec or None, got {found(codec)}; pass e.g. "
-                        "codec=torchckpt.codecs.TritonQuant(bits=4).")
-
-
-def _check_batch(call: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-    """An example batch that cannot be bound to ``model.forward``'s parameters, or one dict whose keys are those
-    parameters (the batch of a transformers model, to be passed as ``**batch``), is an error at the call."""
-    if model._forward_pre_hooks:  # a hook may rewrite the arguments before forward sees them
-        return
-    try:
-        sig = inspect.signature(model.forward)
-    except (TypeError, ValueError):
-        return
-    bare = [q.replace(annotation=inspect.Parameter.empty) for q in sig.parameters.values()]
-    name = f"{type(model).__name__}.forward{sig.replace(parameters=bare, return_annotation=inspect.Signature.empty)}"
-    if len(args) == 1 and not kwargs and isinstance(args[0], Mapping) and args[0] and all(
-            isinstance(k, str) and k in sig.parameters for k in args[0]) and next(iter(sig.parameters), None) in args[0]:
-        first = next(iter(sig.parameters))
-        raise TypeError(f"torchckpt: {call}(model, batch, ...) got one {type(args[0]).__name__} whose keys "
-                        f"({', '.join(args[0])}) are arguments of {name}; pass them as keyword arguments, as the model "
-                        f"is called: {call}(model, **batch, ...) (or, if {first} is that dict itself, "
-                        f"{call}(model, {first}=batch, ...)).")
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        got = _batch_words(args, kwargs)
-        raise TypeError(f"torchckpt: {call}(model, *batch, ...) calls {name} with {got}, which does not fit it ({e}); "
-                        f"pass an example batch of the shape training uses, as the model is called: model(*args, "
-                        f"**kwargs) is planned by {call}(model, *args, ..., **kwargs).") from None
-
-
-def _batch_words(args: tuple[Any, ...], kwargs: dict[str, Any]) -> str:
-    items = [found(a) for a in args] + [f"{k}={found(v)}" for k, v in kwargs.items()]
-    return f"the batch ({'; '.join(items)})" if items else "no batch"
-
-
-def _rejected(call: str, model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
-              e: StepRaised) -> CheckpointError:
-    """The error for a profiling step the model, the loss or the backward failed (NOTE [ Profiling step ] Rule 8)."""
-    if e.where == "the backward of the loss":
-        fix = ("planning runs plain training steps: check that loss_fn(model(*args, **kwargs)).backward() runs "
-               "without torchckpt on this batch, or pass another loss_fn=... (a scalar loss of the model's output)")
-    elif e.where != "the model's forward":
-        fix = ("pass loss_fn=... returning a scalar loss of the model's output (default: its .loss, the output if it is "
-               "a scalar, else the mean square of its tensors)")
-    elif len(args) == 1 and not kwargs and isinstance(args[0], Mapping):
-        fix = (f"the batch is one {type(args[0]).__name__}: if its keys are the model's arguments (input_ids=..., "
-               f"labels=...), pass them as keyword arguments: {call}(model, **batch, ...)")
-    else:
-        fix = (f"pass an example batch the model takes, as training calls it: model(*args, **kwargs) is planned by "
-               f"{call}(model, *args, ..., **kwargs)")
-    return CheckpointError(f"torchckpt: {call}(model, ...) profiles a training step of {type(model).__name__} on "
-                           f"{_batch_words(args, kwargs)}, and {e.where} raised {type(e.error).__name__}: {e.error}; "
-                           f"{fix}.")
 
 
 def _say(msg: str) -> None:

@@ -71,25 +71,15 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
-from torchckpt._errors import CheckpointError, internal_error
+from torchckpt._errors import CheckpointError
 from torchckpt.planner.blocks import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
+from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer
 from torchckpt.recompute.mutation import CallState, module_state
-from torchckpt.recompute.selective import OpCounter, keepable
 
 __all__ = ["OpCost", "Profile", "SAC_OPS", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
-
-# NOTE [ Plan search ] Rule 7: the ops whose outputs torch SAC users save (matmuls, attention), by overload name
-SAC_OPS = frozenset({
-    "aten.mm.default", "aten.addmm.default", "aten.bmm.default",
-    "aten._scaled_dot_product_flash_attention.default", "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default", "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten._scaled_dot_product_fused_attention_overrideable.default",
-})
-
 
 @dataclasses.dataclass(frozen=True)
 class SavedTensor:
@@ -108,24 +98,6 @@ class SavedTensor:
     shape: tuple[int, ...]
     dtype: str
     why_zero: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class OpCost:
-    """One aten op of a block's forward (NOTE [ Profiling step ] Rule 5).
-
-    Attributes:
-        position: its position among the block's ops, as ``Recompute(save=...)`` counts them.
-        op: the op overload's name.
-        nbytes: bytes of its outputs when ``Recompute(save=...)`` could keep them (``keepable``),
-            else 0 (views, outputs sharing an input's memory, in-place and random ops).
-        seconds: its time.
-    """
-
-    position: int
-    op: str
-    nbytes: int
-    seconds: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -525,7 +497,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
             torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
             clock.sync()
             del out, outs
-            timer = _OpTimer(1, clock)
+            timer = OpTimer(1, clock)
             timer.current = 0
             with timer:
                 mod(*a, **kw)
@@ -574,58 +546,11 @@ def _leaves(got: tuple[tuple[Any, ...], dict[str, Any]]) -> tuple[tuple[Any, ...
     return tuple(leaf(x) for x in a), {k: leaf(v) for k, v in kw.items()}
 
 
-def _never_unpacked(_: Any) -> torch.Tensor:  # pragma: no cover - the op-timing forward is never differentiated
-    raise internal_error("the op-timing forward was differentiated")
-
-
-class _OpTimer(OpCounter):
-    """Times each aten op of each block's forward and sizes its new outputs (NOTE [ Profiling step ] Rule 5)."""
-
-    def __init__(self, n: int, clock: Clock) -> None:
-        super().__init__()
-        self.clock = clock
-        self.current: int | None = None
-        self.raw: list[list[tuple[int, str, int, Any, Any]]] = [[] for _ in range(n)]
-        self.packs: list[list[int]] = [[] for _ in range(n)]  # per block: ops dispatched as each tensor was saved
-
-    def pack(self, t: torch.Tensor) -> None:
-        # Keep nothing: this forward is never differentiated, and a pack hook that returns the tensor itself makes
-        # each saved output hold its own grad_fn, a cycle through the autograd graph that Python's collector cannot
-        # see: the whole forward's graph leaked with every profile (one step of activations on the device).
-        if self.current is not None:
-            self.packs[self.current].append(self.k)
-        return None
-
-    def __enter__(self) -> _OpTimer:
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self.pack, _never_unpacked)
-        self._hooks.__enter__()
-        return super().__enter__()  # type: ignore[no-any-return]
-
-    def __exit__(self, *exc: Any) -> None:
-        super().__exit__(*exc)
-        self._hooks.__exit__(*exc)
-
-    def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
-        i = self.current
-        if i is None:
-            return func(*args, **kwargs)
-        a = self.clock.mark()
-        out = func(*args, **kwargs)
-        b = self.clock.mark()
-        nbytes = 0
-        if keepable(func, args, kwargs, out):  # what Recompute(save=...) could keep
-            storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                        for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)}
-            nbytes = sum(storages.values())
-        self.raw[i].append((k, str(func), nbytes, a, b))
-        return out
-
-
 def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tuple[Any, ...],
               kwargs: dict[str, Any], clock: Clock) -> tuple[tuple[tuple[OpCost, ...], ...], tuple[tuple[int, ...], ...]]:
     """One more forward, each block's aten ops timed (NOTE [ Profiling step ] Rule 5), and how many ops each block had
     run as each of its saved tensors was saved; the graph is dropped, nothing is differentiated."""
-    timer = _OpTimer(len(chain), clock)
+    timer = OpTimer(len(chain), clock)
     undo = []
 
     def enter(i: int) -> Callable[[], None]:
