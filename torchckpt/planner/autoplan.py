@@ -9,7 +9,7 @@ from torch import nn
 
 from torchckpt._args import parse_bytes
 from torchckpt.codecs.base import Codec
-from torchckpt.planner.args import check_args
+from torchckpt.planner.checks import check_args
 from torchckpt.planner.plan import Applied, Plan, _Profiled
 from torchckpt.planner.restore import untouched
 

@@ -67,10 +67,10 @@ from torchckpt.planner.costs import (
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
 from torchckpt.planner.rebuild import schedule as revolve_schedule
 from torchckpt.planner.rebuild import states
-from torchckpt.planner.args import check_args, check_codec, rejected
+from torchckpt.planner.checks import check_args, check_codec, rejected
 from torchckpt.planner.blocks import find_blocks
 from torchckpt.planner.measure import measure_codec, measure_link
-from torchckpt.planner.mutation import UseCacheOff, warn_mutating
+from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.profiling import Profile, SavedTensor, StepRaised, _loss_of, profile, profile_blocks
 from torchckpt.policies import Offload, Recompute

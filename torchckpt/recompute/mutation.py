@@ -41,7 +41,7 @@ turns ``use_cache`` off in training, with a warning.
 #    that writes its buffers), so it is kept or offloaded and runs its forward once; ``plan`` warns once per
 #    profile, naming the blocks and what changed. A budget that needs those blocks recomputed gets
 #    ``PlanError`` with the floor, as any budget under the floor does.
-# 6. transformers' ``use_cache`` (planner/mutation.py): a module of the model with ``config.use_cache`` and a
+# 6. transformers' ``use_cache`` (planner/use_cache.py): a module of the model with ``config.use_cache`` and a
 #    ``use_cache`` argument that holds a planned block runs with ``use_cache=False`` in training forwards
 #    (the module in training mode and grad enabled, whatever the call or the config asks), during the
 #    planner's own steps and while a plan is applied (``Plan.apply``, ``auto``); ``Applied.remove()`` ends it.
