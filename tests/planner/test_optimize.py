@@ -195,16 +195,16 @@ def test_backward_calibrated_on_its_own_when_measured() -> None:
 def test_op_times_lose_the_timer_gap_not_a_share() -> None:
     """NOTE [ Profiling step ] Rule 5: each op timed alone carries the same launch gap; taking it off every op (none
     below zero) leaves a matmul's time nearly whole, where scaling by the forward would shrink it by the same share."""
-    from torchckpt.planner.profiling import _less_gaps
+    from torchckpt.planner.op_timing import less_gaps
 
     timed = [1.0e-3] + [30e-6] * 10 + [5e-6] * 5  # one matmul, ten small ops, five views; 1.325 ms in all
-    got = _less_gaps(timed, 1.1e-3)  # the block's forward: 1.1 ms
+    got = less_gaps(timed, 1.1e-3)  # the block's forward: 1.1 ms
     assert sum(got) == pytest.approx(1.1e-3, rel=1e-9)
     assert min(got) >= 0 and got[-1] == 0.0  # views: nothing left
     gap = timed[0] - got[0]
     assert gap == pytest.approx(timed[1] - got[1]) and 5e-6 < gap < 30e-6
     assert got[0] > 0.97e-3 > timed[0] * 1.1 / 1.325  # proportional scaling would give 0.83 ms
-    assert _less_gaps(timed, 2e-3) == timed  # a forward longer than the ops: nothing to take off
+    assert less_gaps(timed, 2e-3) == timed  # a forward longer than the ops: nothing to take off
 
 
 @settings(max_examples=300, deadline=None)

@@ -13,7 +13,7 @@ from torch import nn
 
 from ckpt_models import Block as TransformerBlock
 from torchckpt.planner import Link, Plan, predict, profile
-from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, Decision, StepCosts
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, StepCosts
 from torchckpt.planner.optimize import search
 from torchckpt.planner.plan import Measurement, _make, _Profiled, _slack
 from torchckpt.planner.profiling import Profile

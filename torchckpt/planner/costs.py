@@ -135,6 +135,10 @@ class Block:
             its options are keep and offload only.
         sac: positions among ``ops`` of its matmuls and attention ops, those torch SAC users save: what the simple
             policy ``Recompute(save=...)`` on every block keeps (NOTE [ Plan search ] Rule 7).
+        rec_s: what ``Recompute()`` costs this block beyond running its forward again (saved-tensor hooks, the
+            recomputation's frame), measured (NOTE [ Mechanism costs ] Rule 3); may be negative.
+        keep_rec_s: the same for ``Recompute(save=...)`` (its dispatch mode runs Python per op; NOTE [ Mechanism
+            costs ] Rule 4).
     """
 
     name: str
@@ -149,6 +153,8 @@ class Block:
     cuts: tuple[int, ...] = ()
     recomputable: bool = True
     sac: tuple[int, ...] = ()
+    rec_s: float = 0.0
+    keep_rec_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -168,6 +174,8 @@ class StepCosts:
         codec: the codec offloads may use (``None``: offloads are uncompressed).
         bwd_fixed_bytes: device bytes that no decision changes during the backward, when measured
             (NOTE [ Step model ] Rule 4); ``None``: ``fixed_bytes``.
+        rec_bytes / keep_rec_bytes: measured bytes a block recomputed by ``Recompute()`` / ``Recompute(save=...)``
+            holds in its backward beyond what the model counts (NOTE [ Mechanism costs ] Rules 3-4); may be negative.
     """
 
     blocks: tuple[Block, ...]
@@ -178,6 +186,8 @@ class StepCosts:
     link: Link
     codec: CodecCost | None = None
     bwd_fixed_bytes: int | None = None
+    rec_bytes: int = 0
+    keep_rec_bytes: int = 0
 
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
@@ -421,14 +431,17 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
     kept, off = _split(b, d)
     wire, extra_f, extra_b = off, 0.0, 0.0
     rec = d.mode == "recompute"
-    if rec:
-        extra_b = recompute_seconds(b, d)
+    if rec:  # NOTE [ Mechanism costs ]: what the mechanism itself costs, as measured
+        extra_b = max(0.0, recompute_seconds(b, d) + (b.keep_rec_s if d.keep else b.rec_s))
     if d.compress and codec is not None:
         squeezed = kept_bytes(b, d) if rec else off  # Decision.compress
         wire = off - squeezed + int(squeezed / codec.ratio)
         extra_f = squeezed / codec.compress
         extra_b += squeezed / codec.decompress
-    return kept, off, wire, extra_f, extra_b, max(materialised_bytes(b, d), kept) if rec else kept, rec, d.host
+    held = kept
+    if rec:
+        held = max(materialised_bytes(b, d) + (chain.keep_rec_bytes if d.keep else chain.rec_bytes), kept, 0)
+    return kept, off, wire, extra_f, extra_b, held, rec, d.host
 
 
 def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bool = True,

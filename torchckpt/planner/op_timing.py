@@ -3,6 +3,7 @@ when it keeps ops' outputs instead of recomputing them (``Recompute(save=...)``)
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,7 +13,7 @@ from torchckpt._errors import internal_error
 from torchckpt.planner.measure import Clock
 from torchckpt.recompute.selective import OpCounter, keepable
 
-__all__ = ["OpCost", "OpTimer", "SAC_OPS"]
+__all__ = ["OpCost", "OpTimer", "SAC_OPS", "less_gaps", "median", "median_ops"]
 
 # NOTE [ Plan search ] Rule 7: the ops whose outputs torch SAC users save (matmuls, attention), by overload name
 SAC_OPS = frozenset({
@@ -88,3 +89,36 @@ class OpTimer(OpCounter):
             nbytes = sum(storages.values())
         self.raw[i].append((k, str(func), nbytes, a, b))
         return out
+
+
+def median(xs: Sequence[float]) -> float:
+    """The median of ``xs`` (the mean of the middle two for an even count)."""
+    s = sorted(xs)
+    n = len(s)
+    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
+
+
+def median_ops(runs: Sequence[tuple[tuple[OpCost, ...], ...]]) -> tuple[tuple[OpCost, ...], ...]:
+    """The first run's ops, each with its median time over the runs that went through the block's ops alike
+    (NOTE [ Profiling step ] Rule 9)."""
+    out = []
+    for i, mine in enumerate(runs[0]):
+        alike = [r[i] for r in runs if [o.op for o in r[i]] == [o.op for o in mine]]
+        out.append(tuple(dataclasses.replace(o, seconds=median([r[k].seconds for r in alike]))
+                         for k, o in enumerate(mine)))
+    return tuple(out)
+
+
+def less_gaps(seconds: Sequence[float], total: float) -> list[float]:
+    """Op times less the gap the timer opened around each (NOTE [ Profiling step ] Rule 5): the same amount off every op
+    (none below 0), chosen so that they sum to the block's measured forward ``total``; unchanged when they already fit in it."""
+    if sum(seconds) <= total or not seconds:
+        return list(seconds)
+    lo, hi = 0.0, max(seconds)
+    for _ in range(60):  # bisection on the gap: sum(max(0, s - gap)) falls as the gap grows
+        gap = (lo + hi) / 2
+        if sum(max(0.0, t - gap) for t in seconds) > total:
+            lo = gap
+        else:
+            hi = gap
+    return [max(0.0, t - hi) for t in seconds]

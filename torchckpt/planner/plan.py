@@ -61,10 +61,11 @@ from torchckpt._args import check_module, found, parse_bytes
 from torchckpt._errors import format_bytes_apart
 from torchckpt.api import ChainCheckpoint, checkpoint, checkpoint_chain
 from torchckpt.codecs.base import Codec
+from torchckpt.planner.calibrate import calibrate, measure_policies
 from torchckpt.planner.costs import (
-    CodecCost, Decision, Link, Prediction, cache_bytes, parts_seconds, split_bytes,
+    CodecCost, Decision, Link, Prediction, StepCosts, cache_bytes, parts_seconds, predict, split_bytes,
 )
-from torchckpt.planner.optimize import FAMILIES, PlanError, search, size
+from torchckpt.planner.optimize import FAMILIES, PlanError, search, simple_policies, size
 from torchckpt.planner.rebuild import schedule as revolve_schedule
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.checks import check_args, check_codec, rejected
@@ -447,10 +448,12 @@ class _Profiled:
     """One profiling step and its search, planned for any budget."""
 
     def __init__(self, prof: Profile, link: Link, codec: CodecCost | None,
-                 step: Callable[[Plan], tuple[int, float] | None]) -> None:
+                 step: Callable[[Plan], tuple[int, float] | None], chain: StepCosts | None = None,
+                 memo: dict[tuple[Decision, ...], tuple[int, float]] | None = None) -> None:
         self.prof, self.link, self.codec = prof, link, codec
-        self.found = search(prof.chain(link, codec))
-        self.step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
+        self.found = search(chain if chain is not None else prof.chain(link, codec))
+        self._step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
+        self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 5: plans measured, kept
         self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.say: Callable[[str], None] = _quiet
 
@@ -486,9 +489,10 @@ class _Profiled:
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
         loss_of = loss_fn if loss_fn is not None else _loss_of
+        measuring = verify and torch.device(prof.device).type == "cuda"
 
         def step(p: Plan) -> tuple[int, float] | None:
-            if not verify or torch.device(prof.device).type != "cuda":
+            if not measuring:
                 return None
             a = p.apply(model, codec=codec)
             try:
@@ -511,7 +515,28 @@ class _Profiled:
             finally:
                 a.remove()
 
-        planned = _Profiled(prof, ln, ccost, step)
+        chain = prof.chain(ln, ccost)
+        memo: dict[tuple[Decision, ...], tuple[int, float]] = {}
+        if measuring:  # NOTE [ Mechanism costs ]: the mechanisms' own costs, measured
+            policies = simple_policies(chain)
+            keep_all = predict(chain, policies[0][1])
+
+            def policy_step(name: str, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
+                if prof.by_blocks and not any(d.mode == "recompute" for d in decisions):
+                    return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
+                t1 = time.perf_counter()
+                try:
+                    got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    return None
+                if got is not None:
+                    memo[decisions] = got
+                    say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
+                return got
+
+            chain = calibrate(chain, policies, measure_policies(policies, policy_step))
+        planned = _Profiled(prof, ln, ccost, step, chain, memo)
         planned.say = say
         say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
         return planned
@@ -550,6 +575,16 @@ class _Profiled:
         self.verified.append(best)
         return best
 
+    def step(self, p: Plan, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
+        """``p`` (whose decisions are ``decisions``) measured, or what measuring it gave before (NOTE [ Mechanism costs ]
+        Rule 5)."""
+        if decisions not in self.memo:
+            got = self._step(p)
+            if got is None:
+                return None
+            self.memo[decisions] = got
+        return self.memo[decisions]
+
     def _or_simple(self, budget: int, best: Plan,
                    tried: dict[tuple[Decision, ...], tuple[int, float] | None]) -> Plan:
         """NOTE [ Applying a plan ] Rule 7: ``best`` (measured) or the best simple policy that fits ``budget``, whichever
@@ -562,7 +597,7 @@ class _Profiled:
         name, decisions, pred = found
         p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
                                       self.link, self.codec), simple=name)
-        got = tried[decisions] if decisions in tried else self.step(p)  # at most one more verification
+        got = tried[decisions] if decisions in tried else self.step(p, decisions)  # at most one more verification
         if got is None:
             return dataclasses.replace(best, measurements=(mine,))
         peak, seconds = got
@@ -585,7 +620,7 @@ class _Profiled:
             decisions, pred = self.found.best(target, family)
             p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
                                           self.link, self.codec), simple=self.found.simple_name(decisions))
-            got = tried[decisions] = self.step(p)
+            got = tried[decisions] = self.step(p, decisions)
             if got is None:
                 return p, tried
             measured, seconds = got

@@ -57,6 +57,12 @@
 #    comes out as ``StepRaised``, naming which of the three, with the exception as its ``__cause__``; the planner's
 #    entry points raise it as an error naming their call, chained to it. torchckpt's own errors and running out of
 #    device memory (Rule 6) pass through as they are.
+# 9. Times vary between steps and processes by a few percent, and a plan decided on one noisy time differs
+#    from a plan decided on another. So the measured step runs ``repeats`` times (3) and each block's forward
+#    and backward, the forward's and the step's time are the medians; the op-timing forward of Rule 5 runs as
+#    many times, and each op's time is its median. Blocks that run the same computation (one ``kind``, the
+#    same input bytes, saved tensors and ops) then share the median of their times (``Profile.blocks``): the
+#    search sees identical layers as identical, and breaks ties between them by position alone.
 """
 from __future__ import annotations
 
@@ -76,7 +82,7 @@ from torchckpt._errors import CheckpointError
 from torchckpt.planner.blocks import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
-from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer
+from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer, less_gaps, median, median_ops
 from torchckpt.recompute.mutation import CallState, module_state
 
 __all__ = ["OpCost", "Profile", "SAC_OPS", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
@@ -139,8 +145,9 @@ class Profile:
 
     def blocks(self) -> list[Block]:
         out = []
+        fwd_s, bwd_s, op_s = self._pooled()  # NOTE [ Profiling step ] Rule 9
         for i, name in enumerate(self.names):
-            secs = _less_gaps([o.seconds for o in self.ops[i]], self.fwd_s[i])  # NOTE [ Profiling step ] Rule 5
+            secs = less_gaps(op_s[i], fwd_s[i])  # NOTE [ Profiling step ] Rule 5
             ops = tuple((o.position, o.nbytes, t) for o, t in zip(self.ops[i], secs) if o.nbytes > 0)
             after = self.saved_after[i] if i < len(self.saved_after) else ()
             at: tuple[float, ...] = ()
@@ -156,10 +163,29 @@ class Profile:
             fixed = (i < len(self.writes_buffers) and self.writes_buffers[i]) or (
                 i < len(self.mutates) and bool(self.mutates[i]))  # NOTE [ Profiling step ] Rule 7: never recomputed
             sac = tuple(o.position for o in self.ops[i] if o.op in SAC_OPS and o.nbytes > 0)  # NOTE [ Plan search ] Rule 7
-            out.append(Block(name, self.fwd_s[i], self.bwd_s[i], self.input_bytes[i],
+            out.append(Block(name, fwd_s[i], bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
                              recomputable=not fixed, sac=sac))
         return out
+
+    def _pooled(self) -> tuple[list[float], list[float], list[list[float]]]:
+        """Each block's forward, backward and op times, the median of its group's: blocks of one kind with the same
+        input bytes, saved tensors and ops (NOTE [ Profiling step ] Rule 9)."""
+        groups: dict[Any, list[int]] = {}
+        for i in range(len(self.names)):
+            key = (self.kinds[i], self.input_bytes[i], tuple(t.nbytes for t in self.saved[i]),
+                   tuple((o.op, o.nbytes) for o in self.ops[i]))
+            groups.setdefault(key, []).append(i)
+        fwd, bwd = list(self.fwd_s), list(self.bwd_s)
+        ops = [[o.seconds for o in b] for b in self.ops]
+        for members in groups.values():
+            if len(members) < 2:
+                continue
+            f, b = median([self.fwd_s[i] for i in members]), median([self.bwd_s[i] for i in members])
+            per_op = [median([self.ops[i][k].seconds for i in members]) for k in range(len(self.ops[members[0]]))]
+            for i in members:
+                fwd[i], bwd[i], ops[i] = f, b, list(per_op)
+        return fwd, bwd, ops
 
     def chain(self, link: Link, codec: CodecCost | None = None) -> StepCosts:
         """The costs the optimiser reads (``Block.saved`` lists the positions with bytes, in order).
@@ -173,21 +199,6 @@ class Profile:
                                        self.other_fwd_s, self.other_bwd_s, link, codec)
         return StepCosts.calibrated(blocks, self.peak_none, self.other_saved_bytes, self.other_fwd_s, self.other_bwd_s,
                                 link, codec, self.bwd_start_bytes)
-
-
-def _less_gaps(seconds: Sequence[float], total: float) -> list[float]:
-    """Op times less the gap the timer opened around each (NOTE [ Profiling step ] Rule 5): the same amount off every op
-    (none below 0), chosen so that they sum to the block's measured forward ``total``; unchanged when they already fit in it."""
-    if sum(seconds) <= total or not seconds:
-        return list(seconds)
-    lo, hi = 0.0, max(seconds)
-    for _ in range(60):  # bisection on the gap: sum(max(0, s - gap)) falls as the gap grows
-        gap = (lo + hi) / 2
-        if sum(max(0.0, t - gap) for t in seconds) > total:
-            lo = gap
-        else:
-            hi = gap
-    return [max(0.0, t - hi) for t in seconds]
 
 
 def _tensors(x: Any) -> Iterator[torch.Tensor]:
@@ -370,7 +381,7 @@ def _step(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], loss_
 def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             blocks: Sequence[tuple[str, nn.Module]] | None = None,
             loss_fn: Callable[[Any], torch.Tensor] | None = None, warmup: int = 1,
-            keep_sample: list[torch.Tensor] | None = None) -> Profile:
+            keep_sample: list[torch.Tensor] | None = None, repeats: int = 3) -> Profile:
     """Run and measure one step of ``model(*args, **kwargs)`` (NOTE [ Profiling step ]); gradients are left in place.
 
     Args:
@@ -381,6 +392,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             mean square of its tensors).
         warmup: unmeasured steps first.
         keep_sample: if a list, the largest tensor a block saved is appended to it (to measure a codec on).
+        repeats: measured steps and op-timing forwards, whose median times count (NOTE [ Profiling step ] Rule 9).
     """
     chain, params, device, clock, loss_of = _setup(model, blocks, loss_fn)
 
@@ -407,26 +419,19 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         start_bytes = torch.cuda.memory_allocated(device)
     rec = _Recorder(chain, params, clock)
     rec.keep_sample = keep_sample is not None
-    t0 = clock.mark()
-    step(rec)
-    t1 = clock.mark()
-    clock.sync()
+    runs = [_timed(step, rec, clock)]
     if clock.cuda:
         peak = max(rec.peak, torch.cuda.max_memory_allocated(device)) - start_bytes
     else:
         peak = _cpu_peak(model, rec)
-    n = len(chain)
     if keep_sample is not None and rec.sample is not None:
         keep_sample.append(rec.sample)
-    fwd = [clock.between(a, b) for a, b in rec.fwd]
-    bwd = []
-    for i in range(n):
-        start = rec.grad_at_out[i]
-        end = rec.grad_at_in[i]
-        bwd.append(clock.between(start, end) if start is not None and end is not None else 0.0)
-    fwd_total = clock.between(t0, rec.fwd_end)  # type: ignore[attr-defined]
-    step_s = clock.between(t0, t1)
-    ops, after = _op_costs(model, chain, args, kwargs, clock)
+    runs += [_timed(step, _Recorder(chain, params, clock), clock) for _ in range(repeats - 1)]  # NOTE [ Profiling step ] Rule 9
+    fwd = [median([r[0][i] for r in runs]) for i in range(len(chain))]
+    bwd = [median([r[1][i] for r in runs]) for i in range(len(chain))]
+    fwd_total, step_s = median([r[2] for r in runs]), median([r[3] for r in runs])
+    op_runs = [_op_costs(model, chain, args, kwargs, clock) for _ in range(repeats)]
+    ops, after = median_ops([r[0] for r in op_runs]), op_runs[0][1]  # NOTE [ Profiling step ] Rule 9
     return Profile(
         names=tuple(nm for nm, _ in chain), kinds=tuple(block_kind(m) for _, m in chain),
         saved=tuple(tuple(s) for s in rec.saved), input_bytes=tuple(rec.inputs),
@@ -437,6 +442,20 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             s is not None for s in rec.grad_at_out) else (),
         saved_after=after, writes_buffers=tuple(rec.writes_buffers), mutates=tuple(rec.mutates),
     )
+
+
+def _timed(step: Callable[[_Recorder], None], rec: _Recorder,
+           clock: Clock) -> tuple[list[float], list[float], float, float]:
+    """One recorded step's times: each block's forward and backward, the forward's, the step's
+    (NOTE [ Profiling step ] Rule 3)."""
+    t0 = clock.mark()
+    step(rec)
+    t1 = clock.mark()
+    clock.sync()
+    bwd = [clock.between(a, b) if a is not None and b is not None else 0.0
+           for a, b in zip(rec.grad_at_out, rec.grad_at_in)]
+    return ([clock.between(a, b) for a, b in rec.fwd], bwd, clock.between(t0, rec.fwd_end),  # type: ignore[attr-defined]
+            clock.between(t0, t1))
 
 
 def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,

@@ -1,0 +1,175 @@
+"""The mechanisms' measured costs in the step model (NOTE [ Mechanism costs ]) and the profile's robust times
+(NOTE [ Profiling step ] Rule 9), on the CPU with injected measurements."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from torch import nn
+
+from ckpt_models import Block as TransformerBlock
+from torchckpt.planner import Link, Plan, predict, profile
+from torchckpt.planner.calibrate import KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts
+from torchckpt.planner.optimize import search, simple_policies
+from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.profiling import Profile
+
+D, H = 32, 4
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 6) -> None:
+        super().__init__()
+        self.inp = nn.Linear(D, D)
+        self.h = nn.ModuleList(TransformerBlock(D, H) for _ in range(n))
+        self.out = nn.Linear(D, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for blk in self.h:
+            x = blk(x)
+        return self.out(x)
+
+
+@pytest.fixture(scope="module")
+def prof() -> Profile:
+    """A profile of ``Net(6)`` with fixed times (the CPU's vary from run to run)."""
+    torch.manual_seed(5)
+    prof = profile(Net(6), (torch.randn(4, 16, D),), {})
+    ops = tuple(tuple(dataclasses.replace(o, seconds=1e-3 / len(b)) for o in b) for b in prof.ops)
+    n = len(prof.names)
+    return dataclasses.replace(prof, fwd_s=(1e-3,) * n, bwd_s=(2e-3,) * n, ops=ops, other_fwd_s=1e-4,
+                               other_bwd_s=2e-4, step_s=3e-3 * n + 3e-4)
+
+
+def _chain(prof: Profile) -> StepCosts:
+    return prof.chain(Link(1e6, 1e6))  # a link too slow to offload over: plans keep and recompute
+
+
+def test_calibrated_policies_predict_what_they_measured(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rules 2-5: after calibration the three measured policies predict their measured step
+    (and, for the two recomputations, their measured peak); the other plans pay each block's measured cost."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    before = {name: predict(chain, plans[name]) for name in MEASURED}
+    rc, sel = before[RECOMPUTE_ALL].peak_bytes, before[KEEP_OPS_ALL].peak_bytes
+    measured = {KEEP_ALL: (before[KEEP_ALL].peak_bytes, before[KEEP_ALL].step_s + 4e-3),
+                RECOMPUTE_ALL: (rc - rc // 20, before[RECOMPUTE_ALL].step_s + 9e-3),
+                KEEP_OPS_ALL: (sel + sel // 25, before[KEEP_OPS_ALL].step_s + 30e-3)}
+    cal = calibrate(chain, policies, measured)
+    for name in MEASURED:
+        got = predict(cal, plans[name])
+        assert got.step_s == pytest.approx(measured[name][1], abs=1e-12), name
+    for name in (RECOMPUTE_ALL, KEEP_OPS_ALL):  # the peaks within the tolerance of NOTE [ Mechanism costs ] Rule 3
+        assert abs(predict(cal, plans[name]).peak_bytes - measured[name][0]) <= measured[name][0] // 1000, name
+    assert cal.rec_bytes < 0 < cal.keep_rec_bytes
+    n = len(chain.blocks)
+    assert cal.other_bwd_s == pytest.approx(chain.other_bwd_s + 4e-3)
+    # Rule 3: Recompute()'s extra 9 ms less what Rule 2 already added (4 ms), spread over the identical blocks
+    assert [b.rec_s for b in cal.blocks] == pytest.approx([5e-3 / n] * n)
+    assert sum(b.keep_rec_s for b in cal.blocks) == pytest.approx(30e-3 - 4e-3)
+    mixed = tuple(RECOMPUTE if i % 3 == 0 else KEEP for i in range(n))  # a plan that was not measured
+    assert predict(cal, mixed).step_s - predict(chain, mixed).step_s == pytest.approx(
+        4e-3 + sum(cal.blocks[i].rec_s for i in range(0, n, 3)))
+
+
+def test_the_cost_is_spread_by_tensors_and_by_ops(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rules 3-4: Recompute()'s cost in proportion to the tensors each block saves, that of
+    Recompute(save=...) to its keepable ops."""
+    chain = _chain(prof)
+    blocks = list(chain.blocks)
+    blocks[0] = dataclasses.replace(blocks[0], saved=blocks[0].saved + (0,) * len(blocks[0].saved),
+                                    ops=blocks[0].ops * 2)  # twice the tensors and ops, nothing else changed
+    chain = dataclasses.replace(chain, blocks=tuple(blocks))
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    measured = {name: (None, predict(chain, plans[name]).step_s + 7e-3) for name in (RECOMPUTE_ALL, KEEP_OPS_ALL)}
+    cal = calibrate(chain, policies, measured)
+    assert cal.blocks[0].rec_s == pytest.approx(2 * cal.blocks[1].rec_s)
+    assert cal.blocks[0].keep_rec_s == pytest.approx(2 * cal.blocks[1].keep_rec_s)
+    assert cal.rec_bytes == cal.keep_rec_bytes == 0  # no peak measured: the bytes stay the model's
+
+
+def test_a_costly_dispatch_mode_moves_the_search_off_kept_ops(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 5: where Recompute(save=...) measured dear (its Python per op), the search's plan
+    for a budget that took it before keeps no op's output; where it measured as the model priced it, it stays."""
+    chain = _chain(prof)
+    found = search(chain)
+    budget = next(b for b in sorted(p.peak_bytes for _, p in found.plans) if any(d.keep for d in found.best(b)[0]))
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    sel = predict(chain, plans[KEEP_OPS_ALL])
+    cheap = calibrate(chain, policies, {KEEP_OPS_ALL: (sel.peak_bytes, sel.step_s)})
+    assert any(d.keep for d in search(cheap).best(budget)[0])
+    dear = calibrate(chain, policies, {KEEP_OPS_ALL: (sel.peak_bytes, sel.step_s + 0.5)})
+    assert not any(d.keep for d in search(dear).best(budget)[0])
+
+
+def test_measure_policies_measures_the_three_in_order_and_leaves_out_what_did_not_run(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 1: keep everything, Recompute(), Recompute(save=...), each once; one that could not
+    run (``None``: out of memory) is left out, and its terms stay 0."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    calls: list[str] = []
+
+    def step(name: str, plan: tuple[Decision, ...]) -> tuple[int, float] | None:
+        calls.append(name)
+        assert plan == dict(policies)[name]
+        return None if name == RECOMPUTE_ALL else (1 << 30, 1.0)
+
+    got = measure_policies(policies, step)
+    assert calls == list(MEASURED) and set(got) == {KEEP_ALL, KEEP_OPS_ALL}
+    cal = calibrate(chain, policies, got)
+    assert all(b.rec_s == 0.0 for b in cal.blocks) and cal.rec_bytes == 0
+
+
+def test_verification_reuses_what_was_measured(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 5: a plan measured before (while calibrating, or for another budget) is not run
+    again; its figures are taken."""
+    calls: list[str] = []
+
+    def step(p: Plan) -> tuple[int, float]:
+        calls.append(p.simple)
+        return p.peak_bytes, 2.0
+
+    chain = _chain(prof)
+    every = dict(simple_policies(chain))[RECOMPUTE_ALL]
+    planner = _Profiled(prof, Link(1e6, 1e6), None, step, chain, {every: (predict(chain, every).peak_bytes, 1.0)})
+    budget = predict(chain, every).peak_bytes * 10 // 9
+    p = planner.plan(budget)
+    assert RECOMPUTE_ALL not in calls and p.simple == RECOMPUTE_ALL and p.measured_step_time == 1.0
+    n = len(calls)
+    planner.plan(budget + 1)
+    assert len(calls) == n  # the same plans again: every one of them measured before
+
+
+def test_identical_blocks_share_the_median_of_their_times(prof: Profile) -> None:
+    """NOTE [ Profiling step ] Rule 9: blocks of one kind with the same bytes and ops get their group's median forward,
+    backward and op times; a block of another kind keeps its own."""
+    n = len(prof.names)
+    fwd = tuple(1e-3 * (i + 1) for i in range(n))
+    bwd = tuple(2e-3 * (n - i) for i in range(n))
+    ops = tuple(tuple(dataclasses.replace(o, seconds=(i + 1) * 1e-4) for o in b) for i, b in enumerate(prof.ops))
+    varied = dataclasses.replace(prof, fwd_s=fwd, bwd_s=bwd, ops=ops)
+    blocks = varied.blocks()
+    assert [b.fwd_s for b in blocks] == pytest.approx([sum(fwd[2:4]) / 2] * n)
+    assert [b.bwd_s for b in blocks] == pytest.approx([sum(bwd[2:4]) / 2] * n)
+    assert len({b.ops for b in blocks}) == 1
+    other = dataclasses.replace(varied, kinds=varied.kinds[:-1] + ("another",)).blocks()
+    assert other[-1].fwd_s == fwd[-1] and other[-1].bwd_s == bwd[-1]
+    assert {b.fwd_s for b in other[:-1]} == {fwd[2]}  # the median of the five others
+
+
+@pytest.mark.parametrize("repeats", [1, 3])
+def test_the_profile_measures_repeats_steps_and_op_timing_forwards(repeats: int) -> None:
+    """NOTE [ Profiling step ] Rule 9: the warm-up step, ``repeats`` measured steps and ``repeats`` op-timing
+    forwards run each block's forward."""
+    torch.manual_seed(1)
+    m = Net(2)
+    runs = []
+    m.h[0].register_forward_hook(lambda *a: runs.append(1))
+    profile(m, (torch.randn(2, 8, D),), {}, repeats=repeats)
+    assert len(runs) == 1 + 2 * repeats

@@ -1,0 +1,113 @@
+"""What the planner's own mechanisms cost, measured on the device and put into the step model (pure Python).
+
+# NOTE [ Mechanism costs ]
+# 1. The step model (NOTE [ Step model ]) prices a recomputation as the block's forward run again. The
+#    mechanisms add work of their own that depends on the model, not only on its FLOPs: ``Recompute()``'s
+#    saved-tensor hooks and frame per tensor, ``Recompute(save=...)``'s dispatch mode, which runs Python for
+#    every op of the block in both sweeps (large on models of many small ops: an RMSNorm or rotary embedding
+#    written in Python), and the frames that keep a recomputation's tensors alive. So after the profiling step,
+#    on the device, the planner measures three of the simple policies (NOTE [ Plan search ] Rule 7): keep
+#    everything (plain autograd), every block ``Recompute()``, every block ``Recompute(save=matmuls,
+#    attention)``: each as verification measures a plan (a step, then the median time and largest peak of three;
+#    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
+#    left unmeasured and its terms stay 0.
+# 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
+#    (``StepCosts.other_bwd_s``, not below 0): the profiling step's own recording hooks are gone from the
+#    prediction of every plan alike.
+# 3. Every block ``Recompute()``: its measured time less the predicted one (after Rule 2), spread over the
+#    blocks in proportion to the tensors each saves (the hooks' work is per tensor), is each block's
+#    ``Block.rec_s``, added to every recomputation of it that keeps no op's output (whole or in parts).
+#    Its measured peak less the predicted one is ``StepCosts.rec_bytes``, added to what such a recomputed
+#    block holds in its backward; solved again while the predicted peak stays in a backward (where it acts).
+# 4. Every block ``Recompute(save=...)``: the same after Rule 3, spread in proportion to each block's
+#    keepable ops (the dispatch mode's work is per op), ``Block.keep_rec_s`` and ``StepCosts.keep_rec_bytes``,
+#    for recomputations that keep ops' outputs.
+# 5. So the measured policies predict what they measured, and a mixed plan pays each mechanism, per block,
+#    what it cost on this model. The measurements are kept: verification (NOTE [ Applying a plan ] Rules 4-7)
+#    reuses them instead of running those plans again.
+# 6. Not measured yet: the store's Python per offloaded tensor, and copies sharing the device with compute
+#    (verification's race of families, NOTE [ Applying a plan ] Rule 5, measures those plans instead). On the
+#    CPU nothing is measured (no verification there either): the costs are the model's alone.
+"""
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+
+from torchckpt.planner.costs import Block, Decision, StepCosts, predict
+
+__all__ = ["KEEP_ALL", "RECOMPUTE_ALL", "KEEP_OPS_ALL", "MEASURED", "calibrate", "measure_policies"]
+
+KEEP_ALL = "keep everything"
+RECOMPUTE_ALL = "every block Recompute()"
+KEEP_OPS_ALL = "every block Recompute(save=matmuls, attention)"
+MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
+
+Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
+_TOLERANCE = 1000  # a peak within 1/1000 of the measured one is solved (NOTE [ Mechanism costs ] Rule 3)
+
+
+def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
+                     step: Callable[[str, tuple[Decision, ...]], Measured | None]) -> dict[str, Measured]:
+    """NOTE [ Mechanism costs ] Rule 1: ``step(name, plan)`` for each of ``MEASURED`` among ``policies`` (the search's
+    simple policies), by name; a policy whose step returns ``None`` (it could not run) is left out."""
+    by_name = dict(policies)
+    out = {}
+    for name in MEASURED:
+        if name in by_name:
+            got = step(name, by_name[name])
+            if got is not None:
+                out[name] = got
+    return out
+
+
+def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
+              measured: Mapping[str, Measured], lookahead: int = 1) -> StepCosts:
+    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-4): ``measured`` holds what
+    ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
+    plans = dict(policies)
+    if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
+        extra = measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s
+        chain = dataclasses.replace(chain, other_bwd_s=max(0.0, chain.other_bwd_s + extra))
+    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops))
+    for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-4
+        if name not in measured or name not in plans:
+            continue
+        plan = plans[name]
+        mine = [i for i, d in enumerate(plan) if d.mode == "recompute" and bool(d.keep) == (field == "keep_rec_s")]
+        if not mine:
+            continue
+        peak, seconds = measured[name]
+        extra = seconds - predict(chain, plan, lookahead).step_s
+        w = [weight(chain.blocks[i]) for i in mine]
+        total = sum(w)
+        blocks = list(chain.blocks)
+        for i, wi in zip(mine, w):
+            v = extra * wi / total
+            blocks[i] = dataclasses.replace(blocks[i], rec_s=v) if field == "rec_s" else dataclasses.replace(
+                blocks[i], keep_rec_s=v)
+        chain = dataclasses.replace(chain, blocks=tuple(blocks))
+        if peak is not None:
+            chain = _solve_bytes(chain, plan, peak, bytes_field, lookahead)
+    return chain
+
+
+def _tensors(b: Block) -> float:
+    return float(max(1, len(b.saved)))
+
+
+def _ops(b: Block) -> float:
+    return float(max(1, len(b.ops)))
+
+
+def _solve_bytes(chain: StepCosts, plan: tuple[Decision, ...], peak: int, field: str, lookahead: int) -> StepCosts:
+    """NOTE [ Mechanism costs ] Rule 3: the ``field`` (``rec_bytes`` or ``keep_rec_bytes``) under which ``plan``
+    predicts its measured ``peak``, while the predicted peak lies in a backward (where the term acts)."""
+    for _ in range(4):
+        p = predict(chain, plan, lookahead)
+        miss = peak - p.peak_bytes
+        if abs(miss) <= peak // _TOLERANCE or not p.at.startswith("backward"):
+            break
+        chain = dataclasses.replace(chain, rec_bytes=chain.rec_bytes + miss) if field == "rec_bytes" else \
+            dataclasses.replace(chain, keep_rec_bytes=chain.keep_rec_bytes + miss)
+    return chain
