@@ -238,7 +238,7 @@ def main() -> None:
         codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if codec_name == "q4" else None
         t0 = time.perf_counter()
         try:
-            planned = _Profiled.prepare(m, (bench.x,), bench.kwargs, codec, None, None, None)
+            planned = _Profiled.prepare(m, (bench.x,), bench.kwargs, codec, None, None, None, progress=True)
             with open(os.path.join(out, f"profile{tag}{'_' + codec_name if codec_name else ''}.json"), "w") as f:
                 json.dump({"link": [planned.link.d2h, planned.link.h2d],
                            "codec": dataclasses.asdict(planned.codec) if planned.codec else None,

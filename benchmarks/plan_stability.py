@@ -1,0 +1,178 @@
+"""Are the planner's plans stable? One model, batch and budget planned in separate processes, each plan measured.
+
+Issue 24's Deliver 3: the same model, batch and budget planned in three separate processes should measure within
+3% of each other. Each process builds the model of ``benchmarks/architectures.py`` (same seed, same batch), plans
+every budget with ``torchckpt.planner.plans`` (one profile, verification on the device), then measures each plan
+applied and plain autograd in the same way as ``benchmarks/zoo.py`` (2 warm-up steps, the median of ``--reps``),
+and writes what it planned and measured. The parent prints, per budget, each process's decisions, predicted and
+measured step, and the spread of the measured steps (max / min - 1), with no checkpointing's spread beside it (the
+device's own noise between processes); writes ``plan_stability_<model>.json`` and a plot.
+
+    python benchmarks/plan_stability.py --model llama --budgets 5.29,9 [--procs 3] [--reps 7] [--out DIR]
+    python benchmarks/plan_stability.py --tiny          # the CPU, tiny sizes (times only)
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from typing import Any
+
+import torch
+
+from common import GiB, out_dir, pyplot, save_figure
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _decisions(p: Any) -> str:
+    """The plan's decisions, counted (e.g. ``4 keep, 8 recompute``)."""
+    names = Counter(b.mode + (f"{len(b.offload)}" if b.offload else "") + (f"+keep{len(b.keep_ops)}" if b.keep_ops
+                    else "") + ("+host" if b.host else "") + ("+parts" if b.parts else "") + ("+revolve" if b.revolve
+                    else "") for b in p.blocks)
+    return ", ".join(f"{n} {k}" for k, n in names.most_common())
+
+
+def child(args: argparse.Namespace) -> None:
+    sys.path.insert(0, HERE)
+    from architectures import build
+    from torchckpt.planner import PlanError, plans
+
+    cuda = torch.cuda.is_available() and not args.tiny
+    dev = torch.device("cuda" if cuda else "cpu")
+    b = build(args.model, "tiny" if args.tiny else "train", dev, torch.bfloat16 if cuda else torch.float32)
+
+    def step() -> None:
+        args_, kwargs = b.args, b.kwargs
+        b.loss(b.model(*args_, **kwargs)).backward()
+        b.model.zero_grad(set_to_none=True)
+
+    def measure() -> dict[str, Any]:
+        for _ in range(2):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated() if cuda else 0
+        ts = []
+        for _ in range(args.reps):
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            step()
+            if cuda:
+                torch.cuda.synchronize()
+            ts.append(time.perf_counter() - t0)
+        ts.sort()
+        return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda
+                else None}
+
+    out: dict[str, Any] = {"none": measure(), "plans": []}
+    budgets = [int(float(v) * GiB) for v in args.budgets.split(",")]
+    t0 = time.perf_counter()
+    got = {}
+    try:
+        got = plans(b.model, *b.args, budgets=budgets, loss_fn=b.loss, blocks=b.blocks, **b.kwargs)
+    except PlanError as e:
+        out["error"] = str(e)
+    out["plan_s"] = time.perf_counter() - t0
+    for budget in budgets:
+        p = got.get(budget)
+        if p is None:
+            out["plans"].append({"budget_GiB": budget / GiB, "error": "no plan"})
+            continue
+        a = p.apply(b.model)
+        try:
+            row = measure()
+        finally:
+            a.remove()
+        out["plans"].append({"budget_GiB": budget / GiB, "decisions": _decisions(p), "simple": p.simple,
+                             "pred_step_s": p.step_time, "pred_peak_GiB": p.peak_bytes / GiB, **row})
+    with open(args.json, "w") as f:
+        json.dump(out, f, indent=1)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama")
+    p.add_argument("--budgets", default=None, help="GiB (default 5.29,9 on CUDA; tiny: 0.002,0.004)")
+    p.add_argument("--procs", type=int, default=3)
+    p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--tiny", action="store_true")
+    p.add_argument("--out", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--json", default="", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.tiny = args.tiny or not torch.cuda.is_available()
+    if args.budgets is None:
+        args.budgets = "0.002,0.004" if args.tiny else "5.29,9"
+    if args.child:
+        child(args)
+        return
+    out = out_dir(args.out)
+    gpu = "cpu" if args.tiny else torch.cuda.get_device_name()
+    print(f"plan stability: {args.model} on {gpu}, {args.procs} processes, budgets {args.budgets} GiB", flush=True)
+    runs = []
+    for k in range(args.procs):
+        path = os.path.join(out, f"plan_stability_{args.model}_proc{k}.json")
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--budgets", args.budgets,
+               "--reps", str(args.reps), "--json", path] + (["--tiny"] if args.tiny else [])
+        t0 = time.perf_counter()
+        subprocess.run(cmd, check=True)
+        with open(path) as f:
+            runs.append(json.load(f))
+        os.remove(path)
+        print(f"process {k}: {time.perf_counter() - t0:.1f} s (planning {runs[-1]['plan_s']:.1f} s); none "
+              f"{runs[-1]['none']['step_s'] * 1e3:.1f} ms", flush=True)
+    nones = [r["none"]["step_s"] for r in runs]
+    result: dict[str, Any] = {"model": args.model, "device": gpu, "torch": torch.__version__, "procs": args.procs,
+                              "none_spread": max(nones) / min(nones) - 1, "budgets": []}
+    print(f"\nno checkpointing: {', '.join(f'{t * 1e3:.1f}' for t in nones)} ms, spread "
+          f"{result['none_spread'] * 100:.1f}%")
+    for i, budget in enumerate(float(v) for v in args.budgets.split(",")):
+        rows = [r["plans"][i] for r in runs]
+        ok = [r for r in rows if "step_s" in r]
+        spread = max(r["step_s"] for r in ok) / min(r["step_s"] for r in ok) - 1 if len(ok) == len(rows) else None
+        same = len({r.get("decisions") for r in rows}) == 1
+        result["budgets"].append({"budget_GiB": budget, "runs": rows, "spread": spread, "same_decisions": same})
+        print(f"budget {budget:g} GiB: spread {spread * 100:.1f}%" if spread is not None else
+              f"budget {budget:g} GiB: not every process planned it", f"({'the same' if same else 'different'} "
+              "decisions)")
+        for k, r in enumerate(rows):
+            if "step_s" in r:
+                pk = f"{r['peak_GiB']:.2f} GiB" if r.get("peak_GiB") is not None else "-"
+                print(f"  process {k}: {r['step_s'] * 1e3:7.1f} ms {pk:>10} (predicted {r['pred_step_s'] * 1e3:.1f} "
+                      f"ms, {r['pred_peak_GiB']:.2f} GiB)  {r['decisions']}{'  = ' + r['simple'] if r['simple'] else ''}")
+            else:
+                print(f"  process {k}: {r.get('error')}")
+    path = os.path.join(out, f"plan_stability_{args.model}.json")
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+    plot(result, os.path.join(out, f"plan_stability_{args.model}.png"))
+    print(f"wrote {path}")
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    """Each process's measured step per budget (over its own no checkpointing), one marker per process."""
+    plt = pyplot(path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, b in enumerate(result["budgets"]):
+        for k, r in enumerate(b["runs"]):
+            if "step_s" in r:
+                ax.plot(i + (k - 1) * 0.08, r["step_s"] * 1e3, "o", color=f"C{k}", label=f"process {k}" if i == 0 else None)
+    ax.set_xticks(range(len(result["budgets"])), [f"{b['budget_GiB']:g} GiB" for b in result["budgets"]])
+    ax.set_ylabel("measured step, ms")
+    ax.set_title(f"plans in {result['procs']} processes, {result['model']}, {result['device']}")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
+
+
+if __name__ == "__main__":
+    main()
