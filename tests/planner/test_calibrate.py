@@ -165,11 +165,28 @@ def test_identical_blocks_share_the_median_of_their_times(prof: Profile) -> None
 
 @pytest.mark.parametrize("repeats", [1, 3])
 def test_the_profile_measures_repeats_steps_and_op_timing_forwards(repeats: int) -> None:
-    """NOTE [ Profiling step ] Rule 9: the warm-up step, ``repeats`` measured steps and ``repeats`` op-timing
-    forwards run each block's forward."""
+    """NOTE [ Profiling step ] Rule 9: the warm-up step, the recorded step, ``repeats`` timed steps and ``repeats``
+    op-timing forwards run each block's forward."""
     torch.manual_seed(1)
     m = Net(2)
     runs = []
     m.h[0].register_forward_hook(lambda *a: runs.append(1))
     profile(m, (torch.randn(2, 8, D),), {}, repeats=repeats)
-    assert len(runs) == 1 + 2 * repeats
+    assert len(runs) == 2 + 2 * repeats
+
+
+def test_keep_everything_faster_than_profiled_takes_time_off_outside_the_blocks_then_inside(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 2: a plain step measured faster than the profile's times (which its hooks slowed)
+    takes the difference off the time outside the blocks, and then off the blocks' own, proportionally."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    keep = dict(policies)[KEEP_ALL]
+    p = predict(chain, keep).step_s
+    outside = chain.other_fwd_s + chain.other_bwd_s
+    little = calibrate(chain, policies, {KEEP_ALL: (None, p - outside / 2)})
+    assert little.blocks == chain.blocks and little.other_fwd_s + little.other_bwd_s == pytest.approx(outside / 2)
+    much = calibrate(chain, policies, {KEEP_ALL: (None, p / 2)})
+    assert much.other_fwd_s == much.other_bwd_s == 0.0
+    assert predict(much, keep).step_s == pytest.approx(p / 2)
+    f = much.blocks[0].fwd_s / chain.blocks[0].fwd_s
+    assert 0 < f < 1 and all(b.bwd_s == pytest.approx(c.bwd_s * f) for b, c in zip(much.blocks, chain.blocks))

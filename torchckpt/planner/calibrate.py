@@ -12,7 +12,8 @@
 #    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
 #    left unmeasured and its terms stay 0.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
-#    (``StepCosts.other_bwd_s``, not below 0): the profiling step's own recording hooks are gone from the
+#    (``StepCosts.other_bwd_s``, then ``other_fwd_s``, neither below 0; what is still to take off scales every
+#    block's forward and backward alike): what the profiling step's timing left in its times is gone from the
 #    prediction of every plan alike.
 # 3. Every block ``Recompute()``: its measured time less the predicted one (after Rule 2), spread over the
 #    blocks in proportion to the tensors each saves (the hooks' work is per tensor), is each block's
@@ -67,8 +68,7 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
     plans = dict(policies)
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
-        extra = measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s
-        chain = dataclasses.replace(chain, other_bwd_s=max(0.0, chain.other_bwd_s + extra))
+        chain = _other_time(chain, measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s)
     rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops))
     for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-4
         if name not in measured or name not in plans:
@@ -89,6 +89,23 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
         chain = dataclasses.replace(chain, blocks=tuple(blocks))
         if peak is not None:
             chain = _solve_bytes(chain, plan, peak, bytes_field, lookahead)
+    return chain
+
+
+def _other_time(chain: StepCosts, extra: float) -> StepCosts:
+    """NOTE [ Mechanism costs ] Rule 2: ``extra`` seconds (keep everything's measured step less its predicted one) on
+    the time outside the blocks, backward's then forward's, none below 0; what is still to take off scales every
+    block's forward and backward."""
+    bwd = max(0.0, chain.other_bwd_s + extra)
+    extra -= bwd - chain.other_bwd_s
+    fwd = max(0.0, chain.other_fwd_s + extra)
+    extra -= fwd - chain.other_fwd_s
+    chain = dataclasses.replace(chain, other_fwd_s=fwd, other_bwd_s=bwd)
+    inside = sum(b.fwd_s + b.bwd_s for b in chain.blocks)
+    if extra < 0 and inside > 0:
+        f = max(0.0, 1 + extra / inside)
+        chain = dataclasses.replace(chain, blocks=tuple(dataclasses.replace(b, fwd_s=b.fwd_s * f, bwd_s=b.bwd_s * f)
+                                                        for b in chain.blocks))
     return chain
 
 

@@ -1,0 +1,119 @@
+"""``benchmarks/zoo.py`` and ``benchmarks/plan_time.py`` end to end on their tiny models (CPU), and the summary's
+choice of the eager method a plan is compared with.
+
+transformers, timm and torchvision are not torchckpt dependencies: without them these tests skip.
+"""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("timm")
+pytest.importorskip("torchvision")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+MODELS = ["llama", "t5", "vit_l", "resnet152"]
+EAGER = ["none", "library", "sac", "every_other", "recompute"]
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    return res
+
+
+def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> None:
+    res = _run("zoo.py", "--tiny", "--models", ",".join(MODELS), "--budgets", "3", "--out", str(tmp_path))
+    for name in MODELS:
+        with open(tmp_path / f"zoo_{name}.json") as f:
+            result = json.load(f)
+        assert result["size"] == "tiny" and result["device"] == "cpu"
+        rows = {r["name"]: r for r in result["rows"]}
+        for method in [*EAGER, "none_end"]:
+            assert method in rows, f"{name}: no {method} row"
+        for r in result["rows"]:
+            assert ("step_s" in r and r["step_s"] > 0) or r.get("error"), f"{name}: {r}"
+        for method in ("none", "library", "recompute"):
+            assert "error" not in rows[method], f"{name} {method}: {rows[method].get('error')}"
+            assert rows[method]["peak_GiB"] is None  # the CPU has no allocator statistics
+        plans = [r for r in result["rows"] if r["method"] == "plan"]
+        assert plans and all(r["budget_GiB"] > 0 for r in plans), f"{name}: {plans}"
+        measured = [r for r in plans if "step_s" in r]
+        assert measured, f"{name}: no plan measured"
+        for r in measured:
+            assert len(r["decisions"]) == result["blocks"]
+            assert r["pred_peak_GiB"] <= r["budget_GiB"]  # the search never returns a plan over its budget
+            assert r["pred_step_s"] > 0
+        planner = result["planner"]
+        assert 0 < planner["floor_GiB"] <= planner["none_peak_GiB"]
+        budgets = [r["budget_GiB"] for r in plans]
+        assert budgets == sorted(budgets) and budgets[0] >= planner["floor_GiB"]
+        assert os.path.exists(tmp_path / f"zoo_{name}.png")
+        assert f"{name}: " in res.stdout  # the time per model is printed
+
+    with open(tmp_path / "zoo_summary.json") as f:
+        summary = json.load(f)
+    assert sorted(summary["models"]) == sorted(MODELS)
+    for name in MODELS:
+        assert summary["models"][name]["plan_s"] > 0
+        rows = [s for s in summary["budgets"] if s["model"] == name]
+        assert rows, name
+        for s in rows:
+            assert "ratio" in s and "best_eager" in s
+            if s["best_eager"] is not None and s.get("plan_step_s") is not None:
+                assert s["ratio"] == pytest.approx(s["plan_step_s"] / s["best_eager_step_s"])
+        # the largest budget admits at least one eager method, so that budget has a ratio
+        assert rows[-1]["ratio"] is not None and rows[-1]["ratio"] > 0, rows[-1]
+    assert "summary" in res.stdout and "ratio" in res.stdout
+
+
+def test_plan_time_tiny(tmp_path: pathlib.Path) -> None:
+    res = _run("plan_time.py", "--tiny", "--out", str(tmp_path))
+    with open(tmp_path / "plan_time.json") as f:
+        r = json.load(f)
+    assert r["device"] == "cpu" and len(r["decisions"]) == 4
+    assert 0 < r["budget_bytes"] < r["none_peak_bytes"]
+    assert r["pred_peak_bytes"] <= r["budget_bytes"]
+    lines = [p["line"] for p in r["phases"]]
+    assert any("profiled in" in line for line in lines) and any("searched" in line for line in lines), lines
+    assert r["phases_total_s"] == pytest.approx(sum(p["s"] for p in r["phases"]))
+    assert r["end_to_end_s"] > 0 and r["prepare_s"] > 0
+    assert "torchckpt.plan end to end" in res.stdout
+
+
+def test_summary_compares_with_the_fastest_eager_method_within_the_budget() -> None:
+    sys.path.insert(0, BENCH)
+    try:
+        import zoo
+    finally:
+        sys.path.remove(BENCH)
+    rows = [
+        {"name": "none", "method": "none", "step_s": 1.0, "peak_GiB": 10.0},
+        {"name": "library", "method": "library", "step_s": 1.3, "peak_GiB": 3.0},
+        {"name": "sac", "method": "sac", "step_s": 1.1, "peak_GiB": 6.0},
+        {"name": "every_other", "method": "every_other", "step_s": 1.2, "peak_GiB": 6.5},
+        {"name": "recompute", "method": "recompute", "error": "OutOfMemoryError: ..."},
+        {"name": "plan_4", "method": "plan", "budget_GiB": 4.0, "floor_GiB": 2.0, "step_s": 1.25, "peak_GiB": 3.9,
+         "pred_step_s": 1.2, "pred_peak_GiB": 3.8, "verified_step_s": 1.25, "verified_peak_GiB": 3.8},
+        {"name": "plan_7", "method": "plan", "budget_GiB": 7.0, "floor_GiB": 2.0, "step_s": 1.12, "peak_GiB": 7.2,
+         "pred_step_s": 1.12, "pred_peak_GiB": 6.9},
+        {"name": "plan_1", "method": "plan", "budget_GiB": 1.0, "floor_GiB": 2.0, "error": "PlanError: ..."},
+    ]
+    s4, s7, s1 = zoo.summarize({"model": "m", "device": "gpu", "rows": rows})
+    assert (s4["best_eager"], s4["ratio"]) == ("library", pytest.approx(1.25 / 1.3))
+    assert s4["within_budget"] is True and s4["peak_err_pct"] == pytest.approx((3.8 / 3.9 - 1) * 100)
+    assert (s7["best_eager"], s7["ratio"]) == ("sac", pytest.approx(1.12 / 1.1))  # every_other fits, but is slower
+    assert s7["within_budget"] is False and s7["step_err_pct"] == pytest.approx(0.0)
+    assert s1["best_eager"] is None and s1["error"].startswith("PlanError") and s1["ratio"] is None
+    assert s4["recompute_peak_GiB"] is None and s4["floor_le_recompute"] is None  # recompute ran out of memory
+    assert zoo.budgets_between(100, 1000, 3) == [103, 536, 970]
+    assert zoo.budgets_between(100, 90, 5) == [103]
