@@ -49,7 +49,9 @@ semantics ]):
   torch.utils.checkpoint may sum gradient contributions in another order. When plain
   autograd raises "...modified by an inplace operation", the setting must raise that too
   (inside a Recompute block torch.utils.checkpoint recomputes and raises nothing; the twin
-  says so). Batch norm's running statistics are not compared (Recompute updates them twice).
+  says so). Batch norm's running statistics are not compared: the vocabulary's batch norm modules are not
+  submodules of the wrapped blocks, whose buffers alone Recompute puts back (NOTE [ Buffers written in a
+  forward ] Rule 4); tests/recompute/test_buffers.py compares them for every form of recomputation.
 - **Leaks** (NOTE [ Fuzzer semantics ] Rule 11). After its steps, every setting runs the forward once more
   and drops it without a backward (a dropped loss, evaluation with grad enabled): every tensor that forward
   took or made (leaves, parameters, every value) must be freed once the last reference is gone (weak

@@ -47,6 +47,7 @@ from torchckpt._args import found
 from torchckpt.policies import Keep, Offload, Policy, Recompute
 from torchckpt.schedules import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
+from torchckpt.recompute.buffers import guarded
 from torchckpt.recompute.chain import ChainRuntime, ChainStats
 from torchckpt.recompute.mutation import CallState, check_recomputed
 from torchckpt.recompute.parts import run_in_parts
@@ -219,6 +220,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     if policy.store is not None:
         ctx = policy.store.hooks(_module_tensors(module))
     state = None if torch.compiler.is_compiling() else CallState.of(fn, args, kwargs)  # NOTE [ Mutating forwards ]
+    fn = guarded(fn, module)  # NOTE [ Buffers written in a forward ]: recomputations leave the buffers as plain autograd
     with ctx:  # the inputs saved at the boundary go to the store
         if policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12
             out = run_in_parts(
@@ -327,6 +329,7 @@ class _ChainForward(_InstanceForward):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         fn = self.inner if self.inner is not None else functools.partial(_unwrapped(type(self.module).forward), self.module)
+        fn = guarded(fn, self.module)  # NOTE [ Buffers written in a forward ] Rule 2: the chain's runs again too
         policy = self.policy
         assert isinstance(policy, Recompute)
         if torch.compiler.is_compiling() or _hooks_refused() is not None:  # as run() does: the block alone

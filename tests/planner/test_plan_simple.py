@@ -86,8 +86,8 @@ def test_every_simple_policy_is_a_plan_with_plain_autograd_gradients() -> None:
 
 
 def test_simple_policies_leave_out_blocks_that_may_not_be_recomputed() -> None:
-    """NOTE [ Plan search ] Rule 7: a block whose forward writes its buffers is never recomputed, so only the
-    policies that keep it are offered; without matmuls, Recompute(save=...) is not offered (it is Recompute())."""
+    """NOTE [ Plan search ] Rule 7: a block whose forward changes state a recomputation would change again is never
+    recomputed, so only the policies that keep it are offered; without matmuls, Recompute(save=...) is not offered (it is Recompute())."""
     blocks = [Block(f"h.{i}", 1e-3, 2e-3, 1 << 20, (4 << 20,), "b", recomputable=i != 1) for i in range(4)]
     chain = StepCosts.calibrated(blocks, 64 << 20, 0, 1e-3, 1e-3, Link(1e10, 1e10))
     found = search(chain)

@@ -19,8 +19,8 @@ D = 32
 
 
 class Blk(nn.Module):
-    """Dropout (draws from the RNG) and, in every other block, batch norm (writes its statistics: such a block is never
-    recomputed, it is kept or offloaded; the others may be recomputed, replaying the RNG)."""
+    """Dropout (draws from the RNG) and, in every other block, batch norm (writes its statistics: a recomputation puts
+    them back, NOTE [ Buffers written in a forward ]; every block may be recomputed, replaying the RNG)."""
 
     def __init__(self, bn: bool) -> None:
         super().__init__()
@@ -78,8 +78,8 @@ def test_plan_apply_then_training_equals_training_without_torchckpt(device: str)
 
     torch.manual_seed(1)
     p = torchckpt.plan(planned, x, budget=floor if device == "cpu" else 1 << 30, loss_fn=_loss)
-    if device == "cpu":  # at the floor: the blocks with batch norm offloaded, the others recomputed, replaying dropout
-        assert {"offload", "recompute"} <= {b.mode for b in p.blocks}
+    if device == "cpu":  # at the floor: the blocks recomputed, batch norm's too, replaying dropout
+        assert any(p.blocks[k].mode == "recompute" for k in (1, 3, 5))
     applied = p.apply(planned)
     try:
         _train(planned, x)

@@ -131,7 +131,8 @@ class Block:
             the op that saved it (NOTE [ Step model ] Rule 2c); ``()``: not measured (no recomputation in parts).
         cuts: the positions a recomputation in parts may cut at (NOTE [ Step model ] Rule 2c): where the tensors before
             and after cannot have been saved by one autograd node (a node's backward unpacks all it saved at once).
-        recomputable: ``False`` for a block whose forward writes its buffers (NOTE [ Profiling step ] Rule 7):
+        recomputable: ``False`` for a block whose forward changes state a recomputation would change again
+            (NOTE [ Profiling step ] Rule 7):
             its options are keep and offload only.
         sac: positions among ``ops`` of its matmuls and attention ops, those torch SAC users save: what the simple
             policy ``Recompute(save=...)`` on every block keeps (NOTE [ Plan search ] Rule 7).

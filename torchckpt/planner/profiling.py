@@ -46,13 +46,13 @@
 #    backward, and is recorded as in Rules 2-3 and 5 (``profile_blocks``). The chain is then
 #    calibrated on that step's peak, with every block recomputed (``StepCosts.calibrated_on``), and
 #    the no-checkpointing figures are predictions.
-# 7. A block whose forward writes its own buffers (batch norm's running statistics in training
-#    mode: the buffer's version moves during the profiled forward) is never offered recomputation:
-#    a recomputation would write them a second time, so the step would not compute what plain
-#    autograd computes (``torch.utils.checkpoint`` has the same effect; the planner avoids it).
-#    Nor is a block whose forward changes other state that a recomputation would change again (what it
-#    is called with, such as a KV cache it appends to, or its modules' attributes; ``Profile.mutates``
-#    says what): NOTE [ Mutating forwards ] Rule 5 in recompute/mutation.py.
+# 7. A block whose forward changes state that a recomputation would change again (what it is called
+#    with, such as a KV cache it appends to, or its modules' attributes; ``Profile.mutates`` says what) is
+#    never offered recomputation: NOTE [ Mutating forwards ] Rule 5 in recompute/mutation.py. A block whose
+#    forward writes its own buffers (batch norm's running statistics in training: a buffer's version moves
+#    during the profiled forward; ``Profile.writes_buffers``) may be recomputed: ``Recompute`` puts the
+#    buffers back around every recomputation, so they end the step as plain autograd leaves them
+#    (NOTE [ Buffers written in a forward ]).
 # 8. What the model's forward, the loss or the backward raises in a step (a batch or a loss the model does not take)
 #    comes out as ``StepRaised``, naming which of the three, with the exception as its ``__cause__``; the planner's
 #    entry points raise it as an error naming their call, chained to it. torchckpt's own errors and running out of
@@ -163,8 +163,7 @@ class Profile:
                 # A node saves its inputs before its op runs (count k) and its outputs after (k + 1): tensors two
                 # counts apart or more were saved by different nodes (NOTE [ Step model ] Rule 2c).
                 cuts = tuple(c for c in range(1, len(after)) if after[c] >= after[c - 1] + 2)
-            fixed = (i < len(self.writes_buffers) and self.writes_buffers[i]) or (
-                i < len(self.mutates) and bool(self.mutates[i]))  # NOTE [ Profiling step ] Rule 7: never recomputed
+            fixed = i < len(self.mutates) and bool(self.mutates[i])  # NOTE [ Profiling step ] Rule 7: never recomputed
             sac = tuple(o.position for o in self.ops[i] if o.op in SAC_OPS and o.nbytes > 0)  # NOTE [ Plan search ] Rule 7
             out.append(Block(name, fwd_s[i], bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,

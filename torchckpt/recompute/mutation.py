@@ -29,16 +29,15 @@ turns ``use_cache`` off in training, with a warning.
 #    of every object a block is handed at every call, and cannot undo an in-place write: not done.
 # 3. ``Offload`` and ``Keep`` run the forward once: nothing is checked, and a cache fills as without
 #    torchckpt. Without grad (generation) no policy does anything, and nothing is checked.
-# 4. What ``Recompute`` does not watch: the block's own attributes and buffers (a rotary table built lazily
-#    on the first call is set once, and would be a false alarm; BatchNorm's running statistics are updated
-#    twice, as with ``torch.utils.checkpoint``: docs/guide.md, "Works with"), and global state. The planner,
-#    which sees a whole step, does watch those (Rule 5).
+# 4. What ``Recompute`` does not watch: the block's own attributes (a rotary table built lazily on the first
+#    call is set once, and would be a false alarm) and global state. The planner, which sees a whole step, does
+#    watch those (Rule 5). The block's buffers written in place (BatchNorm's running statistics) it puts back
+#    around every recomputation: NOTE [ Buffers written in a forward ].
 # 5. The planner's profiling step (NOTE [ Profiling step ] Rule 7) takes, around each block's forward of the
 #    measured step (after the warmup step, so that state built once on the first call is built already), the
 #    state of the call (Rule 1) and that of the block's modules: every attribute of each module other than
 #    ``nn.Module``'s own bookkeeping (parameters, buffers, submodules, hooks, ``training``, a wrapped
-#    ``forward``), walked as in Rule 1, tensor attributes included. A block that changed any is never offered recomputation (as a block
-#    that writes its buffers), so it is kept or offloaded and runs its forward once; ``plan`` warns once per
+#    ``forward``), walked as in Rule 1, tensor attributes included. A block that changed any is never offered recomputation, so it is kept or offloaded and runs its forward once; ``plan`` warns once per
 #    profile, naming the blocks and what changed. A budget that needs those blocks recomputed gets
 #    ``PlanError`` with the floor, as any budget under the floor does.
 # 6. transformers' ``use_cache`` (planner/use_cache.py): a module of the model with ``config.use_cache`` and a
@@ -65,6 +64,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from torchckpt._errors import CheckpointError
+from torchckpt.recompute.buffers import BufferGuard
 
 __all__ = ["DEPTH", "LIMIT", "CallState", "check_recomputed", "is_transformers_cache", "module_state"]
 
@@ -146,6 +146,8 @@ def _changed(before: dict[str, tuple[Any, ...]], after: dict[str, tuple[Any, ...
 
 def _call_roots(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[tuple[str, Any]]:
     """NOTE [ Mutating forwards ] Rule 1: the objects a call hands the block, tensors passed directly left out."""
+    if isinstance(fn, BufferGuard):  # NOTE [ Buffers written in a forward ]: the block's own function
+        fn = fn.fn
     while isinstance(fn, functools.partial):
         yield from ((f"bound argument {k}", a) for k, a in enumerate(fn.args))
         yield from ((k, v) for k, v in fn.keywords.items())
