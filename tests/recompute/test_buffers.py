@@ -130,17 +130,41 @@ def test_torch_checkpoint_writes_batch_norm_statistics_twice() -> None:
 
 
 def test_guard_only_where_there_are_buffers() -> None:
-    """NOTE [ Buffers written in a forward ] Rule 4: no module or no buffer, nothing wrapped; batch norm's statistics
-    are guarded in training only (their kernel moves no version), buffers whose version moves always."""
+    """NOTE [ Buffers written in a forward ] Rules 1, 4: no module or no buffer, nothing wrapped; torch's own batch norm
+    in training is restored after recomputations only (nothing cloned at the call), in evaluation cloned as any
+    buffer; a subclass with its own forward counts as written whatever its versions say."""
     def fn(x: torch.Tensor) -> torch.Tensor:
         return x
     assert guarded(fn, None) is fn and guarded(fn, nn.Linear(2, 2)) is fn
     bn = nn.BatchNorm1d(3)
     g = guarded(fn, bn)
     assert isinstance(g, BufferGuard) and guarded(g, bn) is g
-    assert g.always == frozenset({id(bn.running_mean), id(bn.running_var)})
+    assert g.buffers == [] and {id(b) for b in g.norms} == {id(b) for b in bn.buffers()} and not g.unseen
     g2 = guarded(fn, bn.eval())
-    assert isinstance(g2, BufferGuard) and g2.always == frozenset()
+    assert isinstance(g2, BufferGuard) and g2.norms == [] and len(g2.buffers) == 3 and not g2.unseen
+    mine = OwnForwardBN(3)
+    g3 = guarded(fn, mine)
+    assert isinstance(g3, BufferGuard) and g3.norms == [] and g3.unseen == {id(mine.running_mean), id(mine.running_var),
+                                                                            id(mine.num_batches_tracked)}
+
+
+class OwnForwardBN(nn.BatchNorm1d):
+    """A batch norm subclass with a forward of its own that reads its running mean after updating it (training)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        assert self.running_mean is not None
+        return y + 0.25 * self.running_mean
+
+
+def test_a_norm_with_its_own_forward_recomputes_from_the_statistics_it_found() -> None:
+    torch.manual_seed(0)
+    plain = Net([nn.Sequential(nn.Linear(3, 3), OwnForwardBN(3)) for _ in range(3)])
+    x = torch.randn(8, 3)
+    model = copy.deepcopy(plain)
+    for blk in model.b:
+        torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+    _same(plain, model, _steps(plain, x), _steps(model, x))
 
 
 @pytest.mark.cuda
