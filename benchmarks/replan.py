@@ -16,7 +16,8 @@ import time
 from collections import Counter
 
 from torchckpt.planner import CodecCost, Link, PlanError, Profile, search
-from torchckpt.planner.optimize import size
+from torchckpt.planner.calibrate import calibrate
+from torchckpt.planner.optimize import simple_policies, size
 
 GiB = 2**30
 
@@ -40,6 +41,8 @@ def main() -> None:
     prof = Profile.from_json(json.dumps(d["profile"]))
     codec = CodecCost(**d["codec"]) if d.get("codec") else None
     chain = prof.chain(Link(*d["link"]), codec)
+    if d.get("measured"):  # NOTE [ Mechanism costs ]: what the device measured of the simple policies (zoo.py writes it)
+        chain = calibrate(chain, simple_policies(chain), {k: tuple(v) for k, v in d["measured"].items()})
     t0 = time.perf_counter()
     found = search(chain, lookahead=args.lookahead)
     took = time.perf_counter() - t0

@@ -31,7 +31,7 @@ plan's step and peak, the fastest eager method whose peak is within the budget, 
 prediction errors (target within 3%) and whether the floor is at or below ``recompute``'s peak. On the CPU the
 eager methods' peaks are the planner's predictions for them (``peak_source``).
 
-    python benchmarks/zoo.py [--models llama,qwen2,...] [--tiny] [--reps 5] [--budgets 5] [--methods none,plan]
+    python benchmarks/zoo.py [--models llama,qwen2,...] [--tiny] [--reps 7] [--budgets 5] [--methods none,plan]
                              [--keep-grads] [--progress] [--out DIR]
 """
 from __future__ import annotations
@@ -231,7 +231,7 @@ def run_model(name: str, args: argparse.Namespace, out: str, cuda: bool) -> dict
             run(method, method, setups[method])
 
     if "plan" in methods:
-        plan_rows(name, built, bench, rows, result, args, run)
+        plan_rows(name, built, bench, rows, result, args, run, out)
         save()
     if "none_end" in methods:
         run("none_end", "none_end", lambda: None)
@@ -247,7 +247,7 @@ def run_model(name: str, args: argparse.Namespace, out: str, cuda: bool) -> dict
 
 
 def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]], result: dict[str, Any],
-              args: argparse.Namespace, run: Callable[..., None]) -> None:
+              args: argparse.Namespace, run: Callable[..., None], out: str) -> None:
     """Profile once, plan every budget (as ``torchckpt.plans`` does, leaving no trace), then measure each plan."""
     m = built.model
     t0 = time.perf_counter()
@@ -257,6 +257,10 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
         with untouched(m, (built.args, built.kwargs)):  # NOTE [ Planning leaves no trace ], as plans() does
             planned = _Profiled.prepare(m, built.args, built.kwargs, None, built.blocks, built.loss, None,
                                         progress=args.progress, call="plans")
+            with open(os.path.join(out, f"profile_{name}.json"), "w") as f:  # benchmarks/replan.py plans from it
+                json.dump({"link": [planned.link.d2h, planned.link.h2d], "codec": None,
+                           "profile": json.loads(planned.prof.to_json()),
+                           "measured": {n: planned.memo[d] for n, d, _ in planned.found.simple if d in planned.memo}}, f)
             none = next((r for r in rows if r["name"] == "none" and r.get("peak_GiB") is not None), None)
             top = none["peak_GiB"] * GiB if none else planned.prof.peak_none
             budgets = budgets_between(planned.found.floor, top, args.budgets)
@@ -416,7 +420,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default=",".join(ARCHS), help=f"comma-separated, of {', '.join(ARCHS)}")
     p.add_argument("--tiny", action="store_true", help="tiny models on the CPU (the default without CUDA)")
-    p.add_argument("--reps", type=int, default=None, help="timed steps per method (default 5; 1 on the CPU)")
+    p.add_argument("--reps", type=int, default=None, help="timed steps per method (default 7; 1 on the CPU)")
     p.add_argument("--budgets", type=int, default=5, help="plans from 1.03 x the floor to 0.97 x none's peak")
     p.add_argument("--methods", default="", help=f"run only these, comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--keep-grads", action="store_true", help="leave gradients in place between steps")
@@ -424,7 +428,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     args = p.parse_args()
     cuda = torch.cuda.is_available() and not args.tiny
-    args.reps = args.reps if args.reps is not None else (5 if cuda else 1)
+    args.reps = args.reps if args.reps is not None else (7 if cuda else 1)
     if not cuda:
         torch.set_num_threads(1)  # tiny models: threads only add waits, long ones when another process holds a core
     names = [n for n in args.models.split(",") if n]

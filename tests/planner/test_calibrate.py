@@ -10,7 +10,9 @@ from torch import nn
 
 from ckpt_models import Block as TransformerBlock
 from torchckpt.planner import Link, Plan, predict, profile
-from torchckpt.planner.calibrate import KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies
+from torchckpt.planner.calibrate import (
+    HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies,
+)
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts
 from torchckpt.planner.optimize import search, simple_policies
 from torchckpt.planner.plan import _Profiled
@@ -49,23 +51,27 @@ def _chain(prof: Profile) -> StepCosts:
 
 
 def test_calibrated_policies_predict_what_they_measured(prof: Profile) -> None:
-    """NOTE [ Mechanism costs ] Rules 2-5: after calibration the three measured policies predict their measured step
-    (and, for the two recomputations, their measured peak); the other plans pay each block's measured cost."""
-    chain = _chain(prof)
+    """NOTE [ Mechanism costs ] Rules 2-6: after calibration the four measured policies predict their measured step
+    (and, for the three recomputations, their measured peak); the other plans pay each block's measured cost. (A link
+    fast enough that no copy back is waited for: time a copy stalls on is not the mechanism's.)"""
+    chain = prof.chain(Link(1e10, 1e10))
     policies = simple_policies(chain)
     plans = dict(policies)
     before = {name: predict(chain, plans[name]) for name in MEASURED}
-    rc, sel = before[RECOMPUTE_ALL].peak_bytes, before[KEEP_OPS_ALL].peak_bytes
+    rc, sel, host = (before[k].peak_bytes for k in (RECOMPUTE_ALL, KEEP_OPS_ALL, HOST_ALL))
     measured = {KEEP_ALL: (before[KEEP_ALL].peak_bytes, before[KEEP_ALL].step_s + 4e-3),
                 RECOMPUTE_ALL: (rc - rc // 20, before[RECOMPUTE_ALL].step_s + 9e-3),
-                KEEP_OPS_ALL: (sel + sel // 25, before[KEEP_OPS_ALL].step_s + 30e-3)}
+                KEEP_OPS_ALL: (sel + sel // 25, before[KEEP_OPS_ALL].step_s + 30e-3),
+                HOST_ALL: (host + host // 10, before[HOST_ALL].step_s + 20e-3)}
     cal = calibrate(chain, policies, measured)
     for name in MEASURED:
         got = predict(cal, plans[name])
         assert got.step_s == pytest.approx(measured[name][1], abs=1e-12), name
-    for name in (RECOMPUTE_ALL, KEEP_OPS_ALL):  # the peaks within the tolerance of NOTE [ Mechanism costs ] Rule 3
+    for name in (RECOMPUTE_ALL, KEEP_OPS_ALL, HOST_ALL):  # the peaks within the tolerance of NOTE [ Mechanism costs ] Rule 3
         assert abs(predict(cal, plans[name]).peak_bytes - measured[name][0]) <= measured[name][0] // 1000, name
-    assert cal.rec_bytes < 0 < cal.keep_rec_bytes
+    assert cal.rec_bytes < 0 < cal.keep_rec_bytes and cal.host_rec_bytes > 0
+    # Rule 5: what Recompute(store=...) cost beyond Rules 2-3, evenly over the blocks that sent their inputs
+    assert len({b.host_rec_s for b in cal.blocks}) == 1 and cal.blocks[0].host_rec_s > 0
     n = len(chain.blocks)
     assert cal.other_bwd_s == pytest.approx(chain.other_bwd_s + 4e-3)
     # Rule 3: Recompute()'s extra 9 ms less what Rule 2 already added (4 ms), spread over the identical blocks
@@ -94,7 +100,7 @@ def test_the_cost_is_spread_by_tensors_and_by_ops(prof: Profile) -> None:
 
 
 def test_a_costly_dispatch_mode_moves_the_search_off_kept_ops(prof: Profile) -> None:
-    """NOTE [ Mechanism costs ] Rule 5: where Recompute(save=...) measured dear (its Python per op), the search's plan
+    """NOTE [ Mechanism costs ] Rule 6: where Recompute(save=...) measured dear (its Python per op), the search's plan
     for a budget that took it before keeps no op's output; where it measured as the model priced it, it stays."""
     chain = _chain(prof)
     found = search(chain)
@@ -108,9 +114,9 @@ def test_a_costly_dispatch_mode_moves_the_search_off_kept_ops(prof: Profile) -> 
     assert not any(d.keep for d in search(dear).best(budget)[0])
 
 
-def test_measure_policies_measures_the_three_in_order_and_leaves_out_what_did_not_run(prof: Profile) -> None:
-    """NOTE [ Mechanism costs ] Rule 1: keep everything, Recompute(), Recompute(save=...), each once; one that could not
-    run (``None``: out of memory) is left out, and its terms stay 0."""
+def test_measure_policies_measures_the_four_in_order_and_leaves_out_what_did_not_run(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 1: keep everything, Recompute(), Recompute(save=...), Recompute(store=...), each
+    once; one that could not run (``None``: out of memory) is left out, and its terms stay 0."""
     chain = _chain(prof)
     policies = simple_policies(chain)
     calls: list[str] = []
@@ -121,13 +127,13 @@ def test_measure_policies_measures_the_three_in_order_and_leaves_out_what_did_no
         return None if name == RECOMPUTE_ALL else (1 << 30, 1.0)
 
     got = measure_policies(policies, step)
-    assert calls == list(MEASURED) and set(got) == {KEEP_ALL, KEEP_OPS_ALL}
+    assert calls == list(MEASURED) and set(got) == {KEEP_ALL, KEEP_OPS_ALL, HOST_ALL}
     cal = calibrate(chain, policies, got)
     assert all(b.rec_s == 0.0 for b in cal.blocks) and cal.rec_bytes == 0
 
 
 def test_verification_reuses_what_was_measured(prof: Profile) -> None:
-    """NOTE [ Mechanism costs ] Rule 5: a plan measured before (while calibrating, or for another budget) is not run
+    """NOTE [ Mechanism costs ] Rule 6: a plan measured before (while calibrating, or for another budget) is not run
     again; its figures are taken."""
     calls: list[str] = []
 

@@ -59,9 +59,9 @@ def test_every_simple_policy_is_a_plan_with_plain_autograd_gradients() -> None:
     planner = _Profiled.prepare(m, (x,), {}, None, None, None, Link(1e9, 1e9))
     found, prof = planner.found, planner.prof
     names = [name for name, _, _ in found.simple]
-    assert names[:5] == ["keep everything", EVERY, SAC, "every other block Recompute() (h.0, h.2)",
-                         "every other block Recompute() (h.1, h.3)"]
-    assert names[5:] == ["checkpoint_chain (Revolve, 1 snapshot)", "checkpoint_chain (Revolve, 2 snapshots)"]
+    assert names[:6] == ["keep everything", EVERY, "every block Recompute(store=...), inputs to host", SAC,
+                         "every other block Recompute() (h.0, h.2)", "every other block Recompute() (h.1, h.3)"]
+    assert names[6:] == ["checkpoint_chain (Revolve, 1 snapshot)", "checkpoint_chain (Revolve, 2 snapshots)"]
     recorded = dict(found.plans)
     for name, decisions, pred in found.simple:
         assert recorded[decisions] == pred == predict(found.chain, decisions)  # a candidate, priced by the same model

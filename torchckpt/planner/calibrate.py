@@ -6,9 +6,9 @@
 #    saved-tensor hooks and frame per tensor, ``Recompute(save=...)``'s dispatch mode, which runs Python for
 #    every op of the block in both sweeps (large on models of many small ops: an RMSNorm or rotary embedding
 #    written in Python), and the frames that keep a recomputation's tensors alive. So after the profiling step,
-#    on the device, the planner measures three of the simple policies (NOTE [ Plan search ] Rule 7): keep
+#    on the device, the planner measures four of the simple policies (NOTE [ Plan search ] Rule 7): keep
 #    everything (plain autograd), every block ``Recompute()``, every block ``Recompute(save=matmuls,
-#    attention)``: each as verification measures a plan (a step, then the median time and largest peak of three;
+#    attention)``, every block ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
 #    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
 #    left unmeasured and its terms stay 0.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
@@ -23,10 +23,16 @@
 # 4. Every block ``Recompute(save=...)``: the same after Rule 3, spread in proportion to each block's
 #    keepable ops (the dispatch mode's work is per op), ``Block.keep_rec_s`` and ``StepCosts.keep_rec_bytes``,
 #    for recomputations that keep ops' outputs.
-# 5. So the measured policies predict what they measured, and a mixed plan pays each mechanism, per block,
+# 5. Every block ``Recompute(store=...)`` (its inputs to host, the plans near the floor): the same after
+#    Rules 3-4, spread evenly over the blocks that send inputs (the store's work is per block), is
+#    ``Block.host_rec_s`` and ``StepCosts.host_rec_bytes``, added for a recomputed block whose inputs (and kept
+#    outputs) go to host, on top of Rule 3's or Rule 4's: the store's Python, its GPU cache, copies that share
+#    the device with compute. The time is priced in the block's forward, where nothing waits for a copy back
+#    (in the backward a stall would absorb it).
+# 6. So the measured policies predict what they measured, and a mixed plan pays each mechanism, per block,
 #    what it cost on this model. The measurements are kept: verification (NOTE [ Applying a plan ] Rules 4-7)
 #    reuses them instead of running those plans again.
-# 6. Not measured yet: the store's Python per offloaded tensor, and copies sharing the device with compute
+# 7. Not measured yet: offloading a block's own saved tensors (the store per tensor) and compression
 #    (verification's race of families, NOTE [ Applying a plan ] Rule 5, measures those plans instead). On the
 #    CPU nothing is measured (no verification there either): the costs are the model's alone.
 """
@@ -37,12 +43,13 @@ from collections.abc import Callable, Mapping, Sequence
 
 from torchckpt.planner.costs import Block, Decision, StepCosts, predict
 
-__all__ = ["KEEP_ALL", "RECOMPUTE_ALL", "KEEP_OPS_ALL", "MEASURED", "calibrate", "measure_policies"]
+__all__ = ["HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "MEASURED", "RECOMPUTE_ALL", "calibrate", "measure_policies"]
 
 KEEP_ALL = "keep everything"
 RECOMPUTE_ALL = "every block Recompute()"
 KEEP_OPS_ALL = "every block Recompute(save=matmuls, attention)"
-MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
+HOST_ALL = "every block Recompute(store=...), inputs to host"
+MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
 
 Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
 _TOLERANCE = 1000  # a peak within 1/1000 of the measured one is solved (NOTE [ Mechanism costs ] Rule 3)
@@ -64,17 +71,19 @@ def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
 
 def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
               measured: Mapping[str, Measured], lookahead: int = 1) -> StepCosts:
-    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-4): ``measured`` holds what
+    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-5): ``measured`` holds what
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
     plans = dict(policies)
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
         chain = _other_time(chain, measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s)
-    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops))
-    for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-4
+    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
+             (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
+    for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-5
         if name not in measured or name not in plans:
             continue
         plan = plans[name]
-        mine = [i for i, d in enumerate(plan) if d.mode == "recompute" and bool(d.keep) == (field == "keep_rec_s")]
+        mine = [i for i, d in enumerate(plan) if d.mode == "recompute" and (
+            d.host if field == "host_rec_s" else bool(d.keep) == (field == "keep_rec_s"))]
         if not mine:
             continue
         peak, seconds = measured[name]
@@ -84,8 +93,9 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
         blocks = list(chain.blocks)
         for i, wi in zip(mine, w):
             v = extra * wi / total
-            blocks[i] = dataclasses.replace(blocks[i], rec_s=v) if field == "rec_s" else dataclasses.replace(
-                blocks[i], keep_rec_s=v)
+            blocks[i] = (dataclasses.replace(blocks[i], rec_s=v) if field == "rec_s" else
+                         dataclasses.replace(blocks[i], keep_rec_s=v) if field == "keep_rec_s" else
+                         dataclasses.replace(blocks[i], host_rec_s=v))
         chain = dataclasses.replace(chain, blocks=tuple(blocks))
         if peak is not None:
             chain = _solve_bytes(chain, plan, peak, bytes_field, lookahead)
@@ -109,6 +119,10 @@ def _other_time(chain: StepCosts, extra: float) -> StepCosts:
     return chain
 
 
+def _one(b: Block) -> float:
+    return 1.0
+
+
 def _tensors(b: Block) -> float:
     return float(max(1, len(b.saved)))
 
@@ -125,6 +139,7 @@ def _solve_bytes(chain: StepCosts, plan: tuple[Decision, ...], peak: int, field:
         miss = peak - p.peak_bytes
         if abs(miss) <= peak // _TOLERANCE or not p.at.startswith("backward"):
             break
-        chain = dataclasses.replace(chain, rec_bytes=chain.rec_bytes + miss) if field == "rec_bytes" else \
-            dataclasses.replace(chain, keep_rec_bytes=chain.keep_rec_bytes + miss)
+        chain = (dataclasses.replace(chain, rec_bytes=chain.rec_bytes + miss) if field == "rec_bytes" else
+                 dataclasses.replace(chain, keep_rec_bytes=chain.keep_rec_bytes + miss) if field == "keep_rec_bytes"
+                 else dataclasses.replace(chain, host_rec_bytes=chain.host_rec_bytes + miss))
     return chain

@@ -140,6 +140,8 @@ class Block:
             recomputation's frame), measured (NOTE [ Mechanism costs ] Rule 3); may be negative.
         keep_rec_s: the same for ``Recompute(save=...)`` (its dispatch mode runs Python per op; NOTE [ Mechanism
             costs ] Rule 4).
+        host_rec_s: what sending a recomputed block's inputs (and kept outputs) to host costs it beyond the model's
+            copies, measured (NOTE [ Mechanism costs ] Rule 5); priced in the forward (not below 0).
     """
 
     name: str
@@ -156,6 +158,7 @@ class Block:
     sac: tuple[int, ...] = ()
     rec_s: float = 0.0
     keep_rec_s: float = 0.0
+    host_rec_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -177,6 +180,8 @@ class StepCosts:
             (NOTE [ Step model ] Rule 4); ``None``: ``fixed_bytes``.
         rec_bytes / keep_rec_bytes: measured bytes a block recomputed by ``Recompute()`` / ``Recompute(save=...)``
             holds in its backward beyond what the model counts (NOTE [ Mechanism costs ] Rules 3-4); may be negative.
+        host_rec_bytes: the same for a recomputed block whose inputs went to host, added to those (NOTE [ Mechanism
+            costs ] Rule 5).
     """
 
     blocks: tuple[Block, ...]
@@ -189,6 +194,7 @@ class StepCosts:
     bwd_fixed_bytes: int | None = None
     rec_bytes: int = 0
     keep_rec_bytes: int = 0
+    host_rec_bytes: int = 0
 
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
@@ -434,14 +440,17 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
     rec = d.mode == "recompute"
     if rec:  # NOTE [ Mechanism costs ]: what the mechanism itself costs, as measured
         extra_b = max(0.0, recompute_seconds(b, d) + (b.keep_rec_s if d.keep else b.rec_s))
+        if d.host:  # in the forward, where the store's work starts and no copy back is waited for
+            extra_f = max(0.0, b.host_rec_s)
     if d.compress and codec is not None:
         squeezed = kept_bytes(b, d) if rec else off  # Decision.compress
         wire = off - squeezed + int(squeezed / codec.ratio)
-        extra_f = squeezed / codec.compress
+        extra_f += squeezed / codec.compress
         extra_b += squeezed / codec.decompress
     held = kept
     if rec:
-        held = max(materialised_bytes(b, d) + (chain.keep_rec_bytes if d.keep else chain.rec_bytes), kept, 0)
+        held = max(materialised_bytes(b, d) + (chain.keep_rec_bytes if d.keep else chain.rec_bytes)
+                   + (chain.host_rec_bytes if d.host else 0), kept, 0)
     return kept, off, wire, extra_f, extra_b, held, rec, d.host
 
 

@@ -224,6 +224,9 @@ def simple_policies(chain: StepCosts) -> list[tuple[str, tuple[Decision, ...]]]:
     blocks = chain.blocks
     n = len(blocks)
     every = [("every block Recompute()", [RECOMPUTE] * n)]
+    if any(b.input_bytes for b in blocks):
+        every.append(("every block Recompute(store=...), inputs to host",
+                      [RECOMPUTE_HOST if b.input_bytes else RECOMPUTE for b in blocks]))
     if any(b.sac for b in blocks):
         every.append(("every block Recompute(save=matmuls, attention)",
                       [Decision("recompute", keep=b.sac) if b.sac else RECOMPUTE for b in blocks]))

@@ -453,7 +453,7 @@ class _Profiled:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(chain if chain is not None else prof.chain(link, codec))
         self._step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
-        self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 5: plans measured, kept
+        self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 6: plans measured, kept
         self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.say: Callable[[str], None] = _quiet
 
