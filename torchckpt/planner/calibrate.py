@@ -20,6 +20,9 @@
 #    ``Block.rec_s``, added to every recomputation of it that keeps no op's output (whole or in parts).
 #    Its measured peak less the predicted one is ``StepCosts.rec_bytes``, added to what such a recomputed
 #    block holds in its backward; solved again while the predicted peak stays in a backward (where it acts).
+#    A recomputation in parts (NOTE [ Step model ] Rule 2c) holds another frame, which no measured policy
+#    runs: it gets these terms (and Rules 4-5's) only where they add bytes (on an H100, ConvNeXt-B's floor, in
+#    parts, peaked 0.29 GiB over its prediction with Rule 3's -0.41 GiB, 0.12 GiB under it without).
 # 4. Every block ``Recompute(save=...)``: the same after Rule 3, spread in proportion to each block's
 #    keepable ops (the dispatch mode's work is per op), ``Block.keep_rec_s`` and ``StepCosts.keep_rec_bytes``,
 #    for recomputations that keep ops' outputs.

@@ -449,8 +449,10 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
         extra_b += squeezed / codec.decompress
     held = kept
     if rec:
-        held = max(materialised_bytes(b, d) + (chain.keep_rec_bytes if d.keep else chain.rec_bytes)
-                   + (chain.host_rec_bytes if d.host else 0), kept, 0)
+        extra = [chain.keep_rec_bytes if d.keep else chain.rec_bytes, chain.host_rec_bytes if d.host else 0]
+        if d.parts:  # NOTE [ Mechanism costs ] Rule 3: measured on whole recomputations; in parts, never less
+            extra = [max(0, e) for e in extra]
+        held = max(materialised_bytes(b, d) + sum(extra), kept, 0)
     return kept, off, wire, extra_f, extra_b, held, rec, d.host
 
 
