@@ -139,3 +139,19 @@ def test_untouched_warns_of_parameters_the_forward_writes() -> None:
         with untouched(m):
             m(torch.randn(2, 4)).sum().backward()
     assert m.weight.grad is None
+
+
+def test_the_planners_steps_start_without_gradients_and_leave_the_users() -> None:
+    """NOTE [ Profiling step ] Rule 4: each of the planner's steps starts with ``.grad`` set to None, as a loop's
+    ``zero_grad()`` leaves it, so the gradients a step allocates are in its peak; the user's gradients come back."""
+    model, x = _model(), torch.randn(64, D)
+    _loss(model(x)).backward()
+    grads = {n: p.grad for n, p in model.named_parameters()}
+    seen: list[bool] = []
+    h = model[0].register_forward_pre_hook(lambda m, a: seen.append(m.weight.grad is None))
+    try:
+        plans(model, x, budgets=[1 << 40], loss_fn=_loss)
+    finally:
+        h.remove()
+    assert len(seen) >= 3 and all(seen)
+    assert all(p.grad is grads[n] for n, p in model.named_parameters())

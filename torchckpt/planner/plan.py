@@ -504,11 +504,13 @@ class _Profiled:
                 return None
             a = p.apply(model, codec=codec)
             try:
+                model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
                 out = model(*args, **kwargs)
                 loss_of(out).backward()
                 del out
                 peaks, times = [], []
                 for _ in range(_VERIFY_STEPS):
+                    model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
                     start = torch.cuda.memory_allocated()
