@@ -60,6 +60,28 @@ def median(xs: Sequence[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def measure_steps(step: Any, reps: int, cuda: bool, warmup: int = 2) -> dict[str, float | None]:
+    """``step()``'s median time over ``reps`` runs after ``warmup``, each between two synchronisations, and the
+    allocator's peak over them less what was allocated before them, in GiB (``None`` on the CPU)."""
+    for _ in range(warmup):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated() if cuda else 0
+    ts = []
+    for _ in range(reps):
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda else None}
+
+
 def pinned_bandwidth(nbytes: int = GiB, reps: int = 5) -> tuple[float, float]:
     """(D2H, H2D) bytes/s: non_blocking copies between a device buffer and a pinned host
     buffer of ``nbytes``, timed with CUDA events; median over ``reps`` after one warm-up."""
@@ -160,6 +182,13 @@ def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
     print(f"wrote {path}", flush=True)
+
+
+def finish_figure(fig: Any, ax: Any, path: str) -> None:
+    """The plots' common end: a light grid, a small legend, the figure saved to ``path``."""
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    save_figure(fig, path)
 
 
 def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float]], title: str) -> None:

@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import torchckpt
-from common import GiB, GPTBlock, out_dir, pyplot, save_figure
+from common import GiB, GPTBlock, finish_figure, measure_steps, out_dir, pyplot
 from torchckpt.planner import PlanError
 from torchckpt.planner.plan import _Profiled
 aten = torch.ops.aten
@@ -105,23 +105,7 @@ class Bench:
             torch.cuda.synchronize()
 
     def measure(self, step: Callable[[], None]) -> dict[str, float | None]:
-        for _ in range(2):
-            step()
-        self.sync()
-        base = 0
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        ts = []
-        for _ in range(self.reps):
-            self.sync()
-            t0 = time.perf_counter()
-            step()
-            self.sync()
-            ts.append(time.perf_counter() - t0)
-        ts.sort()
-        peak = (torch.cuda.max_memory_allocated() - base) / GiB if self.cuda else None
-        return {"step_s": ts[len(ts) // 2], "peak_GiB": peak}
+        return measure_steps(step, self.reps, self.cuda)
 
     def step(self) -> None:
         out = self.model(self.x, **self.kwargs)
@@ -343,9 +327,7 @@ def plot(rows: list[dict[str, Any]], path: str, gpu: str, model: str) -> None:
     ax.set_xlabel("peak memory above the step's start, GiB")
     ax.set_ylabel("step time / no checkpointing (same run)")
     ax.set_title(f"Memory/time frontier, {'GPT stack' if model == 'gpt' else 'Llama (transformers)'}, {gpu}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
+    finish_figure(fig, ax, path)
 
 
 if __name__ == "__main__":

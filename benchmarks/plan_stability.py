@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from common import GiB, out_dir, pyplot, save_figure
+from common import GiB, finish_figure, measure_steps, out_dir, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -52,24 +52,7 @@ def child(args: argparse.Namespace) -> None:
         b.model.zero_grad(set_to_none=True)
 
     def measure() -> dict[str, Any]:
-        for _ in range(2):
-            step()
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        base = torch.cuda.memory_allocated() if cuda else 0
-        ts = []
-        for _ in range(args.reps):
-            if cuda:
-                torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize()
-            ts.append(time.perf_counter() - t0)
-        ts.sort()
-        return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda
-                else None}
+        return measure_steps(step, args.reps, cuda)
 
     out: dict[str, Any] = {"none": measure(), "plans": []}
     budgets = [int(float(v) * GiB) for v in args.budgets.split(",")]
@@ -169,9 +152,7 @@ def plot(result: dict[str, Any], path: str) -> None:
     ax.set_xticks(range(len(result["budgets"])), [f"{b['budget_GiB']:g} GiB" for b in result["budgets"]])
     ax.set_ylabel("measured step, ms")
     ax.set_title(f"plans in {result['procs']} processes, {result['model']}, {result['device']}")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
+    finish_figure(fig, ax, path)
 
 
 if __name__ == "__main__":

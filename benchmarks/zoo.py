@@ -53,7 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import torchckpt
 from architectures import ARCHS, PACKAGE, Built, build, torch_checkpoint, wrap_blocks
-from common import GiB, fmt, out_dir, print_table, pyplot, save_figure
+from common import GiB, fmt, measure_steps, out_dir, print_table, pyplot, save_figure
 from torchckpt.planner import PlanError
 from torchckpt.planner.op_timing import SAC_OPS
 from torchckpt.planner.plan import _Profiled
@@ -112,23 +112,7 @@ class Bench:
             self.b.model.zero_grad(set_to_none=True)
 
     def measure(self) -> dict[str, float | None]:
-        for _ in range(2):
-            self.step()
-        self.sync()
-        base = 0
-        if self.cuda:
-            torch.cuda.reset_peak_memory_stats()
-            base = torch.cuda.memory_allocated()
-        ts = []
-        for _ in range(self.reps):
-            self.sync()
-            t0 = time.perf_counter()
-            self.step()
-            self.sync()
-            ts.append(time.perf_counter() - t0)
-        ts.sort()
-        peak = (torch.cuda.max_memory_allocated() - base) / GiB if self.cuda else None
-        return {"step_s": ts[len(ts) // 2], "peak_GiB": peak}
+        return measure_steps(self.step, self.reps, self.cuda)
 
     def clean(self) -> None:
         self.b.model.zero_grad(set_to_none=True)

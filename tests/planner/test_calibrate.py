@@ -6,9 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from torch import nn
 
-from ckpt_models import Block as TransformerBlock
+from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
     HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies,
@@ -18,32 +17,11 @@ from torchckpt.planner.optimize import search, simple_policies
 from torchckpt.planner.plan import _Profiled
 from torchckpt.planner.profiling import Profile
 
-D, H = 32, 4
-
-
-class Net(nn.Module):
-    def __init__(self, n: int = 6) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.h = nn.ModuleList(TransformerBlock(D, H) for _ in range(n))
-        self.out = nn.Linear(D, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for blk in self.h:
-            x = blk(x)
-        return self.out(x)
 
 
 @pytest.fixture(scope="module")
 def prof() -> Profile:
-    """A profile of ``Net(6)`` with fixed times (the CPU's vary from run to run)."""
-    torch.manual_seed(5)
-    prof = profile(Net(6), (torch.randn(4, 16, D),), {})
-    ops = tuple(tuple(dataclasses.replace(o, seconds=1e-3 / len(b)) for o in b) for b in prof.ops)
-    n = len(prof.names)
-    return dataclasses.replace(prof, fwd_s=(1e-3,) * n, bwd_s=(2e-3,) * n, ops=ops, other_fwd_s=1e-4,
-                               other_bwd_s=2e-4, step_s=3e-3 * n + 3e-4)
+    return fixed_profile(Net(6))
 
 
 def _chain(prof: Profile) -> StepCosts:

@@ -11,8 +11,10 @@ import pytest
 import torch
 from torch import nn
 
+from chain_nets import Net as ChainNet
+from chain_nets import fixed_profile
 from ckpt_models import Block as TransformerBlock
-from torchckpt.planner import Link, Plan, predict, profile
+from torchckpt.planner import Link, Plan, predict
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, StepCosts
 from torchckpt.planner.optimize import search
 from torchckpt.planner.plan import Measurement, _make, _Profiled, _slack
@@ -29,18 +31,8 @@ def Attn() -> nn.Module:
     return TransformerBlock(D, H, p=0.2)
 
 
-class Net(nn.Module):
-    def __init__(self, n: int = 4) -> None:
-        super().__init__()
-        self.inp = nn.Linear(D, D)
-        self.h = nn.ModuleList(Attn() for _ in range(n))
-        self.out = nn.Linear(D, 3)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.inp(x)
-        for blk in self.h:
-            x = blk(x)
-        return self.out(x)
+def Net(n: int = 4) -> nn.Module:
+    return ChainNet(n, Attn)
 
 
 def _grads(m: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -117,12 +109,7 @@ def _planner(prof: Profile, step: Callable[[Plan], tuple[int, float]]) -> tuple[
 def prof() -> Profile:
     """A profile of ``Net(6)`` with fixed times (the CPU's vary from run to run): what the search finds is the same
     every run."""
-    torch.manual_seed(5)
-    prof = profile(Net(6), (torch.randn(4, 16, D),), {})
-    ops = tuple(tuple(dataclasses.replace(o, seconds=1e-3 / len(b)) for o in b) for b in prof.ops)
-    n = len(prof.names)
-    return dataclasses.replace(prof, fwd_s=(1e-3,) * n, bwd_s=(2e-3,) * n, ops=ops, other_fwd_s=1e-4,
-                               other_bwd_s=2e-4, step_s=3e-3 * n + 3e-4)
+    return fixed_profile(Net(6))
 
 
 @pytest.mark.parametrize("simple_s, over, took", [(1.0, False, True), (3.0, False, False), (2.0, False, False),
