@@ -10,7 +10,7 @@ import torch
 import torchckpt
 from common import GiB
 from frontier import Stack
-from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.verify import _Profiled
 
 budget = float(sys.argv[1]) if len(sys.argv) > 1 else 2.3
 codec = torchckpt.codecs.TritonQuant(bits=4, mode="rel", bound=0.1) if "--q4" in sys.argv else None

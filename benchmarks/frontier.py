@@ -54,7 +54,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import torchckpt
 from common import GiB, GPTBlock, finish_figure, measure_steps, out_dir, pyplot
 from torchckpt.planner import PlanError
-from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.verify import _Profiled
 aten = torch.ops.aten
 SAVE = {getattr(aten, op).default for op in (
     "mm", "addmm", "_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",

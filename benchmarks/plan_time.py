@@ -31,7 +31,7 @@ import torch
 
 import torchckpt
 from common import GiB, out_dir
-from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.restore import untouched
 
 

@@ -56,7 +56,7 @@ from architectures import ARCHS, PACKAGE, Built, build, torch_checkpoint, wrap_b
 from common import GiB, fmt, measure_steps, out_dir, print_table, pyplot, save_figure
 from torchckpt.planner import PlanError
 from torchckpt.planner.op_timing import SAC_OPS
-from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.restore import untouched
 
 EAGER = ("none", "library", "sac", "every_other", "recompute")

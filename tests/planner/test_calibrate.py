@@ -14,7 +14,7 @@ from torchckpt.planner.calibrate import (
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts
 from torchckpt.planner.optimize import search, simple_policies
-from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.profiling import Profile
 
 

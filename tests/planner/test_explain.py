@@ -13,7 +13,7 @@ from torch import nn
 import torchckpt
 from torchckpt.planner import Decision, Link, PlanError, profile
 from torchckpt.planner.costs import Prediction
-from torchckpt.planner.plan import _make, _Profiled
+from torchckpt.planner.verify import _make, _Profiled
 
 D = 32
 

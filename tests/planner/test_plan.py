@@ -10,7 +10,7 @@ from torch import nn
 import torchckpt
 from torchckpt import Offload
 from torchckpt.planner import Decision, Link, Plan, PlanError, find_blocks, plan, plans, profile
-from torchckpt.planner.plan import _make
+from torchckpt.planner.verify import _make
 from torchckpt.planner.costs import Prediction
 from torchckpt.planner.rebuild import states
 from torchckpt.schedules import optimal_forward_steps
@@ -111,7 +111,7 @@ def test_plans_at_budgets_between_floor_and_peak_are_exact_and_within_budget() -
     m = Net(6)
     x = torch.randn(64, D)
     ref = _grads(m, x)
-    from torchckpt.planner.plan import _Profiled
+    from torchckpt.planner.verify import _Profiled
 
     slow = Link(2e8, 2e8)  # a slow link makes recomputation win some blocks
     planner = _Profiled.prepare(m, (x,), {}, None, None, None, slow)  # one profile: CPU times vary between two
@@ -179,7 +179,7 @@ def test_offload_of_chosen_positions_moves_only_those() -> None:
 
 def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     """NOTE [ Applying a plan ] Rule 4 with a stand-in for the measured step (the CPU has no allocator peak)."""
-    from torchckpt.planner.plan import _REPLANS, _Profiled
+    from torchckpt.planner.verify import _REPLANS, _Profiled
 
     m = Net(6)
     x = torch.randn(64, D)
@@ -317,7 +317,7 @@ def test_another_count_of_saved_tensors_warns_once_and_offloads_all() -> None:
 
 def test_profiling_block_by_block_records_what_the_plain_step_records() -> None:
     """NOTE [ Profiling step ] Rule 6: the same saved tensors and inputs, the step's own gradients, exact plans."""
-    from torchckpt.planner.plan import _Profiled
+    from torchckpt.planner.verify import _Profiled
     from torchckpt.planner.profiling import profile_blocks
 
     torch.manual_seed(4)
@@ -379,7 +379,7 @@ def test_verification_returns_the_fastest_measured_family() -> None:
     """NOTE [ Applying a plan ] Rule 5: when the measured steps say the copies cost more than predicted, the best
     plan that moves nothing over the host link wins the race."""
     from torchckpt.planner.costs import host_bytes
-    from torchckpt.planner.plan import _Profiled
+    from torchckpt.planner.verify import _Profiled
 
     m = Net(6)
     x = torch.randn(64, D)
@@ -420,7 +420,7 @@ def test_blocks_that_write_their_buffers_are_recomputed_with_their_statistics_ke
     import copy
 
     from torchckpt.planner.optimize import ladder
-    from torchckpt.planner.plan import _Profiled
+    from torchckpt.planner.verify import _Profiled
 
     torch.manual_seed(4)
     base = nn.Sequential(nn.Linear(D, D), *[BNBlk() for _ in range(4)], nn.Linear(D, 2))
@@ -480,7 +480,7 @@ def test_a_plan_with_revolve_over_the_chain_is_exact_and_runs_what_the_model_cou
 def test_measured_step_time_never_rises_with_the_budget() -> None:
     """NOTE [ Applying a plan ] Rule 6: a larger budget whose own plan measures slower gets a faster plan verified
     for a smaller budget, when that plan's measured peak fits."""
-    from torchckpt.planner.plan import _Profiled
+    from torchckpt.planner.verify import _Profiled
 
     m = Net(6)
     x = torch.randn(64, D)

@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ckpt_models import Block
 from torchckpt.planner import PlanError
-from torchckpt.planner.plan import _Profiled
+from torchckpt.planner.verify import _Profiled
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -17,7 +17,8 @@ from ckpt_models import Block as TransformerBlock
 from torchckpt.planner import Link, Plan, predict
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, StepCosts
 from torchckpt.planner.optimize import search
-from torchckpt.planner.plan import Measurement, _make, _Profiled, _slack
+from torchckpt.planner.plan import Measurement
+from torchckpt.planner.verify import _make, _Profiled, _slack
 from torchckpt.planner.profiling import Profile
 
 D, H = 32, 4

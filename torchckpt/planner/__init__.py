@@ -3,7 +3,8 @@
 from torchckpt.planner.costs import Block, StepCosts, CodecCost, Decision, Link, Prediction, predict
 from torchckpt.planner.optimize import PlanError, Search, search
 from torchckpt.planner.autoplan import AutoPlan, auto
-from torchckpt.planner.plan import Applied, BlockPlan, Measurement, Plan, plan, plans
+from torchckpt.planner.plan import Applied, BlockPlan, Measurement, Plan
+from torchckpt.planner.verify import plan, plans
 from torchckpt.planner.blocks import find_blocks
 from torchckpt.planner.profiling import Profile, SavedTensor, profile
 

@@ -10,7 +10,8 @@ from torch import nn
 from torchckpt._args import parse_bytes
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.checks import check_args
-from torchckpt.planner.plan import Applied, Plan, _Profiled
+from torchckpt.planner.plan import Applied, Plan
+from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.restore import untouched
 
 __all__ = ["AutoPlan", "auto"]

@@ -1,0 +1,377 @@
+"""Planning a model: one profile and its search, then each budget's plan verified on the device (``plan``,
+``plans``; ``auto`` through them).
+
+NOTE [ Applying a plan ] Rules 4-8 (planner/plan.py, beside what a plan applies) say what verification does; this is
+their code: the measured steps, the plans made again over the budget, the race of families, the simple policy
+measured beside the plan, and the mechanisms measured once after the profile (NOTE [ Mechanism costs ]).
+"""
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from torchckpt._args import found, parse_bytes
+from torchckpt._errors import format_bytes_apart
+from torchckpt.codecs.base import Codec
+from torchckpt.planner.blocks import find_blocks
+from torchckpt.planner.calibrate import calibrate, measure_policies
+from torchckpt.planner.checks import check_args, rejected
+from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, StepCosts, parts_seconds, predict
+from torchckpt.planner.measure import measure_codec, measure_link
+from torchckpt.planner.optimize import FAMILIES, PlanError, search, simple_policies, size
+from torchckpt.planner.plan import BlockPlan, Measurement, Plan
+from torchckpt.planner.profiling import Profile, StepRaised, _loss_of, profile, profile_blocks
+from torchckpt.planner.rebuild import states
+from torchckpt.planner.restore import untouched
+from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
+
+__all__ = ["plan", "plans"]
+
+_REPLANS = 3  # NOTE [ Applying a plan ] Rule 4: plans made again after a measured step over the budget
+_VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one that builds the store's prefetch plan
+_CLOSE, _TIE = 0.03, 0.01  # NOTE [ Applying a plan ] Rule 8: measured steps this close are measured again; then a tie
+_SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # NOTE [ Applying a plan ] Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
+
+
+def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec | None = None,
+         blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+         link: Link | None = None, verify: bool = True, progress: bool = False, **example_kwargs: Any) -> Plan:
+    """Profile one step of ``model`` on an example batch and plan its saved tensors under ``budget``.
+
+    The step runs once unmeasured and once measured, as plain autograd (NOTE [ Profiling step ]),
+    then once more forward only, to time each op. These steps, and those that verify the plan,
+    leave no trace (NOTE [ Planning leaves no trace ]): the parameters' and the batch's ``.grad``
+    (``None`` included), the buffers (batch-norm statistics), the CPU and CUDA RNG states and each
+    module's training mode are put back, so training after ``plan(...)`` and ``apply`` trains the
+    weights it would without torchckpt, bit for bit. Plan a model with no torchckpt policy on its
+    blocks: the profile measures what runs. Then the search of NOTE [ Plan search ]
+    picks, per block, keep / recompute / offload of chosen tensors (compressed when ``codec`` is
+    given), with the fastest predicted step whose predicted peak is at most ``budget``. On CUDA,
+    with ``verify``, two steps then run under the plan and the second one's peak is measured; if
+    it is over the budget, the plan is made again for the budget less the excess (NOTE [ Applying
+    a plan ] Rule 4).
+
+    Args:
+        model: the model; its chain of blocks is found (``find_blocks``) unless ``blocks`` is given.
+        *example_args / **example_kwargs: a batch of the shape training will use.
+        budget: device bytes one step may add to what is allocated when it starts (parameters
+            and optimizer state are not counted; gradients allocated during the step are): an
+            int or a string such as ``"6GiB"``.
+        codec: a ``torchckpt.codecs.Codec`` offloads may use (lossy ones say so in ``explain()``).
+        blocks: the blocks to plan, in forward order.
+        loss_fn: output -> scalar loss (default: the output's ``.loss``, else the mean square of its tensors).
+        link: host link bandwidths (default: measured on the model's device).
+        verify: measure a step under the plan and plan again if it is over (CUDA).
+        progress: print each phase (profiling, search, each verification) to stderr.
+
+    Returns:
+        A ``Plan``; ``plan.apply(model)`` puts it in force.
+
+    Raises:
+        PlanError: ``budget`` is below the lowest peak reachable (the message names it), or
+            verification found every plan that fits the prediction over the budget.
+        TypeError / ValueError: an argument of another kind than expected, checked at the call (the
+            message says what to pass), among them a batch that does not fit ``model.forward``'s
+            parameters, or one dict of its keyword arguments (pass ``**batch``).
+        CheckpointError: the model (or ``loss_fn``) raised in the profiling step; the model's own
+            exception is chained (``__cause__``).
+
+    Example::
+
+        >>> import torch, torchckpt
+        >>> model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU()) for _ in range(4)])
+        >>> p = torchckpt.plan(model, torch.randn(32, 64, requires_grad=True), budget=10**9)
+        >>> [b.mode for b in p.blocks]
+        ['keep', 'keep', 'keep', 'keep']
+    """
+    check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+    nbytes = parse_bytes(budget, "plan(budget=...)")
+    with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
+        return _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                                progress=progress, call="plan").plan(nbytes)
+
+
+def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], codec: Codec | None = None,
+          blocks: Sequence[nn.Module] | None = None, loss_fn: Callable[[Any], torch.Tensor] | None = None,
+          link: Link | None = None, verify: bool = True, progress: bool = False,
+          **example_kwargs: Any) -> dict[int, Plan]:
+    """``plan`` for several budgets from one profiling step: ``{budget in bytes: Plan}``.
+
+    Budgets under the lowest reachable peak, or for which verification found no plan within
+    them, are left out (``plan`` raises for them); the arguments are those of ``plan``, checked
+    as ``plan`` checks them, and ``budgets`` a non-empty list. As with ``plan``, the model is left
+    as it was found: ``.grad``, buffers, RNG states and training modes are put back.
+
+    Example::
+
+        >>> import torch
+        >>> model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+        >>> ps = plans(model, torch.randn(32, 64, requires_grad=True), budgets=[1, "1GiB"])
+        >>> list(ps)
+        [1073741824]
+    """
+    check_args("plans", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+    if not isinstance(budgets, (list, tuple)) or not budgets:
+        raise TypeError(f"torchckpt: plans(budgets=...) expects a non-empty list of byte counts, got {found(budgets)}; "
+                        "pass e.g. budgets=['2GiB', '4GiB'] (plan(model, ..., budget=...) plans one).")
+    sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
+    out = {}
+    with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
+        p = _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                             progress=progress, call="plans")
+        for b in sizes:
+            try:
+                out[b] = p.plan(b)
+            except PlanError:
+                continue
+    return out
+
+
+class _Profiled:
+    """One profiling step and its search, planned for any budget."""
+
+    def __init__(self, prof: Profile, link: Link, codec: CodecCost | None,
+                 step: Callable[[Plan], tuple[int, float] | None], chain: StepCosts | None = None,
+                 memo: dict[tuple[Decision, ...], tuple[int, float]] | None = None) -> None:
+        self.prof, self.link, self.codec = prof, link, codec
+        self.found = search(chain if chain is not None else prof.chain(link, codec))
+        self._step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
+        self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 6: plans measured, kept
+        self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
+        self.say: Callable[[str], None] = _quiet
+
+    @staticmethod
+    def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
+                blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
+                link: Link | None, verify: bool = True, by_blocks: bool = False, progress: bool = False,
+                call: str = "plan") -> _Profiled:
+        """Profile ``model`` and search; ``call`` (``plan``, ``plans``, ``auto``, which checked the arguments) names
+        the entry point in errors."""
+        named = None
+        if blocks is not None:
+            names = {id(m): n for n, m in model.named_modules()}
+            named = [(names[id(b)], b) for b in blocks]
+        chain_mods = named if named is not None else find_blocks(model)
+        sample: list[torch.Tensor] = []
+        say = _say if progress else _quiet
+        say(f"profiling one step of {type(model).__name__}: {len(chain_mods)} blocks "
+            f"({chain_mods[0][0]} ... {chain_mods[-1][0]})")
+        t0 = time.perf_counter()
+        how = profile_blocks if by_blocks else profile  # by_blocks: as if the plain step did not fit (tests)
+        off = UseCacheOff(model, [m for _, m in chain_mods])  # NOTE [ Mutating forwards ] Rule 6
+        try:
+            prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
+                       keep_sample=sample if codec is not None else None)
+        except StepRaised as e:  # NOTE [ Profiling step ] Rule 8
+            raise rejected(call, model, args, kwargs, e) from e.error
+        finally:
+            off.remove()
+        warn_mutating(prof.names, prof.mutates)  # NOTE [ Mutating forwards ] Rule 5
+        say(f"profiled in {time.perf_counter() - t0:.1f} s: step {prof.step_s * 1e3:.1f} ms, peak {size(prof.peak_none)}"
+            + (" (every block recomputed: the plain step did not fit)" if prof.by_blocks else ""))
+        ln = link if link is not None else measure_link(torch.device(prof.device))
+        ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
+        loss_of = loss_fn if loss_fn is not None else _loss_of
+        measuring = verify and torch.device(prof.device).type == "cuda"
+
+        def step(p: Plan) -> tuple[int, float] | None:
+            if not measuring:
+                return None
+            a = p.apply(model, codec=codec)
+            try:
+                model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
+                out = model(*args, **kwargs)
+                loss_of(out).backward()
+                del out
+                peaks, times = [], []
+                for _ in range(_VERIFY_STEPS):
+                    model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
+                    torch.cuda.synchronize()
+                    torch.cuda.reset_peak_memory_stats()
+                    start = torch.cuda.memory_allocated()
+                    t0 = time.perf_counter()
+                    out = model(*args, **kwargs)  # held through backward, as in the profiling step
+                    loss_of(out).backward()
+                    del out
+                    torch.cuda.synchronize()
+                    times.append(time.perf_counter() - t0)
+                    peaks.append(int(torch.cuda.max_memory_allocated() - start))
+                return max(peaks), sorted(times)[len(times) // 2]
+            finally:
+                a.remove()
+
+        chain = prof.chain(ln, ccost)
+        memo: dict[tuple[Decision, ...], tuple[int, float]] = {}
+        if measuring:  # NOTE [ Mechanism costs ]: the mechanisms' own costs, measured
+            policies = simple_policies(chain)
+            keep_all = predict(chain, policies[0][1])
+
+            def policy_step(name: str, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
+                if prof.by_blocks and not any(d.mode == "recompute" for d in decisions):
+                    return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
+                t1 = time.perf_counter()
+                try:
+                    got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
+                except torch.cuda.OutOfMemoryError:
+                    torch.cuda.empty_cache()
+                    return None
+                if got is not None:
+                    memo[decisions] = got
+                    say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
+                return got
+
+            chain = calibrate(chain, policies, measure_policies(policies, policy_step))
+        planned = _Profiled(prof, ln, ccost, step, chain, memo)
+        planned.say = say
+        say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
+        return planned
+
+    def plan(self, budget: int) -> Plan:
+        """The plan for ``budget``, verified, the fastest measured of the families' best and the best simple policy
+        (NOTE [ Applying a plan ] Rules 4-7)."""
+        best, tried = self._verified(budget, "all")
+        if best.measured_step_time is None:
+            return best
+        times = [f"all {best.measured_step_time * 1e3:.1f} ms"]
+        for family in FAMILIES[1:]:
+            try:
+                if self.found.best(budget, family)[0] in tried:
+                    continue
+                p, more = self._verified(budget, family)
+            except PlanError:
+                continue
+            tried |= more
+            assert p.measured_step_time is not None and best.measured_step_time is not None
+            times.append(f"{family} {p.measured_step_time * 1e3:.1f} ms")
+            if p.measured_step_time < best.measured_step_time:
+                best = p
+        if len(times) > 1:
+            self.say(f"budget {size(budget)}: measured the best plan of each family: {', '.join(times)}")
+        best = self._or_simple(budget, best, tried)  # NOTE [ Applying a plan ] Rule 7, before NOTE [ Applying a plan ] Rule 6
+        limit = budget - _slack(budget)
+        for p in self.verified:  # NOTE [ Applying a plan ] Rule 6: a plan verified for a smaller budget that fits this one and measured faster
+            assert p.measured_peak_bytes is not None and p.measured_step_time is not None
+            assert best.measured_step_time is not None
+            if p.measured_peak_bytes <= limit and p.measured_step_time < best.measured_step_time:
+                asked, other = format_bytes_apart(budget, p.budget)
+                self.say(f"budget {asked}: the plan verified for {other} fits and measured faster "
+                         f"({p.measured_step_time * 1e3:.1f} against {best.measured_step_time * 1e3:.1f} ms)")
+                best = dataclasses.replace(p, budget=budget)
+        self.verified.append(best)
+        return best
+
+    def step(self, p: Plan, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
+        """``p`` (whose decisions are ``decisions``) measured, or what measuring it gave before (NOTE [ Mechanism costs ]
+        Rule 5)."""
+        if decisions not in self.memo:
+            got = self._step(p)
+            if got is None:
+                return None
+            self.memo[decisions] = got
+        return self.memo[decisions]
+
+    def _or_simple(self, budget: int, best: Plan,
+                   tried: dict[tuple[Decision, ...], tuple[int, float] | None]) -> Plan:
+        """NOTE [ Applying a plan ] Rule 7: ``best`` (measured) or the best simple policy that fits ``budget``, whichever
+        measures faster (equal: the simple one), with what was measured; ``tried``: what this budget measured so far."""
+        assert best.measured_step_time is not None and best.measured_peak_bytes is not None
+        mine = Measurement("plan", best.measured_step_time, best.measured_peak_bytes)
+        found = self.found.best_simple(budget)
+        if found is None or found[0] == best.simple:
+            return dataclasses.replace(best, measurements=(mine,))
+        name, decisions, pred = found
+        p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
+                                      self.link, self.codec), simple=name)
+        got = tried[decisions] if decisions in tried else self.step(p, decisions)  # at most one more verification
+        if got is None:
+            return dataclasses.replace(best, measurements=(mine,))
+        peak, seconds = got
+        theirs = Measurement(name, seconds, peak, peak <= budget - _slack(budget))
+        ours = best.measured_step_time
+        took = theirs.fits and seconds <= ours
+        if theirs.fits and abs(seconds - ours) <= min(seconds, ours) * _CLOSE:  # NOTE [ Applying a plan ] Rule 8
+            a, b = self._step(best), self._step(p)
+            if a is not None and b is not None:
+                ours, seconds = (ours + a[1]) / 2, (seconds + b[1]) / 2
+                best = dataclasses.replace(best, measured_step_time=ours)
+                mine, theirs = dataclasses.replace(mine, step_time=ours), dataclasses.replace(theirs, step_time=seconds)
+                tie = abs(seconds - ours) <= min(seconds, ours) * _TIE
+                took = pred.step_s <= best.step_time if tie else seconds < ours
+        self.say(f"budget {size(budget)}: measured the plan {ours * 1e3:.1f} ms and {name} "
+                 f"{seconds * 1e3:.1f} ms{'' if theirs.fits else f' at {size(peak)}, over the budget'}: "
+                 + (f"took {name}" if took else "kept the plan"))
+        if took:
+            best = dataclasses.replace(p, measured_peak_bytes=peak, measured_step_time=seconds)
+        return dataclasses.replace(best, measurements=(mine, theirs))
+
+    def _verified(self, budget: int, family: str) -> tuple[Plan, dict[tuple[Decision, ...], tuple[int, float] | None]]:
+        """The fastest plan of ``family`` whose measured peak is within ``budget`` (NOTE [ Applying a plan ] Rule 4),
+        and the plans tried, with what each measured."""
+        target = budget
+        measured: int | None = None
+        tried: dict[tuple[Decision, ...], tuple[int, float] | None] = {}
+        for _ in range(_REPLANS + 1):
+            decisions, pred = self.found.best(target, family)
+            p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
+                                          self.link, self.codec), simple=self.found.simple_name(decisions))
+            got = tried[decisions] = self.step(p, decisions)
+            if got is None:
+                return p, tried
+            measured, seconds = got
+            asked, predicted, peaked = format_bytes_apart(budget, pred.peak_bytes, measured)
+            self.say(f"budget {asked} ({family}): predicted {predicted}, {pred.step_s * 1e3:.1f} ms; "
+                     f"measured {peaked}, {seconds * 1e3:.1f} ms")
+            p = dataclasses.replace(p, measured_peak_bytes=measured, measured_step_time=seconds)
+            limit = budget - _slack(budget)
+            if measured <= limit:
+                return p, tried
+            target = min(target, pred.peak_bytes) - (measured - limit) - (measured - limit) // 16 - 1
+            if target < self.found.floor:
+                break
+        assert measured is not None
+        asked, predicted, peaked, floor = format_bytes_apart(budget, pred.peak_bytes, measured, self.found.floor)
+        raise PlanError(
+            f"torchckpt: no plan fits a budget of {asked} when measured: the last one predicted "
+            f"{predicted} and peaked at {peaked}; the lowest predicted peak is "
+            f"{floor}. Pass a larger budget (e.g. budget={measured})."
+        )
+
+
+def _slack(budget: int) -> int:
+    """NOTE [ Applying a plan ] Rule 4's slack: 1% of the budget, at least 2 MiB (10% of budgets under 20 MiB)."""
+    return max(budget // _SLACK_DIV, min(_SLACK_MIN, budget // 10))
+
+
+def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor: int, none: Prediction, budget: int,
+          link: Link, codec: Any) -> Plan:
+    chain_blocks = prof.blocks() if any(d.parts for d in decisions) else []
+    again = states(prof.fwd_s, prof.input_bytes, decisions[0].revolve).extra_s if decisions and decisions[0].revolve \
+        else [0.0] * len(decisions)
+    blocks = tuple(BlockPlan(prof.names[i], d.mode, d.offload, d.compress, d.host, d.keep, prof.saved[i],
+                             prof.input_bytes[i], prof.fwd_s[i], prof.bwd_s[i],
+                             keep_bytes=sum(o.nbytes for o in prof.ops[i] if o.position in set(d.keep)),
+                             keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)),
+                             keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)),
+                             parts=d.parts, parts_s=parts_seconds(chain_blocks[i], d) if d.parts else 0.0,
+                             revolve=d.revolve, revolve_s=again[i])
+                   for i, d in enumerate(decisions))
+    return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
+                none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,
+                none_measured=not prof.by_blocks,
+                codec=codec.name if codec is not None else None,
+                lossy=bool(codec is not None and codec.lossy and any(d.compress for d in decisions)),
+                bound=codec.bound if codec is not None else "", link=(link.d2h, link.h2d), device=prof.device)
+
+
+def _say(msg: str) -> None:
+    print(f"torchckpt: {msg}", file=sys.stderr, flush=True)
+
+
+def _quiet(msg: str) -> None:
+    pass
