@@ -1,5 +1,5 @@
 """A plan: a decision per block and per saved tensor, its JSON, and applying it to the model (``plan()`` and
-``plans()``, which make one, are in planner/verify.py, where Rules 4-8's verification runs).
+``plans()``, which make one, are in planner/verify.py, where NOTE [ Applying a plan ] Rules 4-8's verification runs).
 
 # NOTE [ Applying a plan ]
 # 1. ``Plan.apply(model)`` wraps each planned block with the policy its decision names, through
