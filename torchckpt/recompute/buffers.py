@@ -103,14 +103,19 @@ def guarded(fn: Callable[..., Any], module: nn.Module | None) -> Callable[..., A
         return fn
     norms: dict[int, torch.Tensor] = {}
     unseen: set[int] = set()
+    buffers: dict[int, torch.Tensor] = {}  # one walk of the modules (a block's call pays it: NOTE [ Buffers written in a forward ] Rule 4)
     for m in module.modules():
+        own = m._buffers
+        if not own:
+            continue
         if isinstance(m, _NormBase) and m.training and m.track_running_stats:
             stats = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
             if type(m).forward in _STOCK_NORMS:
                 norms.update((id(b), b) for b in stats)
             else:
                 unseen.update(id(b) for b in stats)
-    buffers = [b for b in module.buffers() if b is not None and id(b) not in norms]
-    if not buffers and not norms:
+        buffers.update((id(b), b) for b in own.values() if b is not None)
+    if not buffers:
         return fn
-    return BufferGuard(fn, buffers, list(norms.values()), frozenset(unseen))
+    rest = [b for k, b in buffers.items() if k not in norms]
+    return BufferGuard(fn, rest, list(norms.values()), frozenset(unseen))
