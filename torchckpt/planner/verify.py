@@ -183,6 +183,7 @@ class _Profiled:
         def step(p: Plan) -> tuple[int, float] | None:
             if not measuring:
                 return None
+            torch.cuda.empty_cache()  # NOTE [ Applying a plan ] Rule 4: from the allocator state a training run starts in
             a = p.apply(model, codec=codec)
             try:
                 model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
