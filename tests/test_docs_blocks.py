@@ -117,6 +117,17 @@ def _native_host_pool() -> str | None:
     return None if host_pool_available() else f"needs the native host pool of torchckpt._C ({native_error()})"
 
 
+def _trainer(ns: dict[str, Any], out: str) -> None:
+    assert ns["callback"].plan is not None and "torchckpt plan" in out
+
+
+def _hf_trainer() -> str | None:
+    import importlib.util
+
+    missing = [m for m in ("transformers", "accelerate") if importlib.util.find_spec(m) is None]
+    return f"needs {' and '.join(missing)} (not torchckpt dependencies)" if missing else None
+
+
 # (file, a phrase of the block) -> how to run it
 BLOCKS: dict[tuple[str, str], Entry] = {
     ("README.md", "torchckpt.offload(store)"): Entry(_NET, ("model", "x", "layer", "fn"), _use),
@@ -129,6 +140,7 @@ BLOCKS: dict[tuple[str, str], Entry] = {
     ("guide.md", "TritonQuant(bits=4"): Entry(_ADJOINT, ("block", "schedule", "forward", "save", "restore",
                                                          "backward", "seen"), _codec),
     ("guide.md", "torch.save(m, buf)"): Entry(),
+    ("guide.md", "PlanCallback(budget=\"1GiB\")"): Entry(check=_trainer, needs=_hf_trainer),
     ("planner.md", "torchckpt.plan(model, x"): Entry(check=_planner),
 }
 

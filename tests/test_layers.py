@@ -32,6 +32,7 @@ ALLOWED: dict[str, set[str]] = {
     "policies": {"_errors", "codecs", "recompute", "store"},
     "api": {"_errors", "_args", "policies", "recompute", "schedules", "store"},
     "planner": {"_errors", "_args", "api", "codecs", "memory", "policies", "recompute", "schedules", "store"},
+    "integrations": {"_errors", "_args", "api", "codecs", "planner", "policies"},
 }
 
 
