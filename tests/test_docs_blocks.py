@@ -128,6 +128,17 @@ def _hf_trainer() -> str | None:
     return f"needs {' and '.join(missing)} (not torchckpt dependencies)" if missing else None
 
 
+def _lightning(ns: dict[str, Any], out: str) -> None:
+    assert ns["callback"].plan is not None and "keep" in out
+
+
+def _pl() -> str | None:
+    import importlib.util
+
+    return None if importlib.util.find_spec("pytorch_lightning") is not None else \
+        "needs pytorch_lightning (not a torchckpt dependency)"
+
+
 # (file, a phrase of the block) -> how to run it
 BLOCKS: dict[tuple[str, str], Entry] = {
     ("README.md", "torchckpt.offload(store)"): Entry(_NET, ("model", "x", "layer", "fn"), _use),
@@ -141,6 +152,7 @@ BLOCKS: dict[tuple[str, str], Entry] = {
                                                          "backward", "seen"), _codec),
     ("guide.md", "torch.save(m, buf)"): Entry(),
     ("guide.md", "PlanCallback(budget=\"1GiB\")"): Entry(check=_trainer, needs=_hf_trainer),
+    ("guide.md", "PlanCallback(budget=\"1GiB\", module="): Entry(check=_lightning, needs=_pl),
     ("planner.md", "torchckpt.plan(model, x"): Entry(check=_planner),
 }
 
