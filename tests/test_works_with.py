@@ -358,9 +358,12 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + 10 * rank + i)) for i in range(2)]
 
-    def train(policy: Callable[[], torchckpt.Policy] | None, kind: str) -> tuple[dict[str, torch.Tensor], int, int]:
+    def train(policy: Callable[[], torchckpt.Policy] | None, kind: str,
+              plan: Any = None) -> tuple[dict[str, torch.Tensor], int, int]:
         m = _blocks(None, d=16)
         pols = []
+        if plan is not None:  # a plan made before sharding, applied before fully_shard (checks.py's advice)
+            plan.apply(m)
         if policy is not None:
             for b in m:
                 pols.append(policy())
@@ -398,6 +401,32 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
                 res[f"{kind}/{name}"] = (all(torch.equal(state[k], ref[k]) for k in ref), n_calls, ref_calls, offloaded)
             except Exception as e:
                 res[f"{kind}/{name}"] = f"raised {type(e).__name__}: {e}"
+    if "fsdp" not in res:  # the planner under FSDP2 (issue 25): refused on the sharded model, a plan made before
+        try:                # sharding (rank 0's, saved and loaded by every rank) applied before fully_shard
+            from torch.distributed.fsdp import fully_shard
+
+            from torchckpt.planner import Plan
+
+            sharded = _blocks(None, d=16)
+            for b in sharded:
+                fully_shard(b)
+            try:
+                torchckpt.plan(sharded, xs[0], budget=1 << 30)
+                refused = ""
+            except torchckpt.CheckpointError as e:
+                refused = str(e)
+            path = os.path.join(os.path.dirname(out), "plan.json")
+            if rank == 0:
+                probe = _blocks(None, d=16)
+                top = torchckpt.planner.plans(probe, xs[0], budgets=[1 << 40])[1 << 40]
+                torchckpt.plan(_blocks(None, d=16), xs[0], budget=(top.floor_bytes + top.none_peak_bytes) // 2).save(path)
+            dist.barrier()
+            plan = Plan.load(path)
+            state, _, _ = train(None, "fsdp", plan)
+            ref, _, _ = train(None, "fsdp")
+            res["fsdp/plan"] = (refused, [b.mode for b in plan.blocks], all(torch.equal(state[k], ref[k]) for k in ref))
+        except Exception as e:
+            res["fsdp/plan"] = f"raised {type(e).__name__}: {e}"
     if rank == 0:
         torch.save(res, out)
     dist.barrier()
@@ -434,6 +463,17 @@ def test_distributed_matches_plain(dist_results: dict[str, Any], kind: str, poli
     assert same
     assert calls == (2 * ref_calls if policy.startswith("Recompute") else ref_calls)  # recomputed in backward
     assert (offloaded > 0) == (policy == "Recompute(store)" or policy.startswith("Offload"))
+
+
+def test_fsdp2_refuses_planning_and_takes_a_plan_made_before_sharding(dist_results: dict[str, Any]) -> None:
+    """plan() on a model sharded with FSDP2 is a torchckpt: error saying what to do (issue 25 is open); doing it,
+    a plan made on the model before sharding and applied before fully_shard, trains FSDP2's weights bit for bit."""
+    assert "fsdp" not in dist_results, dist_results["fsdp"]
+    r = dist_results["fsdp/plan"]
+    assert not isinstance(r, str), r
+    refused, modes, same = r
+    assert refused.startswith("torchckpt: plan(model, ...) does not plan a model sharded with FSDP2")
+    assert "recompute" in modes and same
 
 
 # -- BatchNorm under Recompute -------------------------------------------------------------------

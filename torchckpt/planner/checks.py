@@ -17,6 +17,15 @@ from torchckpt.planner.profiling import StepRaised
 __all__ = ["check_args", "check_batch", "check_codec", "rejected"]
 
 
+def _sharded(model: nn.Module) -> bool:
+    """Whether ``model`` holds DTensor parameters (``fully_shard``, tensor parallelism)."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # a build without torch.distributed
+        return False
+    return any(isinstance(p, DTensor) for p in model.parameters())
+
+
 def check_args(call: str, model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]] | None, codec: object,
                 blocks: object, loss_fn: object, link: object, verify: object, progress: object) -> None:
     """The arguments of ``plan``, ``plans`` and ``auto`` (``call``), checked at the call (STYLE.md 6); ``batch``:
@@ -24,6 +33,13 @@ def check_args(call: str, model: nn.Module, batch: tuple[tuple[Any, ...], dict[s
     check_module(f"{call}(model, ...)", model, "pass the model to plan (an nn.Module; its repeated blocks are found); "
                  "to checkpoint a function, use torchckpt.checkpoint(fn, *args, policy=...)")
     check_codec(f"{call}(codec=...)", codec)
+    if _sharded(model):
+        raise CheckpointError(
+            f"torchckpt: {call}(model, ...) does not plan a model sharded with FSDP2 (fully_shard: its parameters are "
+            "DTensors) yet. Plan it before sharding (on one rank, with the per-rank batch), save the plan "
+            "(plan.save('plan.json')), and on every rank apply it before fully_shard: Plan.load('plan.json')"
+            ".apply(model); or put a policy on each block yourself (torchckpt.checkpoint(block, "
+            "policy=torchckpt.Recompute())), which gives FSDP2's gradients bit for bit.")
     if blocks is not None:
         if not isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)):
             raise TypeError(f"torchckpt: {call}(blocks=...) expects a list of the model's blocks (submodules, in forward "
