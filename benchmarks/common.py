@@ -184,6 +184,14 @@ def save_figure(fig: Any, path: str, dpi: int = 120) -> None:
     print(f"wrote {path}", flush=True)
 
 
+def block_decisions(plan: Any) -> list[str]:
+    """A plan's decisions, one word per block (``recompute+keep5+host``, ``offload3c``, ...): what the planner
+    benchmarks write to their JSON."""
+    return [b.mode + (f"{len(b.offload)}" if b.offload else "") + ("c" if b.compress else "")
+            + (f"+keep{len(b.keep_ops)}" if b.keep_ops else "") + (f"+parts{len(b.parts)}" if b.parts else "")
+            + ("+host" if b.host else "") + ("+revolve" if b.revolve else "") for b in plan.blocks]
+
+
 def finish_figure(fig: Any, ax: Any, path: str) -> None:
     """The plots' common end: a light grid, a small legend, the figure saved to ``path``."""
     ax.grid(alpha=0.3)

@@ -52,7 +52,7 @@ from torch import nn
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 import torchckpt
-from common import GiB, GPTBlock, finish_figure, measure_steps, out_dir, pyplot
+from common import GiB, GPTBlock, block_decisions, finish_figure, measure_steps, out_dir, pyplot
 from torchckpt.planner import PlanError
 from torchckpt.planner.verify import _Profiled
 aten = torch.ops.aten
@@ -255,10 +255,7 @@ def main() -> None:
                      "verified_peak_GiB": pl.measured_peak_bytes / GiB if pl.measured_peak_bytes is not None else None,
                      "verified_step_s": pl.measured_step_time,
                      "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s, "lossy": pl.lossy,
-                     "decisions": [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
-                                   + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "")
-                                   + ("+host" if bp.host else "") + ("+revolve" if bp.revolve else "")
-                                   for bp in pl.blocks]}
+                     "decisions": block_decisions(pl)}
 
             def setup(pl: Any = pl, codec: Any = codec, extra: dict[str, Any] = extra) -> Callable[[], None]:
                 applied = pl.apply(m, codec=codec)

@@ -24,16 +24,14 @@ from typing import Any
 
 import torch
 
-from common import GiB, finish_figure, measure_steps, out_dir, pyplot
+from common import GiB, block_decisions, finish_figure, measure_steps, out_dir, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def _decisions(p: Any) -> str:
     """The plan's decisions, counted (e.g. ``4 keep, 8 recompute``)."""
-    names = Counter(b.mode + (f"{len(b.offload)}" if b.offload else "") + (f"+keep{len(b.keep_ops)}" if b.keep_ops
-                    else "") + ("+host" if b.host else "") + ("+parts" if b.parts else "") + ("+revolve" if b.revolve
-                    else "") for b in p.blocks)
+    names = Counter(block_decisions(p))
     return ", ".join(f"{n} {k}" for k, n in names.most_common())
 
 

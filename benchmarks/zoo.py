@@ -53,7 +53,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import torchckpt
 from architectures import ARCHS, PACKAGE, Built, build, torch_checkpoint, wrap_blocks
-from common import GiB, fmt, measure_steps, out_dir, print_table, pyplot, save_figure
+from common import GiB, block_decisions, fmt, measure_steps, out_dir, print_table, pyplot, save_figure
 from torchckpt.planner import PlanError
 from torchckpt.planner.op_timing import SAC_OPS
 from torchckpt.planner.verify import _Profiled
@@ -85,13 +85,6 @@ def recompute_every_block(blocks: list[torch.nn.Module]) -> Callable[[], None]:
                 m.__dict__.pop("forward", None)
 
     return undo
-
-
-def decisions(pl: Any) -> list[str]:
-    """One word per block, as ``benchmarks/frontier.py`` writes them."""
-    return [bp.mode + (f"{len(bp.offload)}" if bp.offload else "") + ("c" if bp.compress else "")
-            + (f"+keep{len(bp.keep_ops)}" if bp.keep_ops else "") + (f"+parts{len(bp.parts)}" if bp.parts else "")
-            + ("+host" if bp.host else "") + ("+revolve" if bp.revolve else "") for bp in pl.blocks]
 
 
 class Bench:
@@ -287,7 +280,7 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
                  "verified_peak_GiB": pl.measured_peak_bytes / GiB if pl.measured_peak_bytes is not None else None,
                  "verified_step_s": pl.measured_step_time, "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s,
                  "simple": pl.simple, "measurements": [dataclasses.asdict(x) for x in pl.measurements],
-                 "decisions": decisions(pl)}
+                 "decisions": block_decisions(pl)}
 
         def setup(pl: Any = pl, extra: dict[str, Any] = extra) -> Callable[[], None]:
             applied = pl.apply(m)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import functools
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -58,6 +59,14 @@ def _step(model: nn.Module, x: torch.Tensor, seed: int = 1) -> tuple[torch.Tenso
     return out.detach(), grads, x.grad
 
 
+
+def _seeded(make: Callable[[], nn.Module], device: str = "cpu", rows: int = 4) -> tuple[nn.Module, torch.Tensor, Any]:
+    """A model made after seeding, a batch of ``rows`` x 16 and plain autograd's step on it (``_step``)."""
+    torch.manual_seed(0)
+    model = make().to(device)
+    x = torch.randn(rows, 16, device=device)
+    return model, x, _step(model, x)
+
 def _same(a: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor], b: tuple[torch.Tensor, list[torch.Tensor],
           torch.Tensor]) -> bool:
     return torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and all(torch.equal(u, v) for u, v in zip(a[1], b[1]))
@@ -66,10 +75,7 @@ def _same(a: tuple[torch.Tensor, list[torch.Tensor], torch.Tensor], b: tuple[tor
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("n,s", [(1, 1), (2, 1), (3, 2), (7, 1), (7, 3), (12, 2), (12, 5), (16, 16)])
 def test_bit_exact_and_optimal(device: str, n: int, s: int) -> None:
-    torch.manual_seed(0)
-    model = Stack(n).to(device)
-    x = torch.randn(4, 16, device=device)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Stack(n), device)
     chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=s)
     for _ in range(2):  # a second step starts afresh
         assert _same(_step(model, x), ref)
@@ -95,10 +101,7 @@ def test_fewer_inputs_held_than_per_block_recompute() -> None:
 
 
 def test_schedule_argument_and_uniform() -> None:
-    torch.manual_seed(0)
-    model = Stack(9)
-    x = torch.randn(4, 16)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Stack(9))
     chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(9, 3))
     assert _same(_step(model, x), ref)
     chain.remove()
@@ -115,10 +118,7 @@ def test_schedule_argument_and_uniform() -> None:
 
 
 def test_policies_in_the_chain() -> None:
-    torch.manual_seed(0)
-    model = Stack(6)
-    x = torch.randn(4, 16)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Stack(6))
     for policy in (torchckpt.Recompute(parts=(2,)), torchckpt.Recompute(save={torch.ops.aten.addmm.default})):
         chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2, policy=policy)
         assert _same(_step(model, x), ref), policy
@@ -151,10 +151,7 @@ class Broken(Stack):
 
 
 def test_a_step_that_leaves_the_chain_warns_and_is_exact() -> None:
-    torch.manual_seed(0)
-    model = Broken(8)
-    x = torch.randn(4, 16)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Broken(8))
     chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
     with pytest.warns(RuntimeWarning, match="at block 4, the block's first tensor argument is not the previous"):
         assert _same(_step(model, x), ref)
@@ -300,10 +297,7 @@ def test_zoo_models_bit_exact(name: str, device: str) -> None:
 
 
 def test_deepcopy_of_stack_is_independent() -> None:
-    torch.manual_seed(0)
-    model = Stack(4)
-    x = torch.randn(2, 16)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Stack(4), rows=2)
     chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=2)
     twin = copy.deepcopy(model)
     assert _same(_step(twin, x), ref)
@@ -373,10 +367,7 @@ def _host_schedule(kind: str, n: int, s: int) -> tuple[Revolve | Multistage, int
 @pytest.mark.parametrize("kind", ["revolve", "multistage"])
 @pytest.mark.parametrize("n,s", [(2, 1), (5, 2), (9, 2), (12, 3), (20, 4)])
 def test_host_snapshots_bit_exact_and_optimal(kind: str, n: int, s: int, device: str) -> None:
-    torch.manual_seed(0)
-    model = Stack(n, p=0.2).to(device)
-    x = torch.randn(4, 16, device=device)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Stack(n, p=0.2), device)
     sched, total = _host_schedule(kind, n, s)
     chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=sched)
     for _ in range(2):  # two steps in a row, each with a store of its own
@@ -454,10 +445,7 @@ def test_a_store_passed_is_used_and_left_open(tmp_path: object) -> None:
 def test_disk_snapshots(tmp_path: object, sched: Revolve | Multistage) -> None:
     import pathlib
 
-    torch.manual_seed(0)
-    model = Stack(10, p=0.2)
-    x = torch.randn(4, 16)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Stack(10, p=0.2))
     chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=sched)  # no disk: held in host memory
     assert _same(_step(model, x), ref)
     chain.remove()
@@ -488,10 +476,7 @@ def test_host_snapshots_gradient_accumulation() -> None:
 
 
 def test_host_snapshots_broken_and_partial_steps() -> None:
-    torch.manual_seed(0)
-    model = Broken(8)
-    x = torch.randn(4, 16)
-    ref = _step(model, x)
+    model, x, ref = _seeded(lambda: Broken(8))
     chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Multistage(8, gpu_slots=1, host_slots=2))
     with pytest.warns(RuntimeWarning, match="at block 4"):
         assert _same(_step(model, x), ref)

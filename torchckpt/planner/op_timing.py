@@ -3,6 +3,7 @@ when it keeps ops' outputs instead of recomputing them (``Recompute(save=...)``)
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Sequence
 from typing import Any
 
@@ -13,7 +14,7 @@ from torchckpt._errors import internal_error
 from torchckpt.planner.measure import Clock
 from torchckpt.recompute.selective import OpCounter, keepable
 
-__all__ = ["OpCost", "OpTimer", "SAC_OPS", "less_gaps", "median", "median_ops"]
+__all__ = ["OpCost", "OpTimer", "SAC_OPS", "less_gaps", "median_ops"]
 
 # NOTE [ Plan search ] Rule 7: the ops whose outputs torch SAC users save (matmuls, attention), by overload name
 SAC_OPS = frozenset({
@@ -91,20 +92,13 @@ class OpTimer(OpCounter):
         return out
 
 
-def median(xs: Sequence[float]) -> float:
-    """The median of ``xs`` (the mean of the middle two for an even count)."""
-    s = sorted(xs)
-    n = len(s)
-    return s[n // 2] if n % 2 else (s[n // 2 - 1] + s[n // 2]) / 2
-
-
 def median_ops(runs: Sequence[tuple[tuple[OpCost, ...], ...]]) -> tuple[tuple[OpCost, ...], ...]:
     """The first run's ops, each with its median time over the runs that went through the block's ops alike
     (NOTE [ Profiling step ] Rule 9)."""
     out = []
     for i, mine in enumerate(runs[0]):
         alike = [r[i] for r in runs if [o.op for o in r[i]] == [o.op for o in mine]]
-        out.append(tuple(dataclasses.replace(o, seconds=median([r[k].seconds for r in alike]))
+        out.append(tuple(dataclasses.replace(o, seconds=statistics.median([r[k].seconds for r in alike]))
                          for k, o in enumerate(mine)))
     return tuple(out)
 

@@ -78,6 +78,7 @@ import dataclasses
 import functools
 import gc
 import json
+import statistics
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -89,7 +90,7 @@ from torchckpt._errors import CheckpointError
 from torchckpt.planner.blocks import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
-from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer, less_gaps, median, median_ops
+from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer, less_gaps, median_ops
 from torchckpt.recompute.mutation import CallState, module_state
 
 __all__ = ["OpCost", "Profile", "SAC_OPS", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
@@ -187,8 +188,8 @@ class Profile:
         for members in groups.values():
             if len(members) < 2:
                 continue
-            f, b = median([self.fwd_s[i] for i in members]), median([self.bwd_s[i] for i in members])
-            per_op = [median([self.ops[i][k].seconds for i in members]) for k in range(len(self.ops[members[0]]))]
+            f, b = statistics.median([self.fwd_s[i] for i in members]), statistics.median([self.bwd_s[i] for i in members])
+            per_op = [statistics.median([self.ops[i][k].seconds for i in members]) for k in range(len(self.ops[members[0]]))]
             for i in members:
                 fwd[i], bwd[i], ops[i] = f, b, list(per_op)
         return fwd, bwd, ops
@@ -428,12 +429,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
                       RuntimeWarning, stacklevel=3)
         return profile_blocks(model, args, kwargs, blocks=chain, loss_fn=loss_fn, warmup=warmup,
                               keep_sample=keep_sample)
-    model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4: before the start is taken
-    clock.sync()
-    start_bytes = 0
-    if clock.cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
+    start_bytes = _start(model, clock, device)
     rec = _Recorder(chain, params, clock)
     rec.keep_sample = keep_sample is not None
     _timed(step, rec, clock)
@@ -444,9 +440,9 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     if keep_sample is not None and rec.sample is not None:
         keep_sample.append(rec.sample)
     runs = [_timed(step, _Recorder(chain, params, clock, light=True), clock) for _ in range(repeats)]  # NOTE [ Profiling step ] Rule 9
-    fwd = [median([r[0][i] for r in runs]) for i in range(len(chain))]
-    bwd = [median([r[1][i] for r in runs]) for i in range(len(chain))]
-    fwd_total, step_s = median([r[2] for r in runs]), median([r[3] for r in runs])
+    fwd = [statistics.median([r[0][i] for r in runs]) for i in range(len(chain))]
+    bwd = [statistics.median([r[1][i] for r in runs]) for i in range(len(chain))]
+    fwd_total, step_s = statistics.median([r[2] for r in runs]), statistics.median([r[3] for r in runs])
     op_runs = [_op_costs(model, chain, args, kwargs, clock) for _ in range(repeats)]
     ops, after = median_ops([r[0] for r in op_runs]), op_runs[0][1]  # NOTE [ Profiling step ] Rule 9
     return Profile(
@@ -459,6 +455,17 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
             s is not None for s in rec.grad_at_out) else (),
         saved_after=after, writes_buffers=tuple(rec.writes_buffers), mutates=tuple(rec.mutates),
     )
+
+
+def _start(model: nn.Module, clock: Clock, device: torch.device) -> int:
+    """The measured step's start (NOTE [ Profiling step ] Rule 4): gradients set to ``None`` first, the allocator's peak
+    reset, and what is allocated then (0 on the CPU)."""
+    model.zero_grad(set_to_none=True)
+    clock.sync()
+    if not clock.cuda:
+        return 0
+    torch.cuda.reset_peak_memory_stats(device)
+    return torch.cuda.memory_allocated(device)
 
 
 def _timed(step: Callable[[_Recorder], None], rec: _Recorder,
@@ -496,12 +503,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
 
     for _ in range(warmup):
         step(None)
-    model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4: before the start is taken
-    clock.sync()
-    start_bytes = 0
-    if clock.cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-        start_bytes = torch.cuda.memory_allocated(device)
+    start_bytes = _start(model, clock, device)
     rec = _Recorder(chain, params, clock)  # nothing sets rec.current: it records what the step saves outside the blocks
     t0 = clock.mark()
     step(rec)
