@@ -195,13 +195,18 @@ def _two_forwards(model: nn.Module, x1: torch.Tensor, x2: torch.Tensor) -> list[
     return out
 
 
-def test_gradient_accumulation_two_forwards_then_backward() -> None:
+
+def _accumulating() -> tuple[nn.Module, Callable[[], Any], Any]:
+    """A seeded 7-block stack with dropout, two forwards then one backward on it (``_two_forwards``), and what that
+    gives without a chain."""
     torch.manual_seed(0)
     model = Stack(7, p=0.2)
     x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
     two = functools.partial(_two_forwards, model, x1, x2)
+    return model, two, two()
 
-    ref = two()
+def test_gradient_accumulation_two_forwards_then_backward() -> None:
+    model, two, ref = _accumulating()
     chain = torchckpt.checkpoint_chain(list(model.blocks), snapshots=3)
     assert all(torch.equal(u, v) for u, v in zip(two(), ref))
     assert chain.stats.steps == 2
@@ -462,12 +467,7 @@ def test_disk_snapshots(tmp_path: object, sched: Revolve | Multistage) -> None:
 
 def test_host_snapshots_gradient_accumulation() -> None:
     """Two forwards, then one backward: two steps alive at once, in stores of their own or in one store passed."""
-    torch.manual_seed(0)
-    model = Stack(7, p=0.2)
-    x1, x2 = torch.randn(4, 16), torch.randn(4, 16)
-    two = functools.partial(_two_forwards, model, x1, x2)
-
-    ref = two()
+    model, two, ref = _accumulating()
     for store in (None, SnapshotStore("cpu", slots=2)):
         chain = torchckpt.checkpoint_chain(list(model.blocks), schedule=Revolve(7, 2, tier=Tier.HOST), store=store)
         assert all(torch.equal(u, v) for u, v in zip(two(), ref))
