@@ -22,7 +22,10 @@ do). Each method: 2 warm-up steps, the median of ``--reps`` timed ones; peak = m
 steps minus memory_allocated before them (CUDA; on the CPU only times). A method that raises (out of memory) is
 recorded with its error and the run goes on. Each plan row keeps the planner's predicted peak and step, its own
 verification's figures, ``plan.simple``, ``plan.measurements`` and the decisions; eager rows get the planner's
-prediction for the simple policy they are (``pred_of``).
+prediction for the simple policy they are (``pred_of``). Then (``--pair-rounds``, default 3) each plan and the
+fastest eager method within its budget are measured again in turns (eager, plan, eager, plan, ...): the ratio the
+summary gives is theirs, so that the drift of a run and the allocator's state between methods fall on both alike
+(the same policy measured 114-125 ms at three times of one ViT-L run on an H100); the unpaired ratio is kept.
 
 Writes, under ``--out``: ``zoo_<model>.json`` (after every method), ``zoo_<model>.png`` (step time over none's
 against peak) and ``zoo_summary.json`` over every ``zoo_<model>.json`` there (so models run in separate calls,
@@ -32,7 +35,7 @@ prediction errors (target within 3%) and whether the floor is at or below ``reco
 eager methods' peaks are the planner's predictions for them (``peak_source``).
 
     python benchmarks/zoo.py [--models llama,qwen2,...] [--tiny] [--reps 7] [--budgets 5] [--methods none,plan]
-                             [--keep-grads] [--progress] [--out DIR]
+                             [--keep-grads] [--pair-rounds 3] [--progress] [--out DIR]
 """
 from __future__ import annotations
 
@@ -42,6 +45,7 @@ import functools
 import gc
 import json
 import os
+import statistics
 import textwrap
 import time
 import traceback
@@ -63,7 +67,7 @@ EAGER = ("none", "library", "sac", "every_other", "recompute")
 METHODS = (*EAGER, "plan", "none_end")
 # the planner's simple policy (NOTE [ Plan search ] Rule 7) each eager method is, by the start of its name
 SIMPLE_OF = {"none": "keep everything", "library": "every block Recompute()", "recompute": "every block Recompute()",
-             "sac": "every block Recompute(save=", "every_other": "every other block Recompute() ("}
+             "sac": "every block Recompute(save=matmuls", "every_other": "every other block Recompute() ("}
 MARKERS = {"none": "s", "library": "^", "sac": "D", "every_other": "v", "recompute": "P"}
 
 
@@ -208,7 +212,7 @@ def run_model(name: str, args: argparse.Namespace, out: str, cuda: bool) -> dict
             run(method, method, setups[method])
 
     if "plan" in methods:
-        plan_rows(name, built, bench, rows, result, args, run, out)
+        plan_rows(name, built, bench, rows, result, args, run, out, setups)
         save()
     if "none_end" in methods:
         run("none_end", "none_end", lambda: None)
@@ -224,7 +228,8 @@ def run_model(name: str, args: argparse.Namespace, out: str, cuda: bool) -> dict
 
 
 def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]], result: dict[str, Any],
-              args: argparse.Namespace, run: Callable[..., None], out: str) -> None:
+              args: argparse.Namespace, run: Callable[..., None], out: str,
+              setups: dict[str, Callable[[], Any]]) -> None:
     """Profile once, plan every budget (as ``torchckpt.plans`` does, leaving no trace), then measure each plan."""
     m = built.model
     t0 = time.perf_counter()
@@ -293,6 +298,38 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
             return undo
 
         run(label, "plan", setup, extra)
+        if args.pair_rounds and "step_s" in rows[-1]:
+            pair(rows[-1], rows, bench, setup, setups, args.pair_rounds)
+
+
+def best_eager(rows: list[dict[str, Any]], budget_GiB: float) -> dict[str, Any] | None:
+    """The fastest eager method whose peak is within the budget."""
+    fits = [e for e in rows if e.get("method") in EAGER and "step_s" in e and fit_peak(e) is not None
+            and fit_peak(e) <= budget_GiB]
+    return min(fits, key=lambda e: e["step_s"]) if fits else None
+
+
+def pair(row: dict[str, Any], rows: list[dict[str, Any]], bench: Bench, setup: Callable[[], Any],
+         setups: dict[str, Callable[[], Any]], rounds: int) -> None:
+    """The plan and the fastest eager method within its budget measured in turns (eager, plan, eager, plan, ...;
+    each turn set up afresh, a warm-up step and the median of three), so drift and the allocator's state fall on
+    both alike: ``row["paired"]`` gets both medians of the turns' medians and their ratio."""
+    best = best_eager(rows, row["budget_GiB"])
+    if best is None:
+        return
+    times: dict[str, list[float]] = {"eager": [], "plan": []}
+    for _ in range(rounds):
+        for side, how in (("eager", setups[best["method"]]), ("plan", setup)):
+            undo = how()
+            try:
+                times[side].append(float(measure_steps(bench.step, 3, bench.cuda, warmup=1)["step_s"] or 0.0))
+            finally:
+                if callable(undo):
+                    undo()
+            bench.clean()
+    e, p = statistics.median(times["eager"]), statistics.median(times["plan"])
+    row["paired"] = {"eager": best["name"], "eager_step_s": e, "plan_step_s": p, "ratio": p / e, "turns": times}
+    print(f"{'':<14} paired with {best['name']}: {p * 1e3:.1f} against {e * 1e3:.1f} ms, {p / e:.3f}x", flush=True)
 
 
 def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -308,8 +345,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
         s: dict[str, Any] = {"model": result["model"], "device": result.get("device"), "budget_GiB": b,
                              "floor_GiB": r.get("floor_GiB"), "error": r.get("error"), "plan_step_s": None,
                              "plan_peak_GiB": None, "ratio": None}
-        fits = [e for e in eager if fit_peak(e) is not None and fit_peak(e) <= b]
-        best = min(fits, key=lambda e: e["step_s"]) if fits else None
+        best = best_eager(eager, b)
         s["peak_source"] = "measured" if all(e.get("peak_GiB") is not None for e in eager) else "predicted"
         s.update(best_eager=best["name"] if best else None, best_eager_step_s=best["step_s"] if best else None,
                  best_eager_peak_GiB=fit_peak(best) if best else None)
@@ -317,7 +353,8 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
             peak = r.get("peak_GiB")
             s.update(plan_step_s=r["step_s"], plan_peak_GiB=peak, simple=r.get("simple"),
                      within_budget=(peak <= b) if peak is not None else None,
-                     ratio=r["step_s"] / best["step_s"] if best else None,
+                     ratio_unpaired=r["step_s"] / best["step_s"] if best else None,
+                     ratio=r["paired"]["ratio"] if "paired" in r else r["step_s"] / best["step_s"] if best else None,
                      step_err_pct=(r["pred_step_s"] / r["step_s"] - 1) * 100,
                      peak_err_pct=(r["pred_peak_GiB"] / peak - 1) * 100 if peak else None,
                      verified_step_err_pct=(r["pred_step_s"] / r["verified_step_s"] - 1) * 100
@@ -401,6 +438,8 @@ def main() -> None:
     p.add_argument("--budgets", type=int, default=5, help="plans from 1.03 x the floor to 0.97 x none's peak")
     p.add_argument("--methods", default="", help=f"run only these, comma-separated, of {', '.join(METHODS)}")
     p.add_argument("--keep-grads", action="store_true", help="leave gradients in place between steps")
+    p.add_argument("--pair-rounds", type=int, default=3,
+                   help="turns of the plan and the fastest eager method within its budget, measured alternately (0: none)")
     p.add_argument("--progress", action="store_true", help="the planner prints its phases to stderr")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -62,6 +62,10 @@ def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> No
 
     with open(tmp_path / "zoo_summary.json") as f:
         summary = json.load(f)
+    by_model = {}
+    for name in MODELS:
+        with open(tmp_path / f"zoo_{name}.json") as f:
+            by_model[name] = json.load(f)
     assert sorted(summary["models"]) == sorted(MODELS)
     for name in MODELS:
         assert summary["models"][name]["plan_s"] > 0
@@ -70,7 +74,11 @@ def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> No
         for s in rows:
             assert "ratio" in s and "best_eager" in s
             if s["best_eager"] is not None and s.get("plan_step_s") is not None:
-                assert s["ratio"] == pytest.approx(s["plan_step_s"] / s["best_eager_step_s"])
+                assert s["ratio_unpaired"] == pytest.approx(s["plan_step_s"] / s["best_eager_step_s"])
+                row = next(r for r in by_model[name]["rows"] if r.get("budget_GiB") == s["budget_GiB"])
+                paired = row["paired"]  # measured in turns with the same eager method: the ratio is theirs
+                assert paired["eager"] == s["best_eager"] and len(paired["turns"]["plan"]) == 3
+                assert s["ratio"] == pytest.approx(paired["plan_step_s"] / paired["eager_step_s"])
         # the largest budget admits at least one eager method, so that budget has a ratio
         assert rows[-1]["ratio"] is not None and rows[-1]["ratio"] > 0, rows[-1]
     assert "summary" in res.stdout and "ratio" in res.stdout

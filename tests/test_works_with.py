@@ -347,9 +347,85 @@ def _dist_policies() -> dict[str, Callable[[], torchckpt.Policy]]:
     }
 
 
+def _parallel(m: nn.Module, kind: str) -> nn.Module:
+    """``m`` under DDP (``kind`` "ddp"), or with ``fully_shard`` on each block and on the root (FSDP2)."""
+    if kind == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        return DDP(m)
+    from torch.distributed.fsdp import fully_shard
+
+    for b in m:
+        if isinstance(b, Blk):
+            fully_shard(b)
+    fully_shard(m)
+    return m
+
+
+def _sgd(model: nn.Module, m: nn.Module, xs: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One SGD step per batch of ``xs`` on ``model`` (``m`` under DDP or FSDP2); ``m``'s unsharded weights after."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x in xs:
+        model(x.clone().requires_grad_() * 1.0).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in m.state_dict().items()}
+
+
+def _headed() -> nn.Sequential:
+    """``_blocks`` with a linear head after them: under FSDP2 the root holds parameters of its own."""
+    blocks = _blocks(None, d=16)
+    return nn.Sequential(*blocks, nn.Linear(16, 16))
+
+
+def _dist_planner(rank: int, xs: list[torch.Tensor]) -> dict[str, Any]:
+    """The planner on the DDP and FSDP2 models of 2 ranks, each planning on its own batch (NOTE [ One plan for all
+    ranks ]): per case, the plan's JSON on this rank, its modes, whether the weights after SGD steps under it equal those of
+    the same run without torchckpt, and what the plan's blocks save beside what the model's save before it is wrapped);
+    and the refusal of a tensor-parallel parameter."""
+    res: dict[str, Any] = {}
+    for kind, make, how in (("ddp", lambda: _blocks(None, d=16), "plan"), ("fsdp", lambda: _blocks(None, d=16), "plan"),
+                            ("fsdp", _headed, "auto")):
+        try:
+            m = make()
+            model = _parallel(m, kind)
+            top = torchckpt.planner.plans(model, xs[0], budgets=[1 << 40])[1 << 40]
+            budget = (top.floor_bytes + top.none_peak_bytes) // 2  # a plan that recomputes (the test checks)
+            if how == "plan":
+                p = torchckpt.plan(model, xs[0], budget=budget)
+                p.apply(model)
+                state = _sgd(model, m, xs)
+            else:
+                a = torchckpt.auto(model, budget=budget)
+                state = _sgd(model, m, xs)
+                assert a.plan is not None
+                p = a.plan
+            plain = make()
+            # the batch as planned: auto plans _sgd's (an activation) on a view of a fresh leaf, as profiling._leaves does
+            batch = xs[0] if how == "plan" else xs[0].clone().requires_grad_().view_as(xs[0])
+            alone = torchckpt.planner.profile(plain, (batch,), {}, blocks=[(n, b) for n, b in plain.named_children()
+                                                                           if isinstance(b, Blk)])
+            ref = _sgd(_parallel(plain, kind), plain, xs)
+            res[f"{kind}/{how}"] = dict(
+                json=p.to_json(), modes=[b.mode for b in p.blocks], same=all(torch.equal(state[k], ref[k]) for k in ref),
+                saved=[[(t.nbytes, t.why_zero) for t in b.tensors] for b in p.blocks],
+                saved_alone=[[(t.nbytes, t.why_zero) for t in b] for b in alone.saved])
+        except Exception as e:
+            res[f"{kind}/{how}"] = f"raised {type(e).__name__}: {e}"
+    try:
+        from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
+
+        tp = _blocks(None, d=16)
+        tp[0].a.weight = nn.Parameter(distribute_tensor(tp[0].a.weight.detach(), init_device_mesh("cpu", (2,)), [Shard(0)]))
+        torchckpt.plan(tp, xs[0], budget=1 << 30)
+        res["tp"] = "planned"
+    except torchckpt.CheckpointError as e:
+        res["tp"] = str(e)
+    return res
+
+
 def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
     import torch.distributed as dist
-    from torch.nn.parallel import DistributedDataParallel as DDP
 
     import datetime
 
@@ -358,33 +434,16 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
     torch.set_num_threads(1)
     xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + 10 * rank + i)) for i in range(2)]
 
-    def train(policy: Callable[[], torchckpt.Policy] | None, kind: str,
-              plan: Any = None) -> tuple[dict[str, torch.Tensor], int, int]:
+    def train(policy: Callable[[], torchckpt.Policy] | None, kind: str) -> tuple[dict[str, torch.Tensor], int, int]:
         m = _blocks(None, d=16)
         pols = []
-        if plan is not None:  # a plan made before sharding, applied before fully_shard (checks.py's advice)
-            plan.apply(m)
         if policy is not None:
             for b in m:
                 pols.append(policy())
                 torchckpt.checkpoint(b, policy=pols[-1])
         calls = [0]
         m[0].a.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
-        if kind == "ddp":
-            model: nn.Module = DDP(m)
-        else:
-            from torch.distributed.fsdp import fully_shard
-
-            for b in m:
-                fully_shard(b)
-            fully_shard(m)
-            model = m
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        for x in xs:
-            model(x.clone().requires_grad_() * 1.0).square().mean().backward()
-            opt.step()
-            opt.zero_grad()
-        state = {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in m.state_dict().items()}
+        state = _sgd(_parallel(m, kind), m, xs)
         offloaded = sum(p.store.stats().offloaded for p in pols if getattr(p, "store", None) is not None)
         return state, calls[0], offloaded
 
@@ -401,34 +460,9 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
                 res[f"{kind}/{name}"] = (all(torch.equal(state[k], ref[k]) for k in ref), n_calls, ref_calls, offloaded)
             except Exception as e:
                 res[f"{kind}/{name}"] = f"raised {type(e).__name__}: {e}"
-    if "fsdp" not in res:  # the planner under FSDP2 (issue 25): refused on the sharded model, a plan made before
-        try:                # sharding (rank 0's, saved and loaded by every rank) applied before fully_shard
-            from torch.distributed.fsdp import fully_shard
-
-            from torchckpt.planner import Plan
-
-            sharded = _blocks(None, d=16)
-            for b in sharded:
-                fully_shard(b)
-            try:
-                torchckpt.plan(sharded, xs[0], budget=1 << 30)
-                refused = ""
-            except torchckpt.CheckpointError as e:
-                refused = str(e)
-            path = os.path.join(os.path.dirname(out), "plan.json")
-            if rank == 0:
-                probe = _blocks(None, d=16)
-                top = torchckpt.planner.plans(probe, xs[0], budgets=[1 << 40])[1 << 40]
-                torchckpt.plan(_blocks(None, d=16), xs[0], budget=(top.floor_bytes + top.none_peak_bytes) // 2).save(path)
-            dist.barrier()
-            plan = Plan.load(path)
-            state, _, _ = train(None, "fsdp", plan)
-            ref, _, _ = train(None, "fsdp")
-            res["fsdp/plan"] = (refused, [b.mode for b in plan.blocks], all(torch.equal(state[k], ref[k]) for k in ref))
-        except Exception as e:
-            res["fsdp/plan"] = f"raised {type(e).__name__}: {e}"
-    if rank == 0:
-        torch.save(res, out)
+    if "fsdp" not in res and "ddp" not in res:
+        res.update(_dist_planner(rank, xs))
+    torch.save(res, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
     # Seen once under load: "terminate called without an active exception" (SIGABRT) as a worker
@@ -439,7 +473,8 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def dist_results() -> dict[str, Any]:
+def dist_ranks() -> list[dict[str, Any]]:
+    """What each of the 2 ranks of ``_dist_worker`` found, by rank."""
     import torch.distributed as dist
 
     if not dist.is_available() or not dist.is_gloo_available():
@@ -449,7 +484,12 @@ def dist_results() -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.pt")
         mp.spawn(_dist_worker, args=(2, "file://" + os.path.join(d, "init"), out), nprocs=2, join=True)
-        return torch.load(out)
+        return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def dist_results(dist_ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    return dist_ranks[0]
 
 
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
@@ -465,15 +505,25 @@ def test_distributed_matches_plain(dist_results: dict[str, Any], kind: str, poli
     assert (offloaded > 0) == (policy == "Recompute(store)" or policy.startswith("Offload"))
 
 
-def test_fsdp2_refuses_planning_and_takes_a_plan_made_before_sharding(dist_results: dict[str, Any]) -> None:
-    """plan() on a model sharded with FSDP2 is a torchckpt: error saying what to do (issue 25 is open); doing it,
-    a plan made on the model before sharding and applied before fully_shard, trains FSDP2's weights bit for bit."""
-    assert "fsdp" not in dist_results, dist_results["fsdp"]
-    r = dist_results["fsdp/plan"]
-    assert not isinstance(r, str), r
-    refused, modes, same = r
-    assert refused.startswith("torchckpt: plan(model, ...) does not plan a model sharded with FSDP2")
-    assert "recompute" in modes and same
+@pytest.mark.parametrize("case", ["ddp/plan", "fsdp/plan", "fsdp/auto"])
+def test_planning_under_ddp_and_fsdp2(dist_ranks: list[dict[str, Any]], case: str) -> None:
+    """plan() / auto() on the DDP or FSDP2 model itself, each rank on a batch of its own: one plan on both ranks
+    (NOTE [ One plan for all ranks ]), which recomputes, and two SGD steps under it train the weights of the same run
+    without torchckpt, bit for bit. The blocks' saved tensors are those of the model before it is wrapped: FSDP2's
+    unsharded parameters (and views of them) count as parameters (NOTE [ Sharded parameters ] Rule 1)."""
+    got = [r[case] for r in dist_ranks]
+    assert not any(isinstance(g, str) for g in got), got
+    assert got[0]["json"] == got[1]["json"]
+    assert "recompute" in got[0]["modes"]
+    assert got[0]["same"] and got[1]["same"]
+    assert got[0]["saved"] == got[0]["saved_alone"]
+    assert any(why == "parameter" for b in got[0]["saved"] for _, why in b)
+
+
+def test_planning_refuses_tensor_parallel_parameters(dist_results: dict[str, Any]) -> None:
+    # NOTE [ Sharded parameters ] Rule 4: a DTensor parameter no fully_shard placed
+    assert dist_results["tp"].startswith("torchckpt: plan(model, ...) plans models sharded with fully_shard alone")
+    assert "0.a.weight" in dist_results["tp"]
 
 
 # -- BatchNorm under Recompute -------------------------------------------------------------------

@@ -10,7 +10,7 @@ import torch
 from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
-    HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies,
+    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies, revolve_policy,
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts
 from torchckpt.planner.optimize import search, simple_policies
@@ -35,14 +35,14 @@ def test_calibrated_policies_predict_what_they_measured(prof: Profile) -> None:
     chain = prof.chain(Link(1e10, 1e10))
     policies = simple_policies(chain)
     plans = dict(policies)
-    before = {name: predict(chain, plans[name]) for name in MEASURED}
+    before = {name: predict(chain, plans[name]) for name in MEASURED if name in plans}  # Net has matmuls: no KEEP_TOP_ALL
     rc, sel, host = (before[k].peak_bytes for k in (RECOMPUTE_ALL, KEEP_OPS_ALL, HOST_ALL))
     measured = {KEEP_ALL: (before[KEEP_ALL].peak_bytes, before[KEEP_ALL].step_s + 4e-3),
                 RECOMPUTE_ALL: (rc - rc // 20, before[RECOMPUTE_ALL].step_s + 9e-3),
                 KEEP_OPS_ALL: (sel + sel // 25, before[KEEP_OPS_ALL].step_s + 30e-3),
                 HOST_ALL: (host + host // 10, before[HOST_ALL].step_s + 20e-3)}
     cal = calibrate(chain, policies, measured)
-    for name in MEASURED:
+    for name in measured:
         got = predict(cal, plans[name])
         assert got.step_s == pytest.approx(measured[name][1], abs=1e-12), name
     for name in (RECOMPUTE_ALL, KEEP_OPS_ALL, HOST_ALL):  # the peaks within the tolerance of NOTE [ Mechanism costs ] Rule 3
@@ -105,7 +105,7 @@ def test_measure_policies_measures_the_four_in_order_and_leaves_out_what_did_not
         return None if name == RECOMPUTE_ALL else (1 << 30, 1.0)
 
     got = measure_policies(policies, step)
-    assert calls == list(MEASURED) and set(got) == {KEEP_ALL, KEEP_OPS_ALL, HOST_ALL}
+    assert calls == [n for n in MEASURED if n in dict(policies)] and set(got) == {KEEP_ALL, KEEP_OPS_ALL, HOST_ALL}
     cal = calibrate(chain, policies, got)
     assert all(b.rec_s == 0.0 for b in cal.blocks) and cal.rec_bytes == 0
 
@@ -174,3 +174,55 @@ def test_keep_everything_faster_than_profiled_takes_time_off_outside_the_blocks_
     assert predict(much, keep).step_s == pytest.approx(p / 2)
     f = much.blocks[0].fwd_s / chain.blocks[0].fwd_s
     assert 0 < f < 1 and all(b.bwd_s == pytest.approx(c.bwd_s * f) for b, c in zip(much.blocks, chain.blocks))
+
+
+def test_revolve_measured_beyond_its_prediction_moves_every_revolve_plan(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 8: the Revolve plan with the fewest snapshots within 1.5 x Recompute()'s step is
+    measured after the others; what it peaked beyond its prediction is held through a Revolve plan's backward, so it predicts its
+    measured peak, and every Revolve plan's peak moves by as much, up or down."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    name = revolve_policy(chain, policies)
+    assert name is not None and name.startswith("checkpoint_chain")
+    limit = 1.5 * predict(chain, plans[RECOMPUTE_ALL]).step_s
+    revolves = [(predict(chain, d).peak_bytes, n) for n, d in policies if d[0].revolve
+                and predict(chain, d).step_s <= limit]
+    assert min(revolves)[1] == name
+    calls: list[str] = []
+
+    def step(n: str, plan: tuple[Decision, ...]) -> tuple[int, float]:
+        calls.append(n)
+        return predict(chain, plan).peak_bytes + (3 << 20 if n == name else 0), 1.0
+
+    got = measure_policies(policies, step, chain)
+    other = next(n for n in plans if n.startswith(EVERY_OTHER))
+    assert calls == [n for n in MEASURED if n in plans] + [name, other]
+    cal = calibrate(chain, {n: plans[n] for n in (name,)}.items(), {name: got[name]})
+    assert cal.revolve_bytes == 3 << 20
+    assert abs(predict(cal, plans[name]).peak_bytes - got[name][0]) <= got[name][0] // 1000
+    for _, d in policies:  # every Revolve plan's peak moves by as much (its backward holds it); no other plan's
+        assert predict(cal, d).peak_bytes == predict(chain, d).peak_bytes + (cal.revolve_bytes if d[0].revolve else 0)
+    below = predict(chain, plans[name]).peak_bytes - (1 << 10)  # under it, while its peak stays in the backward
+    lower = calibrate(chain, policies, {name: (below, 1.0)})
+    assert lower.revolve_bytes < 0 and abs(predict(lower, plans[name]).peak_bytes - below) <= below // 1000
+
+
+def test_every_other_block_measured_prices_recomputations_after_a_kept_block(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 9: what every other block Recompute() measured beyond its prediction is spread
+    over the blocks by their tensors and added to a recomputation whose next block is kept: that plan then predicts
+    its measured step, every block Recompute() still predicts its own, and a plan recomputing two neighbours pays it
+    for the second of them only (the first's next block is recomputed)."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    other = next(n for n in plans if n.startswith(EVERY_OTHER))
+    every = predict(chain, plans[RECOMPUTE_ALL]).step_s
+    alt = predict(chain, plans[other]).step_s
+    cal = calibrate(chain, policies, {RECOMPUTE_ALL: (None, every), other: (None, alt - 3e-3)})
+    n = len(chain.blocks)
+    assert [b.alone_s for b in cal.blocks] == pytest.approx([-3e-3 / (n // 2)] * n)  # identical blocks, n/2 alone
+    assert predict(cal, plans[other]).step_s == pytest.approx(alt - 3e-3)
+    assert predict(cal, plans[RECOMPUTE_ALL]).step_s == pytest.approx(every)
+    pair = (RECOMPUTE, RECOMPUTE) + (KEEP,) * (n - 2)
+    assert predict(cal, pair).step_s - predict(chain, pair).step_s == pytest.approx(cal.blocks[1].alone_s)

@@ -16,7 +16,8 @@ from chain_nets import fixed_profile
 from ckpt_models import Block as TransformerBlock
 from torchckpt.planner import Link, Plan, predict
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, StepCosts
-from torchckpt.planner.optimize import search
+from torchckpt.planner.calibrate import KEEP_TOP_ALL, calibrate
+from torchckpt.planner.optimize import _selective, search, simple_policies
 from torchckpt.planner.plan import Measurement
 from torchckpt.planner.verify import _make, _Profiled, _slack
 from torchckpt.planner.profiling import Profile
@@ -88,6 +89,50 @@ def test_simple_policies_leave_out_blocks_that_may_not_be_recomputed() -> None:
         "keep everything": (KEEP,) * 4,
         "every other block Recompute() (h.0, h.2)": (RECOMPUTE, KEEP, RECOMPUTE, KEEP),
     }
+
+
+class _Conv(nn.Module):
+    """A block with no matmul and no attention: two 1-d convolutions over the sequence and a GELU (a CNN's ops)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Conv1d(D, 2 * D, 3, padding=1), nn.Conv1d(2 * D, D, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(nn.functional.gelu(self.a(x.transpose(1, 2)))).transpose(1, 2) + x
+
+
+def test_without_matmuls_recompute_save_keeps_each_blocks_first_op_and_is_measured() -> None:
+    """NOTE [ Plan search ] Rule 7 and NOTE [ Mechanism costs ] Rule 1: a chain with no matmul or attention (a CNN)
+    gets ``Recompute(save=...)`` as a simple policy all the same, keeping in each block the op its ladder keeps first,
+    so that the dispatch mode's cost is measured on it: a plan of the search, gradients bit for bit as plain
+    autograd's, and what it measures beyond its prediction is what every block's kept-op recomputation costs."""
+    torch.manual_seed(3)
+    m = ChainNet(4, _Conv)
+    x = torch.randn(2, 16, D)
+    ref = _grads(m, x)
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, Link(1e9, 1e9))
+    found, prof = planner.found, planner.prof
+    top = dict((n, (d, p)) for n, d, p in found.simple).get(KEEP_TOP_ALL)
+    assert SAC not in {n for n, _, _ in found.simple} and top is not None
+    decisions, pred = top
+    assert dict(found.plans)[decisions] == pred
+    for i, d in enumerate(decisions):
+        assert d.mode == "recompute" and len(d.keep) == 1
+        assert d == _selective(found.chain.blocks[i], 1, first=1)[0]
+    p = dataclasses.replace(_make(prof, decisions, pred, found.floor, found.plans[0][1], 1 << 40, Link(1e9, 1e9),
+                                  None), simple=KEEP_TOP_ALL)
+    a = p.apply(m)
+    try:
+        got = _grads(m, x)
+    finally:
+        a.remove()
+    assert all(torch.equal(u, v) for u, v in zip(ref, got))
+    chain = found.chain
+    policies = simple_policies(chain)
+    cal = calibrate(chain, policies, {KEEP_TOP_ALL: (None, pred.step_s + 8e-3)})
+    assert sum(b.keep_rec_s for b in cal.blocks) == pytest.approx(8e-3)
+    assert predict(cal, decisions).step_s == pytest.approx(pred.step_s + 8e-3)
 
 
 def _planner(prof: Profile, step: Callable[[Plan], tuple[int, float]]) -> tuple[_Profiled, int]:

@@ -11,6 +11,7 @@ from torchckpt._args import parse_bytes
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.checks import check_args
 from torchckpt.planner.plan import Applied, Plan
+from torchckpt.planner.profiling import _leaves
 from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.restore import untouched
 
@@ -68,12 +69,16 @@ def auto(model: nn.Module, *, budget: int | str, codec: Codec | None = None, blo
             return None
         handle._hook.remove()
         handle._hook = None
-        with untouched(model, (args, kwargs)):  # NOTE [ Planning leaves no trace ]
-            planned = _Profiled.prepare(model, args, kwargs, codec, blocks, loss_fn, None, verify, progress=progress,
-                                       call="auto")
+        # the planner's steps start from this call's inputs: the caller's graph before them is differentiated once,
+        # by this step
+        a, kw = _leaves((args, kwargs))
+        with untouched(model, (a, kw)):  # NOTE [ Planning leaves no trace ]
+            planned = _Profiled.prepare(model, a, kw, codec, blocks, loss_fn, None, verify, progress=progress, call="auto")
             handle.plan = planned.plan(nbytes)
         handle.applied = handle.plan.apply(model, codec=codec)
         return handle.applied.cache_off(mod, args, kwargs)  # NOTE [ Mutating forwards ] Rule 6: this call too
 
-    handle._hook = model.register_forward_pre_hook(first_call, with_kwargs=True)
+    # first: before the hooks of FSDP2 (which gathers the root's parameters) and the user's, which the planner's steps
+    # run as a training call does
+    handle._hook = model.register_forward_pre_hook(first_call, with_kwargs=True, prepend=True)
     return handle

@@ -8,7 +8,10 @@
 #    written in Python), and the frames that keep a recomputation's tensors alive. So after the profiling step,
 #    on the device, the planner measures four of the simple policies (NOTE [ Plan search ] Rule 7): keep
 #    everything (plain autograd), every block ``Recompute()``, every block ``Recompute(save=matmuls,
-#    attention)``, every block ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
+#    attention)`` (where no block has those ops, a CNN's: ``save=`` the op each block's ladder keeps first, so
+#    that the dispatch mode is measured on every model: ResNet-152's plans that kept convolutions' outputs
+#    measured 216-272 ms on an H100 where the step model, with no such term, said 75-85 ms), every block
+#    ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
 #    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
 #    left unmeasured and its terms stay 0.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
@@ -38,6 +41,24 @@
 # 7. Not measured yet: offloading a block's own saved tensors (the store per tensor) and compression
 #    (verification's race of families, NOTE [ Applying a plan ] Rule 5, measures those plans instead). On the
 #    CPU nothing is measured (no verification there either): the costs are the model's alone.
+# 8. Revolve over the chain (``checkpoint_chain``, the plans at the floor): runs blocks again without grad to
+#    rebuild an input, and a block's forward holds its working tensors while it runs, which the model's states
+#    do not count (on an H100 the floors of ViT-L, T5 and ResNet-152 peaked 0.41-0.55 GiB over their
+#    predictions, so the lowest budgets were refused at verification). So the planner measures one more simple
+#    policy where the search has them: the Revolve plan with the fewest snapshots whose predicted step is
+#    within 1.5 times every block ``Recompute()``'s (a floor plan itself can take ten steps' time), and what
+#    its peak measured beyond its prediction (after Rules 2-5, whose ``rec_bytes`` a Revolve plan's blocks hold
+#    too) is ``StepCosts.revolve_bytes``, held through the backward of every Revolve plan (in its rebuilds and
+#    its blocks' backward alike). On T5 Rule 3 alone had taken 0.45 GiB off every Revolve plan's peak, and
+#    the floor plan peaked 0.47 GiB over its prediction.
+# 9. Every other block ``Recompute()`` (from the first block): a recomputation whose next block was kept starts
+#    while that block's backward kernels are queued, so its host work (hooks, Python, launches) runs beside them;
+#    Rule 3's cost was measured with every block recomputed, where it does not. (On an H100 the step model over-
+#    predicted every other block by 7.6% on ConvNeXt-B and under-predicted it by 5.4% on T5 after Rules 2-5.) So
+#    that plan is measured too, and what it costs beyond its prediction after Rules 2-8, spread over the blocks in
+#    proportion to the tensors each saves (as Rule 3), is each block's ``Block.alone_s``, added to its
+#    recomputation wherever the next block is not recomputed (the last block's, followed by the work after the
+#    chain in every plan, stays Rule 3's, so every block ``Recompute()`` still predicts what it measured).
 """
 from __future__ import annotations
 
@@ -46,30 +67,50 @@ from collections.abc import Callable, Mapping, Sequence
 
 from torchckpt.planner.costs import Block, Decision, StepCosts, predict
 
-__all__ = ["HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "MEASURED", "RECOMPUTE_ALL", "calibrate", "measure_policies"]
+__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "RECOMPUTE_ALL", "calibrate", "measure_policies",
+           "revolve_policy"]
 
 KEEP_ALL = "keep everything"
 RECOMPUTE_ALL = "every block Recompute()"
 KEEP_OPS_ALL = "every block Recompute(save=matmuls, attention)"
+KEEP_TOP_ALL = "every block Recompute(save=its costliest op per byte)"  # where no block has a matmul (NOTE [ Plan search ] Rule 7)
 HOST_ALL = "every block Recompute(store=...), inputs to host"
-MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
+EVERY_OTHER = "every other block Recompute() ("  # the start of the name of the plan from the first block (NOTE [ Mechanism costs ] Rule 9)
+MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
 
 Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
 _TOLERANCE = 1000  # a peak within 1/1000 of the measured one is solved (NOTE [ Mechanism costs ] Rule 3)
 
 
 def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
-                     step: Callable[[str, tuple[Decision, ...]], Measured | None]) -> dict[str, Measured]:
+                     step: Callable[[str, tuple[Decision, ...]], Measured | None],
+                     chain: StepCosts | None = None) -> dict[str, Measured]:
     """NOTE [ Mechanism costs ] Rule 1: ``step(name, plan)`` for each of ``MEASURED`` among ``policies`` (the search's
-    simple policies), by name; a policy whose step returns ``None`` (it could not run) is left out."""
+    simple policies), by name, then (given the ``chain`` they are plans of) the Revolve plan of NOTE [ Mechanism costs ]
+    Rule 8 and every other block (NOTE [ Mechanism costs ] Rule 9); a policy whose step returns ``None`` (it could not run) is left out."""
     by_name = dict(policies)
+    names = [name for name in MEASURED if name in by_name]
+    revolve = revolve_policy(chain, policies) if chain is not None else None
+    other = next((name for name in by_name if name.startswith(EVERY_OTHER)), None) if chain is not None else None
     out = {}
-    for name in MEASURED:
-        if name in by_name:
-            got = step(name, by_name[name])
-            if got is not None:
-                out[name] = got
+    for name in names + [n for n in (revolve, other) if n]:
+        got = step(name, by_name[name])
+        if got is not None:
+            out[name] = got
     return out
+
+
+def revolve_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
+                   lookahead: int = 1) -> str | None:
+    """NOTE [ Mechanism costs ] Rule 8: the name of the Revolve plan among ``policies`` with the fewest snapshots whose
+    predicted step is within 1.5 times every block ``Recompute()``'s (``None``: none)."""
+    by_name = dict(policies)
+    if RECOMPUTE_ALL not in by_name:
+        return None
+    limit = 1.5 * predict(chain, by_name[RECOMPUTE_ALL], lookahead).step_s
+    fits = [(p.peak_bytes, name) for name, plan in policies if plan and plan[0].revolve
+            for p in (predict(chain, plan, lookahead),) if p.step_s <= limit]
+    return min(fits)[1] if fits else None
 
 
 def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
@@ -80,7 +121,7 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
         chain = _other_time(chain, measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s)
     rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
-             (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
+             (KEEP_TOP_ALL, "keep_rec_s", "keep_rec_bytes", _ops), (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
     for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-5
         if name not in measured or name not in plans:
             continue
@@ -102,6 +143,18 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
         chain = dataclasses.replace(chain, blocks=tuple(blocks))
         if peak is not None:
             chain = _solve_bytes(chain, plan, peak, bytes_field, lookahead)
+    for revolve, (peak, _) in measured.items():  # NOTE [ Mechanism costs ] Rule 8: the Revolve plan measured
+        if peak is None or revolve not in plans or not plans[revolve] or not plans[revolve][0].revolve:
+            continue
+        chain = _solve_bytes(chain, plans[revolve], peak, "revolve_bytes", lookahead)
+    other = next((name for name in measured if name.startswith(EVERY_OTHER) and name in plans), None)
+    if other is not None:  # NOTE [ Mechanism costs ] Rule 9
+        plan = plans[other]
+        extra = measured[other][1] - predict(chain, plan, lookahead).step_s
+        mine = [i for i, d in enumerate(plan[:-1]) if d.mode == "recompute" and plan[i + 1].mode != "recompute"]
+        per = extra / sum(_tensors(chain.blocks[i]) for i in mine) if mine else 0.0
+        chain = dataclasses.replace(chain, blocks=tuple(dataclasses.replace(b, alone_s=per * _tensors(b))
+                                                        for b in chain.blocks))
     return chain
 
 
@@ -135,14 +188,12 @@ def _ops(b: Block) -> float:
 
 
 def _solve_bytes(chain: StepCosts, plan: tuple[Decision, ...], peak: int, field: str, lookahead: int) -> StepCosts:
-    """NOTE [ Mechanism costs ] Rule 3: the ``field`` (``rec_bytes`` or ``keep_rec_bytes``) under which ``plan``
+    """NOTE [ Mechanism costs ] Rule 3: the ``field`` (``rec_bytes``, ``keep_rec_bytes``, ...) under which ``plan``
     predicts its measured ``peak``, while the predicted peak lies in a backward (where the term acts)."""
     for _ in range(4):
         p = predict(chain, plan, lookahead)
         miss = peak - p.peak_bytes
         if abs(miss) <= peak // _TOLERANCE or not p.at.startswith("backward"):
             break
-        chain = (dataclasses.replace(chain, rec_bytes=chain.rec_bytes + miss) if field == "rec_bytes" else
-                 dataclasses.replace(chain, keep_rec_bytes=chain.keep_rec_bytes + miss) if field == "keep_rec_bytes"
-                 else dataclasses.replace(chain, host_rec_bytes=chain.host_rec_bytes + miss))
+        chain = dataclasses.replace(chain, **{field: getattr(chain, field) + miss})
     return chain

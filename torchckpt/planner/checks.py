@@ -13,17 +13,9 @@ from torchckpt._errors import CheckpointError
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.costs import Link
 from torchckpt.planner.profiling import StepRaised
+from torchckpt.planner.sharded import unsupported
 
 __all__ = ["check_args", "check_batch", "check_codec", "rejected"]
-
-
-def _sharded(model: nn.Module) -> bool:
-    """Whether ``model`` holds DTensor parameters (``fully_shard``, tensor parallelism)."""
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # a build without torch.distributed
-        return False
-    return any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def check_args(call: str, model: nn.Module, batch: tuple[tuple[Any, ...], dict[str, Any]] | None, codec: object,
@@ -33,13 +25,15 @@ def check_args(call: str, model: nn.Module, batch: tuple[tuple[Any, ...], dict[s
     check_module(f"{call}(model, ...)", model, "pass the model to plan (an nn.Module; its repeated blocks are found); "
                  "to checkpoint a function, use torchckpt.checkpoint(fn, *args, policy=...)")
     check_codec(f"{call}(codec=...)", codec)
-    if _sharded(model):
+    sharded = unsupported(model)
+    if sharded:  # NOTE [ Sharded parameters ] Rule 4
         raise CheckpointError(
-            f"torchckpt: {call}(model, ...) does not plan a model sharded with FSDP2 (fully_shard: its parameters are "
-            "DTensors) yet. Plan it before sharding (on one rank, with the per-rank batch), save the plan "
-            "(plan.save('plan.json')), and on every rank apply it before fully_shard: Plan.load('plan.json')"
-            ".apply(model); or put a policy on each block yourself (torchckpt.checkpoint(block, "
-            "policy=torchckpt.Recompute())), which gives FSDP2's gradients bit for bit.")
+            f"torchckpt: {call}(model, ...) plans models sharded with fully_shard alone (FSDP2), and this one holds "
+            f"{sharded}: its forward runs on DTensors, whose memory the profile cannot read. Plan the model before "
+            "tensor parallelism is applied (on one rank, with the per-rank batch), save the plan "
+            "(plan.save('plan.json')), and on every rank apply it before parallelizing: "
+            "Plan.load('plan.json').apply(model); or put a policy on each block yourself (torchckpt.checkpoint(block, "
+            "policy=torchckpt.Recompute())).")
     if blocks is not None:
         if not isinstance(blocks, (list, tuple, nn.ModuleList, nn.Sequential)):
             raise TypeError(f"torchckpt: {call}(blocks=...) expects a list of the model's blocks (submodules, in forward "

@@ -142,6 +142,9 @@ class Block:
             costs ] Rule 4).
         host_rec_s: what sending a recomputed block's inputs (and kept outputs) to host costs it beyond the model's
             copies, measured (NOTE [ Mechanism costs ] Rule 5); priced in the forward (not below 0).
+        alone_s: what a recomputation of this block costs beyond those where the next block is kept (its
+            backward's kernels queued, the recomputation's host work runs beside them), measured (NOTE [ Mechanism
+            costs ] Rule 9); may be negative.
     """
 
     name: str
@@ -159,6 +162,7 @@ class Block:
     rec_s: float = 0.0
     keep_rec_s: float = 0.0
     host_rec_s: float = 0.0
+    alone_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:
@@ -182,6 +186,8 @@ class StepCosts:
             holds in its backward beyond what the model counts (NOTE [ Mechanism costs ] Rules 3-4); may be negative.
         host_rec_bytes: the same for a recomputed block whose inputs went to host, added to those (NOTE [ Mechanism
             costs ] Rule 5).
+        revolve_bytes: measured bytes a plan of Revolve over the chain holds in its backward (rebuilding inputs and
+            running blocks' backward) beyond what the model counts (NOTE [ Mechanism costs ] Rule 8); may be negative.
     """
 
     blocks: tuple[Block, ...]
@@ -195,6 +201,7 @@ class StepCosts:
     rec_bytes: int = 0
     keep_rec_bytes: int = 0
     host_rec_bytes: int = 0
+    revolve_bytes: int = 0
 
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
@@ -467,6 +474,9 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
     wire = [t[2] for t in per]  # bytes over the link each way
     extra_f = [t[3] for t in per]  # compression time in the forward
     extra_b = [t[4] for t in per]  # decompression / recomputation time in the backward
+    for i in range(n):  # NOTE [ Mechanism costs ] Rule 9: a recomputation after a kept block's backward
+        if per[i][6] and blocks[i].alone_s and i < n - 1 and not per[i + 1][6]:
+            extra_b[i] = max(0.0, extra_b[i] + blocks[i].alone_s)
     base = chain.fixed_bytes + chain.other_saved_bytes
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
@@ -526,12 +536,13 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
         if rec:
             recompute += extra_b[i]
         if revolve is not None:  # NOTE [ Step model ] Rule 5: the blocks run again to rebuild this block's input, then the states held
-            mem = base + resident + back + revolve.rebuild[i]
+            mem = base + resident + back + revolve.rebuild[i] + chain.revolve_bytes
             if mem > peak:
                 peak, at = mem, -1 - i
             t += revolve.extra_s[i]
             recompute += revolve.extra_s[i]
-        mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes + (revolve.bwd[i] if revolve else 0)
+        mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes + (
+            revolve.bwd[i] + chain.revolve_bytes if revolve else 0)
         if rec and host:
             mem -= min(off[i], back)  # its inputs and kept outputs, back, are part of what it materialises
         if mem > peak:

@@ -37,11 +37,13 @@
 # 7. The policies a user writes in one line are plans of the search too (``simple_policies``), each recorded
 #    with its prediction as any other plan is, so Rule 3 may pick one and the floor is at or below each one's
 #    predicted peak: keep everything; ``Recompute()`` on every block; ``Recompute(save=...)`` on every block,
-#    keeping its matmuls' and attention's outputs (``Block.sac``: the ops torch SAC users save); ``Recompute()``
+#    keeping its matmuls' and attention's outputs (``Block.sac``: the ops torch SAC users save), or where no
+#    block has such ops (a CNN) the output of the op its ladder keeps first (Rule 1's most time per byte: a
+#    convolution's); ``Recompute()``
 #    on every other block, from the first and from the second; Revolve over the chain (``checkpoint_chain``)
 #    of whole blocks with each amount of Rule 6. A policy that would recompute a block that may not be
-#    (NOTE [ Profiling step ] Rule 7) is left out, and so is ``Recompute(save=...)`` where no block has such
-#    ops (it would be ``Recompute()``). ``Search.simple`` lists them by name, simplest first; ``best_simple``
+#    (NOTE [ Profiling step ] Rule 7) is left out, and so is ``Recompute(save=...)`` where no block has an op
+#    to keep (it would be ``Recompute()``). ``Search.simple`` lists them by name, simplest first; ``best_simple``
 #    is the fastest whose predicted peak is within a budget (among equally fast ones, the simpler): the one
 #    verification measures beside the plan (NOTE [ Applying a plan ] Rule 7).
 """
@@ -230,6 +232,11 @@ def simple_policies(chain: StepCosts) -> list[tuple[str, tuple[Decision, ...]]]:
     if any(b.sac for b in blocks):
         every.append(("every block Recompute(save=matmuls, attention)",
                       [Decision("recompute", keep=b.sac) if b.sac else RECOMPUTE for b in blocks]))
+    else:  # no matmul or attention (a CNN): the op each block's ladder keeps first
+        tops = [_selective(b, 1, first=1)[:1] for b in blocks]
+        if any(tops):
+            every.append(("every block Recompute(save=its costliest op per byte)",
+                          [t[0] if t else RECOMPUTE for t in tops]))
     for first in (0, 1) if n >= 2 else ():
         names = [b.name for b in blocks[first::2]]
         every.append((f"every other block Recompute() ({', '.join(names[:2])}{', ...' if len(names) > 2 else ''})",

@@ -91,6 +91,7 @@ from torchckpt.planner.blocks import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
 from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer, less_gaps, median_ops
+from torchckpt.planner.sharded import ParamStorages
 from torchckpt.recompute.mutation import CallState, module_state
 
 __all__ = ["OpCost", "Profile", "SAC_OPS", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
@@ -229,7 +230,7 @@ class _Recorder:
     """Saved-tensor hooks that record and change nothing (NOTE [ Profiling step ] Rule 2), and the per-block timing
     hooks (NOTE [ Profiling step ] Rule 3)."""
 
-    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], params: set[int], clock: Clock,
+    def __init__(self, blocks: Sequence[tuple[str, nn.Module]], params: ParamStorages, clock: Clock,
                  light: bool = False) -> None:
         self.light = light  # NOTE [ Profiling step ] Rule 9: times only: no saved-tensor hooks, no state watched
         self.blocks = blocks
@@ -258,7 +259,7 @@ class _Recorder:
         i = self.current
         why = ""
         nbytes = st.nbytes()
-        if ptr in self.params or (t.requires_grad and t.is_leaf):
+        if st in self.params or (t.requires_grad and t.is_leaf):  # NOTE [ Sharded parameters ] Rule 1
             why, nbytes = "parameter", 0
         elif ptr in self.seen:
             why, nbytes = "shared", 0
@@ -291,7 +292,7 @@ class _Recorder:
                 self.fwd[i] = (start, self.clock.mark())
             return
         self.inputs[i] = sum(t.untyped_storage().nbytes() for t in _tensors((args, kwargs))
-                             if t.untyped_storage().data_ptr() not in self.params)
+                             if t.untyped_storage() not in self.params)
         outer, self.current = self.current, i
         bufs = list(self.blocks[i][1].buffers()) if i < len(self.blocks) else []
         versions = [b._version for b in bufs]
@@ -345,13 +346,12 @@ def _loss_of(out: Any) -> torch.Tensor:
 
 
 def _setup(model: nn.Module, blocks: Sequence[tuple[str, nn.Module]] | None,
-           loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[list[tuple[str, nn.Module]], set[int], torch.device,
-                                                                   Clock, Callable[[Any], torch.Tensor]]:
+           loss_fn: Callable[[Any], torch.Tensor] | None) -> tuple[list[tuple[str, nn.Module]], ParamStorages,
+                                                                   torch.device, Clock, Callable[[Any], torch.Tensor]]:
     """What both ways of profiling start from: the chain, the storages of parameters and buffers, the device, a
     clock, the loss."""
     chain = list(blocks) if blocks is not None else find_blocks(model)
-    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    params |= {b.untyped_storage().data_ptr() for b in model.buffers()}
+    params = ParamStorages(model)
     first = next(iter(model.parameters()), None)
     device = first.device if first is not None else torch.device("cpu")
     return chain, params, device, Clock(device), loss_fn if loss_fn is not None else _loss_of

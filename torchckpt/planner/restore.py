@@ -10,7 +10,10 @@
 #    b. every buffer's values (batch norm's running statistics and step count), written back in place, and the
 #       tensor each module holds under each buffer and parameter name, should a forward rebind one;
 #    c. the CPU RNG state and, when CUDA is initialised, every CUDA device's (dropout draws from them);
-#    d. each module's ``training`` flag.
+#    d. each module's ``training`` flag;
+#    e. each FSDP2 module resharded (``FSDPModule.reshard()``) first, as a training step leaves it: a forward without
+#       backward (NOTE [ Profiling step ] Rule 5) leaves the root's parameters unsharded, and FSDP2 would not know
+#       that b. registers the sharded ones again.
 # 2. Parameters' values are not copied (a copy would hold a second model on the device while it is profiled): no
 #    step of the planner changes them (there is no optimizer step). A forward that writes a parameter in place
 #    moves its version counter; that is reported by a warning, as it cannot be put back.
@@ -26,6 +29,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
+
+from torchckpt.planner.sharded import fsdp_modules
 
 __all__ = ["ModelState", "untouched"]
 
@@ -49,6 +54,7 @@ class ModelState:
                         {id(b): b for m in mods for b in m._buffers.values() if b is not None}.values()]
         self.versions = [(n, p, p._version) for n, p in model.named_parameters()]
         self.training = [(m, m.training) for m in mods]
+        self.fsdp = fsdp_modules(model)
         self.cpu_rng = torch.get_rng_state()
         self.cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
 
@@ -61,6 +67,8 @@ class ModelState:
     def restore(self) -> None:
         """Put everything captured back (NOTE [ Planning leaves no trace ] Rule 1); warn of parameters written in place
         (NOTE [ Planning leaves no trace ] Rule 2)."""
+        for m in self.fsdp:  # NOTE [ Planning leaves no trace ] Rule 1e
+            m.reshard()
         for m, kind, held in self.slots:
             getattr(m, kind).update(held)
         with torch.no_grad():

@@ -27,6 +27,7 @@ from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, simple_policies, size
 from torchckpt.planner.plan import BlockPlan, Measurement, Plan
 from torchckpt.planner.profiling import Profile, StepRaised, _loss_of, profile, profile_blocks
+from torchckpt.planner.ranks import agree, agreed
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
@@ -177,9 +178,11 @@ class _Profiled:
             + (" (every block recomputed: the plain step did not fit)" if prof.by_blocks else ""))
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
+        prof, ln, ccost = agree(model, call, prof, ln, ccost)  # NOTE [ One plan for all ranks ] Rule 2
         loss_of = loss_fn if loss_fn is not None else _loss_of
         measuring = verify and torch.device(prof.device).type == "cuda"
 
+        @agreed(model)  # NOTE [ One plan for all ranks ] Rule 4
         def step(p: Plan) -> tuple[int, float] | None:
             if not measuring:
                 return None
@@ -227,7 +230,7 @@ class _Profiled:
                     say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
                 return got
 
-            chain = calibrate(chain, policies, measure_policies(policies, policy_step))
+            chain = calibrate(chain, policies, measure_policies(policies, policy_step, chain))
         planned = _Profiled(prof, ln, ccost, step, chain, memo)
         planned.say = say
         say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
