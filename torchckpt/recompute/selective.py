@@ -46,7 +46,7 @@ from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 from torch.utils.checkpoint import SAC_IGNORED_OPS
 
 from torchckpt._errors import CheckpointError
@@ -82,19 +82,58 @@ _UNINITIALISED = frozenset(  # NOTE [ Selective recompute ] Rule 2: their output
     for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
 
 
+_BY_SCHEMA: dict[Any, tuple[bool, bool]] = {}  # op -> (its schema lets it be kept, it is seeded): fixed per op
+
+
+def _by_schema(func: Any) -> tuple[bool, bool]:
+    """What ``func``'s schema says for NOTE [ Selective recompute ] Rule 2, once per op: whether it may be kept (it writes
+    no argument, makes no uninitialised memory, returns no alias), and whether it draws from the RNG."""
+    got = _BY_SCHEMA.get(func)
+    if got is None:
+        may = not (func in _UNINITIALISED or func._schema.is_mutable
+                   or any(r.alias_info is not None for r in func._schema.returns))
+        got = _BY_SCHEMA[func] = (may, torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()))
+    return got
+
+
+_WRITES: dict[Any, tuple[tuple[int, str], ...]] = {}  # op -> (position, name) of the arguments it writes
+
+
+def _written(func: Any) -> tuple[tuple[int, str], ...]:
+    """The arguments ``func``'s schema says it writes, by position and name, once per op (NOTE [ Selective recompute ]
+    Rule 4)."""
+    got = _WRITES.get(func)
+    if got is None:
+        got = _WRITES[func] = tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                                    if a.alias_info is not None and a.alias_info.is_write)
+    return got
+
+
+def tensors_of(x: Any) -> list[torch.Tensor]:
+    """The tensors in an aten op's arguments or outputs (tensors, lists and tuples of them, dicts), in order: what
+    ``tree_flatten`` finds there, without its per-node cost (the dispatch modes run this for every op)."""
+    if isinstance(x, torch.Tensor):
+        return [x]
+    out: list[torch.Tensor] = []
+    for y in x.values() if isinstance(x, dict) else x if isinstance(x, (list, tuple)) else ():
+        if isinstance(y, torch.Tensor):
+            out.append(y)
+        elif isinstance(y, (list, tuple, dict)):
+            out += tensors_of(y)
+    return out
+
+
 def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     """Whether a call's outputs may stand in for running ``func`` again (NOTE [ Selective recompute ] Rule 2): it writes
     no argument, draws nothing from the RNG, makes no uninitialised memory, and returns only new memory (no view, no
     output sharing an input's storage), some of it."""
-    if func in _UNINITIALISED or func._schema.is_mutable or (
-            torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()) and not _no_dropout(func, args, kwargs)):
+    may, seeded = _by_schema(func)
+    if not may or (seeded and not _no_dropout(func, args, kwargs)):
         return False
-    outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
+    outs = tensors_of(out)
     if not any(t.numel() for t in outs):  # nothing to keep; zero-size storages share the null address
         return False
-    if any(r.alias_info is not None for r in func._schema.returns):
-        return False
-    ins = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor)}
+    ins = {t.untyped_storage().data_ptr() for t in tensors_of(args) + tensors_of(kwargs)}
     return all(t.untyped_storage().data_ptr() not in ins for t in outs)
 
 
@@ -157,18 +196,16 @@ class _Keeping(OpCounter):
             self.cache[k] = (func, tree_map(
                 lambda x: _Slot(self.put(_detach(x, False))) if isinstance(x, torch.Tensor) else x, out))
             self.kept.add(k)
-            for t in tree_flatten(out)[0]:
-                if isinstance(t, torch.Tensor):
-                    self.where.setdefault(t.untyped_storage().data_ptr(), set()).add(k)
+            for t in tensors_of(out):
+                self.where.setdefault(t.untyped_storage().data_ptr(), set()).add(k)
         return out
 
     def forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
         """NOTE [ Selective recompute ] Rule 4: an op of the forward wrote into a kept output: recompute that op instead
         of keeping it."""
-        named = dict(zip((a.name for a in func._schema.arguments), args)) | kwargs
-        for a in func._schema.arguments:
-            x = named.get(a.name)
-            if a.alias_info is None or not a.alias_info.is_write or not isinstance(x, torch.Tensor):
+        for i, name in _written(func):
+            x = args[i] if i < len(args) else kwargs.get(name)
+            if not isinstance(x, torch.Tensor):
                 continue
             for k in self.where.pop(x.untyped_storage().data_ptr(), ()):
                 self.cache.pop(k, None)
