@@ -1,10 +1,11 @@
-"""``benchmarks/zoo.py`` and ``benchmarks/plan_time.py`` end to end on their tiny models (CPU), and the summary's
-choice of the eager method a plan is compared with.
+"""``benchmarks/zoo.py``, ``benchmarks/plan_time.py`` and ``benchmarks/fsdp_frontier.py`` end to end on their tiny
+models (CPU; fsdp_frontier on 2 gloo ranks), and the summary's choice of the eager method a plan is compared with.
 
 transformers, timm and torchvision are not torchckpt dependencies: without them these tests skip.
 """
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import pathlib
@@ -14,8 +15,6 @@ import sys
 import pytest
 
 pytest.importorskip("transformers")
-pytest.importorskip("timm")
-pytest.importorskip("torchvision")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BENCH = os.path.join(ROOT, "benchmarks")
@@ -32,6 +31,8 @@ def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> None:
+    pytest.importorskip("timm")
+    pytest.importorskip("torchvision")
     res = _run("zoo.py", "--tiny", "--models", ",".join(MODELS), "--budgets", "3", "--out", str(tmp_path))
     for name in MODELS:
         with open(tmp_path / f"zoo_{name}.json") as f:
@@ -96,6 +97,47 @@ def test_plan_time_tiny(tmp_path: pathlib.Path) -> None:
     assert r["phases_total_s"] == pytest.approx(sum(p["s"] for p in r["phases"]))
     assert r["end_to_end_s"] > 0 and r["prepare_s"] > 0
     assert "torchckpt.plan end to end" in res.stdout
+
+
+def test_fsdp_frontier_tiny_on_two_gloo_ranks(tmp_path: pathlib.Path) -> None:
+    """FSDP2 over 2 CPU processes: every method measured on the one sharded model, plans made on both ranks together
+    (NOTE [ One plan for all ranks ]) for every budget, each within its budget and the same on both ranks."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    res = _run("fsdp_frontier.py", "--tiny", "--out", str(tmp_path))
+    with open(tmp_path / "fsdp_frontier.json") as f:
+        result = json.load(f)
+    assert result["device"] == "cpu" and result["world_size"] == 2 and result["backend"] == "gloo"
+    rows = {r["name"]: r for r in result["rows"]}
+    for method in ("none", "checkpoint", "sac", "none_end"):
+        assert method in rows, f"no {method} row"
+        assert "error" not in rows[method], rows[method]["error"]
+    for r in result["rows"]:
+        assert ("step_s" in r and r["step_s"] > 0) or r.get("error"), r
+        if "step_s" in r:  # the same weights and batches under every method: the same loss on each rank
+            assert r["ranks_loss"] == pytest.approx(rows["none"]["ranks_loss"], rel=1e-5), r["name"]
+    budgets = result["planner"]["budgets_GiB"]
+    plans = [r for r in result["rows"] if r["method"] == "plan"]
+    assert len(budgets) == 4 and [r["budget_GiB"] for r in plans] == budgets
+    probe = result["probe"]
+    assert 0 < probe["floor_GiB"] <= probe["none_peak_GiB"] and budgets[0] >= probe["floor_GiB"]
+    assert budgets == sorted(budgets) and budgets[-1] <= probe["none_peak_GiB"]
+    measured = [r for r in plans if "step_s" in r]
+    assert measured, plans
+    for r in measured:
+        assert r["pred_peak_GiB"] <= r["budget_GiB"]  # the search never returns a plan over its budget
+        assert len(r["decisions"]) == 4  # the tiny Llama's decoder layers
+        h = r["ranks_plan_hash"]
+        assert len(h) == 2 and h[0] == h[1], r["name"]  # one plan for all ranks
+    try:
+        importlib.import_module("matplotlib")
+    except ImportError:  # CI runs without it: no figure
+        pass
+    else:
+        assert os.path.exists(tmp_path / "fsdp_frontier.png")
+    assert "none_end" in res.stdout and "ratio" in res.stdout
 
 
 def test_summary_compares_with_the_fastest_eager_method_within_the_budget() -> None:
