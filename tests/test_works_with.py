@@ -7,6 +7,7 @@ runs and gradients are checked.
 """
 from __future__ import annotations
 
+import json
 import operator
 import os
 import sys
@@ -22,7 +23,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 import torchckpt
-from ckpt_models import cpu_store, grads
+from ckpt_models import cpu_store, grads, small_pool
 
 TORCH_2_11 = torch.__version__.split("+")[0] == "2.11.0"
 
@@ -336,14 +337,20 @@ def test_jit_trace_records_the_ops_not_the_policy() -> None:
             torch.jit.trace(r, (x.clone().requires_grad_(),))
 
 
-# -- DDP and FSDP2 (2 processes, gloo, CPU) ------------------------------------------------------
-def _dist_policies() -> dict[str, Callable[[], torchckpt.Policy]]:
+# -- DDP and FSDP2 (2 processes: gloo on the CPU; NCCL on 2 GPUs) ---------------------------------
+def _dist_store(dev: str, gpu_bytes: int) -> torchckpt.Store:
+    if dev == "cpu":
+        return cpu_store(gpu_bytes)
+    return torchckpt.Store(device=dev, gpu_bytes=gpu_bytes, min_bytes=0, host=small_pool())  # the blocks' small tensors too
+
+
+def _dist_policies(dev: str = "cpu") -> dict[str, Callable[[], torchckpt.Policy]]:
     return {
         "Keep": torchckpt.Keep,
         "Recompute": torchckpt.Recompute,
-        "Recompute(store)": lambda: torchckpt.Recompute(store=cpu_store(0)),
-        "Offload": lambda: torchckpt.Offload(cpu_store(0)),
-        "Offload(1 MiB cache)": lambda: torchckpt.Offload(cpu_store(1 << 20)),
+        "Recompute(store)": lambda: torchckpt.Recompute(store=_dist_store(dev, 0)),
+        "Offload": lambda: torchckpt.Offload(_dist_store(dev, 0)),
+        "Offload(1 MiB cache)": lambda: torchckpt.Offload(_dist_store(dev, 1 << 20)),
     }
 
 
@@ -372,25 +379,27 @@ def _sgd(model: nn.Module, m: nn.Module, xs: list[torch.Tensor]) -> dict[str, to
     return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).clone() for k, v in m.state_dict().items()}
 
 
-def _headed() -> nn.Sequential:
+def _headed(d: int = 16) -> nn.Sequential:
     """``_blocks`` with a linear head after them: under FSDP2 the root holds parameters of its own."""
-    blocks = _blocks(None, d=16)
-    return nn.Sequential(*blocks, nn.Linear(16, 16))
+    blocks = _blocks(None, d=d)
+    return nn.Sequential(*blocks, nn.Linear(d, d))
 
 
-def _dist_planner(rank: int, xs: list[torch.Tensor]) -> dict[str, Any]:
+def _dist_planner(rank: int, xs: list[torch.Tensor], dev: str) -> dict[str, Any]:
     """The planner on the DDP and FSDP2 models of 2 ranks, each planning on its own batch (NOTE [ One plan for all
     ranks ]): per case, the plan's JSON on this rank, its modes, whether the weights after SGD steps under it equal those of
     the same run without torchckpt, and what the plan's blocks save beside what the model's save before it is wrapped);
     and the refusal of a tensor-parallel parameter."""
     res: dict[str, Any] = {}
-    for kind, make, how in (("ddp", lambda: _blocks(None, d=16), "plan"), ("fsdp", lambda: _blocks(None, d=16), "plan"),
-                            ("fsdp", _headed, "auto")):
+    d = xs[0].shape[-1]
+    for kind, make, how in (("ddp", lambda: _blocks(None, d=d).to(dev), "plan"),
+                            ("fsdp", lambda: _blocks(None, d=d).to(dev), "plan"), ("fsdp", lambda: _headed(d).to(dev), "auto")):
         try:
             m = make()
             model = _parallel(m, kind)
             top = torchckpt.planner.plans(model, xs[0], budgets=[1 << 40])[1 << 40]
-            budget = (top.floor_bytes + top.none_peak_bytes) // 2  # a plan that recomputes (the test checks)
+            none = top.measured_peak_bytes if top.measured_peak_bytes is not None else top.none_peak_bytes  # CUDA: measured
+            budget = (top.floor_bytes + none) // 2  # a plan that recomputes (the test checks)
             if how == "plan":
                 p = torchckpt.plan(model, xs[0], budget=budget)
                 p.apply(model)
@@ -415,8 +424,9 @@ def _dist_planner(rank: int, xs: list[torch.Tensor]) -> dict[str, Any]:
     try:
         from torch.distributed.tensor import Shard, distribute_tensor, init_device_mesh
 
-        tp = _blocks(None, d=16)
-        tp[0].a.weight = nn.Parameter(distribute_tensor(tp[0].a.weight.detach(), init_device_mesh("cpu", (2,)), [Shard(0)]))
+        tp = _blocks(None, d=16).to(dev)
+        mesh = init_device_mesh(torch.device(dev).type, (2,))
+        tp[0].a.weight = nn.Parameter(distribute_tensor(tp[0].a.weight.detach(), mesh, [Shard(0)]))
         torchckpt.plan(tp, xs[0], budget=1 << 30)
         res["tp"] = "planned"
     except torchckpt.CheckpointError as e:
@@ -424,18 +434,22 @@ def _dist_planner(rank: int, xs: list[torch.Tensor]) -> dict[str, Any]:
     return res
 
 
-def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
+def _dist_worker(rank: int, world: int, init: str, out: str, backend: str = "gloo") -> None:
     import torch.distributed as dist
 
     import datetime
 
+    dev = "cpu"
+    if backend == "nccl":
+        dev = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
     # a rank that fails a case leaves the other waiting in a collective: give up after a minute
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     torch.set_num_threads(1)
-    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + 10 * rank + i)) for i in range(2)]
+    xs = [torch.randn(8, 16, generator=torch.Generator().manual_seed(100 + 10 * rank + i)).to(dev) for i in range(2)]
 
     def train(policy: Callable[[], torchckpt.Policy] | None, kind: str) -> tuple[dict[str, torch.Tensor], int, int]:
-        m = _blocks(None, d=16)
+        m = _blocks(None, d=16).to(dev)
         pols = []
         if policy is not None:
             for b in m:
@@ -454,14 +468,17 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
         except Exception as e:  # FSDP2 without CPU support, say: the test reports it
             res[kind] = f"plain {kind} raised {type(e).__name__}: {e}"
             continue
-        for name, policy in _dist_policies().items():
+        for name, policy in _dist_policies(dev).items():
             try:
                 state, n_calls, offloaded = train(policy, kind)
                 res[f"{kind}/{name}"] = (all(torch.equal(state[k], ref[k]) for k in ref), n_calls, ref_calls, offloaded)
             except Exception as e:
                 res[f"{kind}/{name}"] = f"raised {type(e).__name__}: {e}"
     if "fsdp" not in res and "ddp" not in res:
-        res.update(_dist_planner(rank, xs))
+        if dev != "cpu":  # the planner on the device: tensors of 256 KiB, well above the allocator's rounding
+            xs = [torch.randn(256, 256, generator=torch.Generator().manual_seed(100 + 10 * rank + i)).to(dev)
+                  for i in range(2)]
+        res.update(_dist_planner(rank, xs, dev))
     torch.save(res, f"{out}.{rank}")
     dist.barrier()
     dist.destroy_process_group()
@@ -472,19 +489,34 @@ def _dist_worker(rank: int, world: int, init: str, out: str) -> None:
     os._exit(0)
 
 
-@pytest.fixture(scope="module")
-def dist_ranks() -> list[dict[str, Any]]:
-    """What each of the 2 ranks of ``_dist_worker`` found, by rank."""
-    import torch.distributed as dist
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("torch.distributed with gloo is not available")
+def _spawn_dist(backend: str) -> list[dict[str, Any]]:
+    """What each of the 2 ranks of ``_dist_worker`` found on ``backend``, by rank."""
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as d:
         out = os.path.join(d, "results.pt")
-        mp.spawn(_dist_worker, args=(2, "file://" + os.path.join(d, "init"), out), nprocs=2, join=True)
+        mp.spawn(_dist_worker, args=(2, "file://" + os.path.join(d, "init"), out, backend), nprocs=2, join=True)
         return [torch.load(f"{out}.{r}") for r in range(2)]
+
+
+@pytest.fixture(scope="module")
+def dist_ranks() -> list[dict[str, Any]]:
+    """What each of the 2 gloo ranks (CPU) of ``_dist_worker`` found, by rank."""
+    import torch.distributed as dist
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    return _spawn_dist("gloo")
+
+
+@pytest.fixture(scope="module")
+def nccl_ranks() -> list[dict[str, Any]]:
+    """The same on 2 GPUs over NCCL."""
+    import torch.distributed as dist
+
+    if torch.cuda.device_count() < 2 or not dist.is_available() or not dist.is_nccl_available():
+        pytest.skip("needs 2 CUDA devices and NCCL")
+    return _spawn_dist("nccl")
 
 
 @pytest.fixture(scope="module")
@@ -492,10 +524,19 @@ def dist_results(dist_ranks: list[dict[str, Any]]) -> dict[str, Any]:
     return dist_ranks[0]
 
 
+_BACKENDS = ["gloo", pytest.param("nccl", marks=pytest.mark.cuda)]  # gloo: CPU; NCCL: 2 GPUs
+
+
+def _ranks(request: pytest.FixtureRequest, backend: str) -> list[dict[str, Any]]:
+    return request.getfixturevalue("dist_ranks" if backend == "gloo" else "nccl_ranks")  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("kind", ["ddp", "fsdp"])
 @pytest.mark.parametrize("policy", list(_dist_policies()))
-def test_distributed_matches_plain(dist_results: dict[str, Any], kind: str, policy: str) -> None:
+def test_distributed_matches_plain(request: pytest.FixtureRequest, backend: str, kind: str, policy: str) -> None:
     # Two SGD steps on 2 ranks: parameters bit-identical to the same DDP / fully_shard run with no policy.
+    dist_results = _ranks(request, backend)[0]
     assert kind not in dist_results, dist_results[kind]
     r = dist_results[f"{kind}/{policy}"]
     assert not isinstance(r, str), r
@@ -505,15 +546,19 @@ def test_distributed_matches_plain(dist_results: dict[str, Any], kind: str, poli
     assert (offloaded > 0) == (policy == "Recompute(store)" or policy.startswith("Offload"))
 
 
+@pytest.mark.parametrize("backend", _BACKENDS)
 @pytest.mark.parametrize("case", ["ddp/plan", "fsdp/plan", "fsdp/auto"])
-def test_planning_under_ddp_and_fsdp2(dist_ranks: list[dict[str, Any]], case: str) -> None:
+def test_planning_under_ddp_and_fsdp2(request: pytest.FixtureRequest, backend: str, case: str) -> None:
     """plan() / auto() on the DDP or FSDP2 model itself, each rank on a batch of its own: one plan on both ranks
     (NOTE [ One plan for all ranks ]), which recomputes, and two SGD steps under it train the weights of the same run
     without torchckpt, bit for bit. The blocks' saved tensors are those of the model before it is wrapped: FSDP2's
-    unsharded parameters (and views of them) count as parameters (NOTE [ Sharded parameters ] Rule 1)."""
-    got = [r[case] for r in dist_ranks]
+    unsharded parameters (and views of them) count as parameters (NOTE [ Sharded parameters ] Rule 1). On NCCL the
+    planner also measures and verifies on the device, both ranks together (NOTE [ One plan for all ranks ] Rule 4)."""
+    got = [r[case] for r in _ranks(request, backend)]
     assert not any(isinstance(g, str) for g in got), got
-    assert got[0]["json"] == got[1]["json"]
+    plans = [json.loads(g["json"]) for g in got]
+    assert [p.pop("device") for p in plans] == ([f"cuda:{r}" for r in range(2)] if backend == "nccl" else ["cpu"] * 2)
+    assert plans[0] == plans[1]  # each rank's plan names its own device, and is otherwise the same
     assert "recompute" in got[0]["modes"]
     assert got[0]["same"] and got[1]["same"]
     assert got[0]["saved"] == got[0]["saved_alone"]
