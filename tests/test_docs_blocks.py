@@ -6,7 +6,7 @@ names; the preamble runs in a namespace of its own and only the names the entry 
 so the block's own imports are needed. Lines are numbered as in the file, so a failure points at the doc.
 Without a GPU, ``"cuda"`` in a block reads ``"cpu"`` (the stores then simulate both tiers with CPU tensors);
 a block that needs a GPU would be marked ``cuda=True`` and run under the ``cuda`` marker, and none does; none
-needs several processes either. The LazyHostPool block needs the native extension (it skips, with the
+needs several processes either (the FSDP2 loop runs as a group of one process). The LazyHostPool block needs the native extension (it skips, with the
 package's reason, in the pure-Python install, as its docstring example does). Every python block must have an
 entry and every entry must find exactly one block, so a new block is not skipped silently. Shell (bash) blocks
 and the plain blocks of docs/architecture.md (diagrams) are not run.
@@ -139,6 +139,30 @@ def _pl() -> str | None:
         "needs pytorch_lightning (not a torchckpt dependency)"
 
 
+_ONE_RANK = """
+import os, socket
+
+with socket.socket() as s:  # what torchrun sets, for a group of one process
+    s.bind(("127.0.0.1", 0))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]), RANK="0", WORLD_SIZE="1",
+                      LOCAL_RANK="0")
+"""
+
+
+def _dist() -> str | None:
+    import torch.distributed as dist
+
+    return None if dist.is_available() and dist.is_gloo_available() else "needs torch.distributed with gloo"
+
+
+def _fsdp(ns: dict[str, Any], out: str) -> None:
+    import os
+
+    for k in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        os.environ.pop(k, None)
+    assert len(ns["plan"].blocks) == 8 and "keep" in out
+
+
 # (file, a phrase of the block) -> how to run it
 BLOCKS: dict[tuple[str, str], Entry] = {
     ("README.md", "torchckpt.offload(store)"): Entry(_NET, ("model", "x", "layer", "fn"), _use),
@@ -153,6 +177,7 @@ BLOCKS: dict[tuple[str, str], Entry] = {
     ("guide.md", "torch.save(m, buf)"): Entry(),
     ("guide.md", "PlanCallback(budget=\"1GiB\")"): Entry(check=_trainer, needs=_hf_trainer),
     ("guide.md", "PlanCallback(budget=\"1GiB\", module="): Entry(check=_lightning, needs=_pl),
+    ("guide.md", "fully_shard(model)"): Entry(_ONE_RANK, check=_fsdp, needs=_dist),
     ("planner.md", "torchckpt.plan(model, x"): Entry(check=_planner),
 }
 
