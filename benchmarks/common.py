@@ -5,7 +5,8 @@ import json
 import os
 import statistics
 import time
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -80,6 +81,26 @@ def measure_steps(step: Any, reps: int, cuda: bool, warmup: int = 2) -> dict[str
         ts.append(time.perf_counter() - t0)
     ts.sort()
     return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda else None}
+
+
+def measured_under(setup: Callable[[], Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+    """``measure()``'s figures with ``setup()`` in force (its return value, if callable, undoes it after), and
+    ``wall_s``; a method that raises (out of memory) gives ``error`` instead, with its traceback printed, so a run
+    goes on to its other methods."""
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    try:
+        undo = setup()
+        try:
+            out.update(measure())
+        finally:
+            if callable(undo):
+                undo()
+    except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
+        out["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+        traceback.print_exc()
+    out["wall_s"] = time.perf_counter() - t0
+    return out
 
 
 def pinned_bandwidth(nbytes: int = GiB, reps: int = 5) -> tuple[float, float]:
@@ -197,6 +218,35 @@ def finish_figure(fig: Any, ax: Any, path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     save_figure(fig, path)
+
+
+def plot_frontier(path: str, rows: Sequence[dict[str, Any]], peak: Callable[[dict[str, Any]], float | None],
+                  markers: dict[str, str], floor: float | None, xlabel: str, title: str) -> None:
+    """Step time over none's (``x_none``) against ``peak(row)`` in GiB: each row whose ``method`` has a marker as
+    one, the ``plan`` rows a line with their budgets (``budget_GiB``) as faint verticals, the planner's ``floor`` as
+    a dashed one; rows without a peak or ``x_none`` are left out; skipped without matplotlib."""
+    rows = [r for r in rows if r.get("x_none") is not None and peak(r) is not None]
+    if not rows:
+        return
+    plt = pyplot(path)
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for r in rows:
+        if r["method"] in markers:
+            ax.plot([peak(r)], [r["x_none"]], markers[r["method"]], ms=8, label=r["name"])
+    plans = sorted((r for r in rows if r["method"] == "plan"), key=lambda r: r["budget_GiB"])
+    if plans:
+        ax.plot([peak(r) for r in plans], [r["x_none"] for r in plans], "o-", color="k", label="plan")
+        for r in plans:
+            ax.axvline(r["budget_GiB"], color="k", alpha=0.12, lw=1)
+    if floor:
+        ax.axvline(floor, color="tab:red", ls="--", lw=1, label="planner floor")
+    measured = all(r.get("peak_GiB") is not None for r in rows)
+    ax.set_xlabel(xlabel + ("" if measured else " (planner's predictions)"))
+    ax.set_ylabel("step time / no checkpointing (same run)")
+    ax.set_title(title, fontsize=9)
+    finish_figure(fig, ax, path)
 
 
 def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float]], title: str) -> None:

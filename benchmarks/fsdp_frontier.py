@@ -57,7 +57,7 @@ from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
 import torchckpt.planner
 from architectures import build, torch_checkpoint, wrap_blocks
-from common import GiB, block_decisions, finish_figure, fmt, measure_steps, out_dir, parse_bytes, print_table, pyplot
+from common import GiB, block_decisions, fmt, measure_steps, measured_under, out_dir, parse_bytes, plot_frontier, print_table
 from zoo import gib, sac_policy
 
 EAGER = ("none", "checkpoint", "sac")
@@ -152,20 +152,10 @@ class Rank:
             local: dict[str, Any] | None = None) -> None:
         """Set up, measure, undo on every rank; gather; one row (on every rank), printed and written by rank 0.
         ``local``: this rank's own figures to record beside its measurements (``ranks_<key>``)."""
-        mine: dict[str, Any] = dict(local or {})
-        t0 = time.perf_counter()
-        try:
-            undo = setup()
-            try:
-                mine.update(measure_steps(self.step, self.args.reps, self.cuda))
-                mine["loss"] = float(self.losses[-1])
-            finally:
-                if callable(undo):
-                    undo()
-        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
-            mine["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            traceback.print_exc()
-        mine["wall_s"] = time.perf_counter() - t0
+        def measure() -> dict[str, Any]:
+            return {**measure_steps(self.step, self.args.reps, self.cuda), "loss": float(self.losses[-1])}
+
+        mine: dict[str, Any] = {**(local or {}), **measured_under(setup, measure)}
         self.clean()
         got = self.gather(mine)
         row: dict[str, Any] = {"name": label, "method": method, **(extra or {})}
@@ -293,30 +283,9 @@ def plot(result: dict[str, Any], path: str) -> None:
             return probe.get("none_peak_GiB")  # type: ignore[no-any-return]
         return r.get("pred_peak_GiB")
 
-    rows = [r for r in result["rows"] if r.get("x_none") is not None]
-    rows = [r for r in rows if peak(r) is not None]
-    if not rows:
-        return
-    plt = pyplot(path)
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        if r["method"] in MARKERS:
-            ax.plot([peak(r)], [r["x_none"]], MARKERS[r["method"]], ms=8, label=r["name"])
-    plans = sorted((r for r in rows if r["method"] == "plan"), key=lambda r: r["budget_GiB"])
-    if plans:
-        ax.plot([peak(r) for r in plans], [r["x_none"] for r in plans], "o-", color="k", label="plan")
-        for r in plans:
-            ax.axvline(r["budget_GiB"], color="k", alpha=0.12, lw=1)
-    if probe:
-        ax.axvline(probe["floor_GiB"], color="tab:red", ls="--", lw=1, label="planner floor")
-    measured = all(r.get("peak_GiB") is not None for r in rows)
-    ax.set_xlabel("per-rank peak above the step's start, GiB" + ("" if measured else " (planner's predictions)"))
-    ax.set_ylabel("step time / no checkpointing (same run)")
-    ax.set_title(f"FSDP2, {result['world_size']} ranks: {result['model']}\n{result['device']}, torch {result['torch']}",
-                 fontsize=9)
-    finish_figure(fig, ax, path)
+    plot_frontier(path, result["rows"], peak, MARKERS, probe.get("floor_GiB"),
+                  "per-rank peak above the step's start, GiB",
+                  f"FSDP2, {result['world_size']} ranks: {result['model']}\n{result['device']}, torch {result['torch']}")
 
 
 def worker(rank: int, world: int, init: str, args: argparse.Namespace, cuda: bool, out: str) -> None:

@@ -57,7 +57,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import torchckpt
 from architectures import ARCHS, PACKAGE, Built, build, torch_checkpoint, wrap_blocks
-from common import GiB, block_decisions, fmt, measure_steps, out_dir, print_table, pyplot, save_figure
+from common import GiB, block_decisions, fmt, measure_steps, measured_under, out_dir, plot_frontier, print_table
 from torchckpt.planner import PlanError
 from torchckpt.planner.op_timing import SAC_OPS
 from torchckpt.planner.verify import _Profiled
@@ -172,19 +172,7 @@ def run_model(name: str, args: argparse.Namespace, out: str, cuda: bool) -> dict
     methods = [x for x in args.methods.split(",") if x] if args.methods else list(METHODS)
 
     def run(label: str, method: str, setup: Callable[[], Any], extra: dict[str, Any] | None = None) -> None:
-        row: dict[str, Any] = {"name": label, "method": method, **(extra or {})}
-        t0 = time.perf_counter()
-        try:
-            undo = setup()
-            try:
-                row.update(bench.measure())
-            finally:
-                if callable(undo):
-                    undo()
-        except Exception as e:  # noqa: BLE001 - recorded; the other methods still run
-            row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-            traceback.print_exc()
-        row["wall_s"] = time.perf_counter() - t0
+        row: dict[str, Any] = {"name": label, "method": method, **(extra or {}), **measured_under(setup, bench.measure)}
         bench.clean()
         rows.append(row)
         none = next((r for r in rows if r["name"] == "none" and "step_s" in r), None)
@@ -401,34 +389,10 @@ def write_summary(out: str) -> list[dict[str, Any]]:
 
 def plot(result: dict[str, Any], path: str) -> None:
     """Step time over none's against peak (measured; predicted on the CPU): eager methods as markers, plans a line."""
-    rows = [r for r in result["rows"] if r["name"] != "none_end" and r.get("x_none") is not None
-            and fit_peak(r) is not None]
-    if not rows:
-        return
-    plt = pyplot(path)
-    if plt is None:
-        return
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for r in rows:
-        if r["method"] in MARKERS:
-            ax.plot([fit_peak(r)], [r["x_none"]], MARKERS[r["method"]], ms=8, label=r["name"])
-    plans = sorted((r for r in rows if r["method"] == "plan"), key=lambda r: r["budget_GiB"])
-    if plans:
-        ax.plot([fit_peak(r) for r in plans], [r["x_none"] for r in plans], "o-", color="k", label="plan")
-        for r in plans:
-            ax.axvline(r["budget_GiB"], color="k", alpha=0.12, lw=1)
-    floor = result.get("planner", {}).get("floor_GiB")
-    if floor:
-        ax.axvline(floor, color="tab:red", ls="--", lw=1, label="planner floor")
-    measured = all(r.get("peak_GiB") is not None for r in rows)
-    ax.set_xlabel("peak memory above the step's start, GiB" + ("" if measured else " (planner's predictions)"))
-    ax.set_ylabel("step time / no checkpointing (same run)")
     title = textwrap.fill(f"{result['model']}: {result.get('note', '')}", 100)
-    ax.set_title(f"{title}\n{result['device']}", fontsize=9)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    save_figure(fig, path)
-
+    plot_frontier(path, [r for r in result["rows"] if r["name"] != "none_end"], fit_peak, MARKERS,
+                  result.get("planner", {}).get("floor_GiB"), "peak memory above the step's start, GiB",
+                  f"{title}\n{result['device']}")
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
