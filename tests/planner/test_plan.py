@@ -205,7 +205,19 @@ def test_verification_plans_again_for_the_excess_then_gives_up() -> None:
     seen.clear()
     with pytest.raises(PlanError, match="when measured"):
         _Profiled(prof, Link(2e8, 2e8), None, over_by(hi)).plan(budget)
-    assert 1 <= len(seen) <= _REPLANS + 1
+    assert 1 <= len(seen) <= _REPLANS + 1 and seen[-1] == ok.found.floor  # the floor's plan, tried last
+    # a plan over by more than the room down to the floor: the floor's plan is tried and, measured within, returned
+    floor = ok.found.floor
+    near = next(p.peak_bytes for _, p in sorted(ok.found.plans, key=lambda dp: dp[1].peak_bytes) if p.peak_bytes > floor)
+    tight = near + max(near // 100, min(2 << 20, near // 10)) + 1  # its best plan is above the floor, which fits
+
+    def over_unless_floor(p: Plan) -> tuple[int, float]:
+        seen.append(p.peak_bytes)
+        return p.peak_bytes + (0 if p.peak_bytes == floor else 4 * (near - floor) + (1 << 20)), p.step_time
+
+    seen.clear()
+    got = _Profiled(prof, Link(2e8, 2e8), None, over_unless_floor)._verified(tight, "all")[0]
+    assert seen[0] > floor and seen[-1] == floor and got.measured_peak_bytes == floor
 
 
 class BNBlk(nn.Module):

@@ -337,7 +337,9 @@ class _Profiled:
                 return p, tried
             target = min(target, pred.peak_bytes) - (measured - limit) - (measured - limit) // 16 - 1
             if target < self.found.floor:
-                break
+                if pred.peak_bytes <= self.found.floor:
+                    break
+                target = self.found.floor  # NOTE [ Applying a plan ] Rule 4: the floor's plan, once, before refusing
         assert measured is not None
         asked, predicted, peaked, floor = format_bytes_apart(budget, pred.peak_bytes, measured, self.found.floor)
         raise PlanError(
