@@ -3,7 +3,8 @@ process-wide shared pools (``shared_host_pool``).
 
 Environment: ``TORCHCKPT_HOST_POOL`` (``python`` | ``lazy`` | ``auto``), ``TORCHCKPT_NODE_LOCK``
 (``0``: lazy pools register without the node lock), ``TORCHCKPT_SHARED_POOL`` (``0``: a new pool
-per ``run_schedule`` call).
+per ``run_schedule`` call); ``LOCAL_WORLD_SIZE`` (set by torchrun: the processes on this node, among
+which the default cap is shared, NOTE [ Host pool ] Rule 6).
 """
 from __future__ import annotations
 
@@ -106,8 +107,10 @@ def make_host_pool(
 
     Args:
         pin: pin host memory (``None``: when CUDA is available).
-        capacity_bytes: the pool's cap (``None``: each class's default; the lazy pool then
-            touches only ``ahead_bytes`` = 256 MiB beyond what is used unless told otherwise).
+        capacity_bytes: the pool's cap (``None``: each class's default, this process's share of
+            the node, divided among the ``LOCAL_WORLD_SIZE`` processes on it, NOTE [ Host pool ]
+            Rule 6; the lazy pool then touches only ``ahead_bytes`` = 256 MiB beyond what is used
+            unless told otherwise). A given cap is used as it is.
         chunk_bytes: chunk size (``None``: 1 GiB for ``LazyHostPool``, 256 MiB for ``HostPool``,
             which needs a power of two of at least 1 MiB).
         **lazy_kw: further ``LazyHostPool`` arguments (ignored by ``HostPool``).

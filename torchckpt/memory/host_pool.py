@@ -12,7 +12,8 @@
 #    free span fits but parked blocks hold enough bytes, the allocation waits for their
 #    events (oldest first) rather than grow: the host thread may run far ahead of the GPU,
 #    and growing then would size the pool by that lead instead of by the working set.
-# 4. The pool is capped (``capacity_bytes``, half of physical RAM by default). Past the
+# 4. The pool is capped (``capacity_bytes``; by default this process's share of half of physical RAM,
+#    Rule 6). Past the
 #    cap, blocks are plain pageable tensors (copies are then slower, results identical)
 #    and the pool warns once. If even pageable memory cannot be had, allocation raises
 #    ``CheckpointError``: never a silently wrong gradient.
@@ -20,6 +21,15 @@
 #    pinned chunks, ``LazyHostPool`` (lazy_pool.py) gives it the chunks of one mapping. Both
 #    are ``HostPoolBase``: ``alloc(nbytes) -> HostBlock``, ``free(block, event)``,
 #    ``stats()``, ``note_copy(stream)``, ``close()``.
+# 6. The default cap (``capacity_bytes=None``, as the stores' default pool has it) is this process's share of the
+#    node: the single-process default from the node's figures (half of physical RAM here; ``LazyHostPool``'s, also at
+#    most 80% of the available memory) divided by the processes of the job on this node, so that the pools of a
+#    node's ranks together ask for what one process alone would. Those are counted by ``local_ranks`` (sysinfo.py),
+#    from ``LOCAL_WORLD_SIZE`` (torchrun and torch.distributed.elastic set it); where it is not set the process counts
+#    as alone (1), with one warning when torch.distributed runs several ranks: the ranks on a node are not asked, as
+#    a gather when a pool is made, which need not be on every rank at the same moment, could hang. A malformed
+#    ``LOCAL_WORLD_SIZE`` (not a positive integer) is a ``torchckpt:`` error saying what to set. A given
+#    ``capacity_bytes`` is never divided.
 """
 from __future__ import annotations
 
@@ -34,7 +44,7 @@ import torch
 
 from torchckpt._errors import CheckpointError, format_bytes, internal_error
 from torchckpt._native import touch_pages
-from torchckpt.memory.sysinfo import physical_memory_bytes
+from torchckpt.memory.sysinfo import node_share, physical_memory_bytes
 
 ALIGN = 512
 _DEFAULT_CHUNK = 256 << 20
@@ -265,7 +275,8 @@ class HostPool(HostPoolBase):
 
     Args:
         capacity_bytes: most bytes of pooled host memory; past it, blocks fall back to
-            pageable memory with one warning. ``None``: half of physical RAM.
+            pageable memory with one warning. ``None``: half of physical RAM divided by the processes of
+            the job on this node (``LOCAL_WORLD_SIZE``; NOTE [ Host pool ] Rule 6).
         chunk_bytes: size of each pinned chunk (a power of two, at least 1 MiB).
         pin: pin the chunks (``True`` needs CUDA). ``None``: pin when CUDA is available.
 
@@ -292,7 +303,7 @@ class HostPool(HostPoolBase):
                 "pass e.g. chunk_bytes=256 << 20."
             )
         if capacity_bytes is None:
-            capacity_bytes = physical_memory_bytes() // 2 or (8 << 30)
+            capacity_bytes = node_share(physical_memory_bytes() // 2 or (8 << 30))  # NOTE [ Host pool ] Rule 6
         if capacity_bytes < 0:
             raise ValueError(f"torchckpt: HostPool capacity_bytes must be >= 0, got {capacity_bytes}.")
         if pin is None:

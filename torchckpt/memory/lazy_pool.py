@@ -51,6 +51,9 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 # 9. Registering holds up the process's other CUDA calls, and costs per byte: an application
 #    blocks for about the worker's total registration time, which chunking spreads out but
 #    does not remove.
+# 10. The default size (``capacity_bytes=None``) is this process's share of the node (NOTE [ Host pool ] Rule 6):
+#    half of physical RAM, at most 80% of the memory available now, divided by the processes of the job on this
+#    node (``LOCAL_WORLD_SIZE``). Rule 5's check that the memory touched up front fits applies to that share.
 """
 from __future__ import annotations
 
@@ -69,7 +72,8 @@ from torchckpt._errors import CheckpointError, format_bytes_apart
 from torchckpt._native import host_pool_can_register, native_host_pool, native_host_pool_class
 from torchckpt.memory.host_pool import ALIGN, Blocks, Chunk, HostBlock, HostPoolBase, HostPoolStats
 from torchckpt.memory.link_model import LinkProfile, cached_profile, choose_strategy, measure_link_profile
-from torchckpt.memory.sysinfo import available_memory_bytes, device_index, huge_page_bytes, page_bytes, physical_memory_bytes
+from torchckpt.memory.sysinfo import (available_memory_bytes, device_index, huge_page_bytes, node_share, page_bytes,
+                                      physical_memory_bytes)
 from torchckpt.memory.node_lock import default_lock_path
 
 UNTOUCHED, TOUCHED, REGISTERED, FAILED = 0, 1, 2, 3
@@ -158,7 +162,8 @@ class LazyHostPool(HostPoolBase):
 
     Args:
         capacity_bytes: size of the pool (rounded up to the page size). ``None``: half of
-            physical RAM, at most the available memory.
+            physical RAM, at most 80% of the available memory, divided by the processes of the job
+            on this node (``LOCAL_WORLD_SIZE``; NOTE [ Lazy host pool ] Rule 10).
         chunk_bytes: largest chunk (a multiple of the page size). Each registration stalls the
             process's other CUDA calls a while, so fewer, larger chunks block least (1 GiB
             measured best on an H100, docs/benchmarks.md).
@@ -220,7 +225,8 @@ class LazyHostPool(HostPoolBase):
             raise ValueError("torchckpt: strategy='whole' registers the whole pool at once; pass ahead_bytes=None.")
         avail = available_memory_bytes()
         if capacity_bytes is None:
-            capacity_bytes = min(physical_memory_bytes() // 2 or (8 << 30), int(avail * 0.8))
+            # NOTE [ Lazy host pool ] Rule 10: the single-process default, shared among the node's processes
+            capacity_bytes = node_share(min(physical_memory_bytes() // 2 or (8 << 30), int(avail * 0.8)))
         capacity_bytes = -(-int(capacity_bytes) // page) * page
         if capacity_bytes <= 0:
             raise ValueError(f"torchckpt: LazyHostPool capacity_bytes must be positive, got {capacity_bytes}.")
