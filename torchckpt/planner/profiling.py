@@ -49,7 +49,7 @@
 #    the blocks and each block's inputs; then each block runs alone on its inputs, forward and
 #    backward, and is recorded as in Rules 2-3 and 5 (``profile_blocks``). The chain is then
 #    calibrated on that step's peak, with every block recomputed (``StepCosts.calibrated_on``), and
-#    the no-checkpointing figures are predictions.
+#    the no-checkpointing figures are predictions. Not where ranks plan together (NOTE [ One plan for all ranks ] Rule 7).
 # 7. A block whose forward changes state that a recomputation would change again (what it is called
 #    with, such as a KV cache it appends to, or its modules' attributes; ``Profile.mutates`` says what) is
 #    never offered recomputation: NOTE [ Mutating forwards ] Rule 5 in recompute/mutation.py. A block whose
@@ -424,6 +424,9 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         model.zero_grad(set_to_none=True)
         gc.collect()
         torch.cuda.empty_cache()
+        from torchckpt.planner.ranks import together  # (ranks reads this module)
+        if together(model):  # NOTE [ One plan for all ranks ] Rule 7: not on one rank alone
+            raise
         warnings.warn("torchckpt: the model's step does not fit on the device without checkpointing; profiling it block "
                       "by block, under recomputation (the no-checkpointing figures in the plan are predictions).",
                       RuntimeWarning, stacklevel=3)

@@ -22,22 +22,62 @@ that ``plan``, ``plans`` and ``auto`` return the same plan on each.
 #    costs ], on CUDA) runs on every rank together, and its measurement is the largest peak and the longest time of
 #    any rank's; a step one rank did not measure is not measured on any. Every decision taken on measurements is so
 #    the same on every rank.
+# 5. Ranks fail together where they can. Every exchange of the planner is one ``all_gather_object``, and the work
+#    between two exchanges is each rank's own (the arguments checked, the profile's bookkeeping, the link and codec
+#    measured, ``combine``, the search, the calibration, the plans made and compared). A rank that raises there
+#    (``failing_together``) sends its failure at the next exchange instead of its figures; the exchanges are all the
+#    same collective, so its failure meets the exchange the others wait in, and every rank raises the same
+#    ``torchckpt:`` error naming the rank, what it was doing and what it raised (chained to its own exception on the
+#    failing rank); where every rank failed, each raises its own. The exchanges: the profiles (Rule 2), before and
+#    after each step the ranks run together (Rules 4 and 6), and once at the end of ``plan``, ``plans`` and each of
+#    ``auto``'s phases, so that no rank returns into training while another failed after the last one. Nested
+#    phases exchange once, in the outermost. A ``plans`` budget that raises ``PlanError`` raises it on every rank
+#    alike (it is decided on agreed figures) and is not exchanged.
+# 6. A step the ranks run together (the profiling step, each step that measures a plan) runs the model's own
+#    collectives, and starts only after an exchange found every rank ready (Rule 5). A failure inside it (out of
+#    device memory, the model raising on one rank's batch) cannot be agreed on: the other ranks have gone on into
+#    collectives of the model that this rank will not enter (FSDP2 all-gathers each block's parameters in its
+#    forward: a rank that runs out in block 5 has entered five all-gathers while the others wait in the sixth; DDP
+#    all-reduces in the backward), and an exchange there would meet a collective of the model of another size (a
+#    hang, or garbage). So the failing rank raises at once, without a collective, a ``torchckpt:`` error naming its
+#    rank, the step and (out of memory) its device's memory, which says that the other ranks, unless they failed
+#    alike, wait in the model's collectives until the process group's timeout (``init_process_group(timeout=...)``;
+#    NCCL's watchdog then ends them) or until this process ends (gloo's peers then get a closed connection, and
+#    ``torchrun`` ends the other workers when one fails). It does not abort the communicator: torch 2.11's
+#    ``_abort_process_group`` is private, documented as experimental and NCCL-only, and aborting one rank's NCCL
+#    communicator does not wake the kernels its peers wait in. A rank whose step fails in a collective
+#    (``torch.distributed.DistError``: a peer gone, a timeout) says that another rank probably failed first.
+# 7. So the plain profiling step's fallback when it runs out of memory (NOTE [ Profiling step ] Rule 6) is not taken
+#    when the ranks plan together: the rank that ran out cannot learn whether the others did without an exchange that
+#    may meet their step's collectives, and a rank profiling block by block alone runs other collectives than the
+#    others. It raises as Rule 6 says (on every rank, each at once, where the step fits on none). Likewise a measured
+#    policy that runs out of memory is not left unmeasured on one rank (NOTE [ Mechanism costs ] Rule 1) but raised.
+#    What does not hold yet: a model whose plain step does not fit is not planned together; plan it before it is
+#    wrapped, on one process with the per-rank batch (Rule 1: alone, the fallback applies), save the plan and apply it
+#    on every rank.
+# 8. Not agreed: ``auto``'s checks of its arguments (at the call, before any exchange), what runs after the planning of
+#    ``auto``'s first call (``Plan.apply``), and exceptions that are not ``Exception`` (``KeyboardInterrupt``).
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from collections.abc import Callable, Sequence
+import os
+import traceback
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
+from torchckpt._errors import CheckpointError, format_bytes
 from torchckpt.planner.costs import CodecCost, Link
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.profiling import Profile
 
-__all__ = ["agree", "agreed", "combine", "together"]
+__all__ = ["RanksFailed", "agree", "agreed", "combine", "failing_together", "stepping", "together"]
 
 Step = Callable[[Plan], "tuple[int, float] | None"]
 _D = TypeVar("_D", Link, CodecCost)
@@ -45,7 +85,8 @@ _D = TypeVar("_D", Link, CodecCost)
 
 def together(model: nn.Module) -> bool:
     """Whether ``model``'s ranks plan together (NOTE [ One plan for all ranks ] Rule 1)."""
-    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+    if not (isinstance(model, nn.Module) and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1):
         return False
     from torch.distributed.fsdp import FSDPModule
     from torch.nn.parallel import DistributedDataParallel
@@ -59,22 +100,154 @@ def _gather(obj: Any) -> list[Any]:
     return out
 
 
+class RanksFailed(CheckpointError):
+    """A failure of ranks planning together, raised where no rank exchanges anything more about it (NOTE [ One plan
+    for all ranks ] Rules 5-6)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class _Failure:
+    """What a rank sends at an exchange when it raised since the last one (NOTE [ One plan for all ranks ] Rule 5)."""
+
+    rank: int
+    doing: str
+    error: str
+
+
+def _exchange(obj: Any, call: str) -> list[Any]:
+    """Every rank's ``obj``, or, where a rank sent a failure instead, the error naming it on every rank (NOTE [ One
+    plan for all ranks ] Rule 5)."""
+    got = _gather(obj)
+    failed = [g for g in got if isinstance(g, _Failure)]
+    if failed:
+        raise RanksFailed(_agreed_words(call, failed))
+    return got
+
+
+def _agreed_words(call: str, failed: Sequence[_Failure]) -> str:
+    ranks = ", ".join(str(f.rank) for f in failed)
+    what = "; ".join(f"rank {f.rank} raised {f.error} while {f.doing}" for f in failed)
+    return (f"torchckpt: {call}(model, ...) plans a DDP or FSDP2 model on every rank together (NOTE [ One plan for all "
+            f"ranks ] Rule 5), and {what}; so every rank raises this error rather than wait for rank{'s' * (len(failed) > 1)} "
+            f"{ranks}. Fix what rank {failed[0].rank} raised (its own traceback, chained to this error on that rank, has "
+            f"the cause), then call {call} again on every rank.")
+
+
+_phases = [0]  # phases entered, not yet left (NOTE [ One plan for all ranks ] Rule 5: the outermost exchanges)
+
+
+@contextlib.contextmanager
+def failing_together(model: nn.Module, call: str, doing: str) -> Iterator[None]:
+    """Run one rank's share of ``call`` so that, when the ranks plan together, a failure on some rank raises on every
+    rank, and an exchange at the end finds every rank done (NOTE [ One plan for all ranks ] Rule 5); ``doing`` says
+    what it does, in errors."""
+    if _phases[0] or not together(model):
+        yield
+        return
+    _phases[0] += 1
+    try:
+        try:
+            yield
+        finally:
+            _phases[0] -= 1
+    except RanksFailed:
+        raise
+    except Exception as e:
+        got = _gather(_Failure(dist.get_rank(), doing, _error_words(e)))
+        failed = [g for g in got if isinstance(g, _Failure)]
+        if len(failed) < len(got):
+            raise RanksFailed(_agreed_words(call, failed)) from e
+        raise  # every rank failed: each raises its own
+    _exchange(None, call)
+
+
+@contextlib.contextmanager
+def stepping(model: nn.Module, call: str, what: str, oom_fix: str) -> Iterator[None]:
+    """Run a step every rank runs together, once every rank is ready; a failure inside it is raised on this rank at
+    once, with no collective (NOTE [ One plan for all ranks ] Rule 6). ``what`` names the step and ``oom_fix`` what to
+    do when it runs out of device memory, in errors."""
+    if not together(model):
+        yield
+        return
+    _exchange(None, call)
+    try:
+        yield
+    except RanksFailed:
+        raise
+    except Exception as e:
+        rank = dist.get_rank()
+        lost = _collective_error(e)
+        if lost is not None:
+            why = (f"one of the model's collectives failed ({_error_words(lost)}): another rank probably failed in "
+                   "this step first (its own error says why), or the ranks' steps ran different collectives")
+        else:
+            why = f"it raised {_error_words(e)}"
+            if isinstance(e, torch.OutOfMemoryError):
+                why += f" (rank {rank}'s device: {_memory_words()}); {oom_fix}"
+        raise RanksFailed(
+            f"torchckpt: {call}(model, ...) plans a DDP or FSDP2 model on every rank together (NOTE [ One plan for all "
+            f"ranks ] Rule 6), and on rank {rank} {what} failed: {why}. A failure inside a step the ranks run together "
+            f"cannot be agreed on: the other ranks, unless theirs failed alike, wait in the model's own collectives "
+            f"until the process group's timeout (init_process_group(timeout=...)) or until this process ends.") from e
+
+
+_LOST = ("Connection closed by peer", "Connection reset by peer", "Timed out", "NCCL communicator", "ncclRemoteError")
+
+
+def _collective_error(e: BaseException) -> BaseException | None:
+    """The failed collective in ``e``'s chain of causes (``torch.distributed.DistError``, or a ``RuntimeError`` of
+    gloo's or NCCL's transport, which DDP's reducer raises as it is), if any."""
+    seen: set[int] = set()
+    x: BaseException | None = e
+    while x is not None and id(x) not in seen:
+        seen.add(id(x))
+        if isinstance(x, dist.DistError) or (isinstance(x, RuntimeError) and any(w in str(x) for w in _LOST)):
+            return x
+        x = x.__cause__ or x.__context__
+    return None
+
+
+def _error_words(e: BaseException) -> str:
+    """``e`` in a line: its type, message (at most 400 characters) and where it was raised."""
+    text = " ".join(str(e).split())
+    text = text[len("torchckpt: "):] if text.startswith("torchckpt: ") else text
+    if len(text) > 400:
+        text = text[:400] + " ..."
+    tb = traceback.extract_tb(e.__traceback__)
+    at = f" (at {os.path.basename(tb[-1].filename)}:{tb[-1].lineno} in {tb[-1].name})" if tb else ""
+    return f"{type(e).__name__}: {text}{at}"
+
+
+def _memory_words() -> str:
+    """The current CUDA device's memory, for an out-of-memory error (its total, free, and the most allocated)."""
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return "not a CUDA device"
+    dev = torch.cuda.current_device()
+    try:
+        free, total = torch.cuda.mem_get_info(dev)
+    except RuntimeError:
+        return f"cuda:{dev}"
+    return (f"cuda:{dev}, {format_bytes(total)} in all, {format_bytes(free)} free now, at most "
+            f"{format_bytes(torch.cuda.max_memory_allocated(dev))} allocated by PyTorch at once (since its peak was "
+            f"last reset)")
+
+
 def agree(model: nn.Module, call: str, prof: Profile, link: Link,
           codec: CodecCost | None) -> tuple[Profile, Link, CodecCost | None]:
     """This rank's profile, link and codec cost, or, when the ranks plan together, those every rank plans on
     (NOTE [ One plan for all ranks ] Rule 2); ``call`` names the entry point in errors."""
     if not together(model):
         return prof, link, codec
-    got = _gather((prof, link, codec))
+    got = _exchange((prof, link, codec), call)
     codecs = [g[2] for g in got]
     return (combine([g[0] for g in got], call, dist.get_rank()), _lowest([g[1] for g in got]),
             None if any(c is None for c in codecs) else _lowest(codecs))
 
 
-def agreed(model: nn.Module) -> Callable[[Step], Step]:
+def agreed(model: nn.Module, call: str = "plan") -> Callable[[Step], Step]:
     """Decorate a step that measures a plan (its peak bytes and seconds, or ``None``) so that, when the ranks plan
-    together, every rank gets the largest peak and the longest time of any rank (NOTE [ One plan for all ranks ]
-    Rule 4)."""
+    together, it starts once every rank is ready (NOTE [ One plan for all ranks ] Rule 6) and every rank gets the
+    largest peak and the longest time of any rank (NOTE [ One plan for all ranks ] Rule 4)."""
 
     def wrap(step: Step) -> Step:
         if not together(model):
@@ -82,7 +255,10 @@ def agreed(model: nn.Module) -> Callable[[Step], Step]:
 
         @functools.wraps(step)
         def run(p: Plan) -> tuple[int, float] | None:
-            got = _gather(step(p))
+            with stepping(model, call, "a step under a plan, measured to verify it",
+                          "the plan's step does not fit beside what is allocated on this rank: pass a smaller budget"):
+                mine = step(p)
+            got = _exchange(mine, call)
             if any(g is None for g in got):
                 return None
             return max(g[0] for g in got), max(g[1] for g in got)

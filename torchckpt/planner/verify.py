@@ -27,7 +27,7 @@ from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, simple_policies, size
 from torchckpt.planner.plan import BlockPlan, Measurement, Plan
 from torchckpt.planner.profiling import Profile, StepRaised, _loss_of, profile, profile_blocks
-from torchckpt.planner.ranks import agree, agreed
+from torchckpt.planner.ranks import agree, agreed, failing_together, stepping
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
@@ -91,11 +91,12 @@ def plan(model: nn.Module, *example_args: Any, budget: int | str, codec: Codec |
         >>> [b.mode for b in p.blocks]
         ['keep', 'keep', 'keep', 'keep']
     """
-    check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
-    nbytes = parse_bytes(budget, "plan(budget=...)")
-    with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
-        return _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
-                                progress=progress, call="plan").plan(nbytes)
+    with failing_together(model, "plan", "planning"):  # NOTE [ One plan for all ranks ] Rule 5
+        check_args("plan", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+        nbytes = parse_bytes(budget, "plan(budget=...)")
+        with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
+            return _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                                    progress=progress, call="plan").plan(nbytes)
 
 
 def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], codec: Codec | None = None,
@@ -117,20 +118,22 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
         >>> list(ps)
         [1073741824]
     """
-    check_args("plans", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
-    if not isinstance(budgets, (list, tuple)) or not budgets:
-        raise TypeError(f"torchckpt: plans(budgets=...) expects a non-empty list of byte counts, got {found(budgets)}; "
-                        "pass e.g. budgets=['2GiB', '4GiB'] (plan(model, ..., budget=...) plans one).")
-    sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
-    out = {}
-    with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
-        p = _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
-                             progress=progress, call="plans")
-        for b in sizes:
-            try:
-                out[b] = p.plan(b)
-            except PlanError:
-                continue
+    with failing_together(model, "plans", "planning"):  # NOTE [ One plan for all ranks ] Rule 5
+        check_args("plans", model, (example_args, example_kwargs), codec, blocks, loss_fn, link, verify, progress)
+        if not isinstance(budgets, (list, tuple)) or not budgets:
+            raise TypeError(f"torchckpt: plans(budgets=...) expects a non-empty list of byte counts, got "
+                            f"{found(budgets)}; pass e.g. budgets=['2GiB', '4GiB'] (plan(model, ..., budget=...) plans "
+                            "one).")
+        sizes = [parse_bytes(b, "plans(budgets=...)") for b in budgets]
+        out = {}
+        with untouched(model, (example_args, example_kwargs)):  # NOTE [ Planning leaves no trace ]
+            p = _Profiled.prepare(model, example_args, example_kwargs, codec, blocks, loss_fn, link, verify,
+                                 progress=progress, call="plans")
+            for b in sizes:
+                try:
+                    out[b] = p.plan(b)
+                except PlanError:  # on every rank alike (NOTE [ One plan for all ranks ] Rule 5)
+                    continue
     return out
 
 
@@ -146,6 +149,7 @@ class _Profiled:
         self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 6: plans measured, kept
         self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.say: Callable[[str], None] = _quiet
+        self._ranks: tuple[nn.Module | None, str] = (None, "plan")  # the model and call (NOTE [ One plan for all ranks ])
 
     @staticmethod
     def prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
@@ -154,6 +158,16 @@ class _Profiled:
                 call: str = "plan") -> _Profiled:
         """Profile ``model`` and search; ``call`` (``plan``, ``plans``, ``auto``, which checked the arguments) names
         the entry point in errors."""
+        with failing_together(model, call, "profiling"):  # NOTE [ One plan for all ranks ] Rule 5
+            planned = _Profiled._prepare(model, args, kwargs, codec, blocks, loss_fn, link, verify, by_blocks, progress,
+                                         call)
+        planned._ranks = (model, call)
+        return planned
+
+    @staticmethod
+    def _prepare(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], codec: Codec | None,
+                 blocks: Sequence[nn.Module] | None, loss_fn: Callable[[Any], torch.Tensor] | None,
+                 link: Link | None, verify: bool, by_blocks: bool, progress: bool, call: str) -> _Profiled:
         named = None
         if blocks is not None:
             names = {id(m): n for n, m in model.named_modules()}
@@ -167,10 +181,12 @@ class _Profiled:
         how = profile_blocks if by_blocks else profile  # by_blocks: as if the plain step did not fit (tests)
         off = UseCacheOff(model, [m for _, m in chain_mods])  # NOTE [ Mutating forwards ] Rule 6
         try:
-            prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
-                       keep_sample=sample if codec is not None else None)
-        except StepRaised as e:  # NOTE [ Profiling step ] Rule 8
-            raise rejected(call, model, args, kwargs, e) from e.error
+            with stepping(model, call, "the profiling step (plain autograd, every saved tensor kept)", _NO_FIT):
+                try:  # NOTE [ One plan for all ranks ] Rules 6-7
+                    prof = how(model, args, kwargs, blocks=chain_mods, loss_fn=loss_fn,
+                               keep_sample=sample if codec is not None else None)
+                except StepRaised as e:  # NOTE [ Profiling step ] Rule 8
+                    raise rejected(call, model, args, kwargs, e) from e.error
         finally:
             off.remove()
         warn_mutating(prof.names, prof.mutates)  # NOTE [ Mutating forwards ] Rule 5
@@ -182,7 +198,7 @@ class _Profiled:
         loss_of = loss_fn if loss_fn is not None else _loss_of
         measuring = verify and torch.device(prof.device).type == "cuda"
 
-        @agreed(model)  # NOTE [ One plan for all ranks ] Rule 4
+        @agreed(model, call)  # NOTE [ One plan for all ranks ] Rules 4 and 6
         def step(p: Plan) -> tuple[int, float] | None:
             if not measuring:
                 return None
@@ -239,6 +255,11 @@ class _Profiled:
     def plan(self, budget: int) -> Plan:
         """The plan for ``budget``, verified, the fastest measured of the families' best and the best simple policy
         (NOTE [ Applying a plan ] Rules 4-7)."""
+        model, call = self._ranks  # NOTE [ One plan for all ranks ] Rule 5
+        with failing_together(model, call, f"planning for a budget of {size(budget)}"):
+            return self._plan(budget)
+
+    def _plan(self, budget: int) -> Plan:
         best, tried = self._verified(budget, "all")
         if best.measured_step_time is None:
             return best
@@ -347,6 +368,13 @@ class _Profiled:
             f"{predicted} and peaked at {peaked}; the lowest predicted peak is "
             f"{floor}. Pass a larger budget (e.g. budget={measured})."
         )
+
+
+_NO_FIT = ("when the ranks plan together this step must fit on every rank: a rank alone cannot profile block by block "
+           "(NOTE [ One plan for all ranks ] Rule 7). Free device memory for planning (plan before the optimizer's "
+           "state is allocated), or plan the model before it is wrapped in DDP or fully_shard, on one process with the "
+           "per-rank batch (alone, a step that does not fit is profiled block by block), save the plan "
+           "(plan.save('plan.json')) and apply it on every rank (Plan.load('plan.json').apply(model))")
 
 
 def _slack(budget: int) -> int:
