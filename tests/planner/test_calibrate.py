@@ -10,7 +10,7 @@ import torch
 from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
-    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, measure_policies, revolve_policy,
+    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, floor_policy, measure_policies, revolve_policy,
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts
 from torchckpt.planner.optimize import search, simple_policies
@@ -197,7 +197,14 @@ def test_revolve_measured_beyond_its_prediction_moves_every_revolve_plan(prof: P
 
     got = measure_policies(policies, step, chain)
     other = next(n for n in plans if n.startswith(EVERY_OTHER))
+    floor = floor_policy(chain, policies)  # six blocks: the fewest snapshots are Rule 8's (NOTE [ Mechanism costs ] Rule 10)
+    assert floor is None and 16 > len(chain.blocks)
     assert calls == [n for n in MEASURED if n in plans] + [name, other]
+    chain16 = _chain(fixed_profile(Net(16)))
+    calls.clear()
+    measure_policies(simple_policies(chain16), lambda n, p: calls.append(n), chain16)  # type: ignore[func-returns-value]
+    floor = floor_policy(chain16, simple_policies(chain16))
+    assert floor is not None and calls[-3:-1] == [revolve_policy(chain16, simple_policies(chain16)), floor]
     cal = calibrate(chain, {n: plans[n] for n in (name,)}.items(), {name: got[name]})
     assert cal.revolve_bytes == 3 << 20
     assert abs(predict(cal, plans[name]).peak_bytes - got[name][0]) <= got[name][0] // 1000
@@ -206,6 +213,37 @@ def test_revolve_measured_beyond_its_prediction_moves_every_revolve_plan(prof: P
     below = predict(chain, plans[name]).peak_bytes - (1 << 10)  # under it, while its peak stays in the backward
     lower = calibrate(chain, policies, {name: (below, 1.0)})
     assert lower.revolve_bytes < 0 and abs(predict(lower, plans[name]).peak_bytes - below) <= below // 1000
+
+
+def test_the_floor_measured_makes_revolve_linear_in_snapshot_memory(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 10: the Revolve plan with the fewest snapshots is measured too; what it peaked
+    beyond its prediction is Rule 8's term at its snapshot memory, linear in between: both measured plans then predict
+    what they measured, a Revolve plan between them lies between, one above Rule 8's moves by Rule 8's term alone;
+    Rule 8's term alone under-predicts the floor's plan."""
+    chain = _chain(fixed_profile(Net(16)))  # 16 blocks: Rule 8's plan has 2 snapshots, the floor's 1
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    rule8, floor = revolve_policy(chain, policies), floor_policy(chain, policies)
+    assert rule8 is not None and floor is not None
+    revolves = sorted((d[0].revolve, n) for n, d in policies if d[0].revolve)
+    assert revolves[0][1] == floor and plans[floor][0].revolve < plans[rule8][0].revolve
+    up = 3 << 20  # Rule 8's plan peaks 3 MiB over its prediction, the floor's 40 MiB over
+    measured = {rule8: (predict(chain, plans[rule8]).peak_bytes + up, 1.0),
+                floor: (predict(chain, plans[floor]).peak_bytes + (40 << 20), 1.0)}
+    cal = calibrate(chain, policies, measured)
+    assert cal.revolve_slope < 0 and cal.revolve_at == plans[rule8][0].revolve
+    for n in (rule8, floor):
+        assert abs(predict(cal, plans[n]).peak_bytes - measured[n][0]) <= measured[n][0] // 1000
+    lo, hi = plans[floor][0].revolve, plans[rule8][0].revolve
+    for m, n in revolves:
+        moved = predict(cal, plans[n]).peak_bytes - predict(chain, plans[n]).peak_bytes
+        if m > hi:
+            assert abs(moved - cal.revolve_bytes) <= 1
+        elif lo < m < hi:
+            assert cal.revolve_bytes < moved < (40 << 20)
+    only8 = calibrate(chain, policies, {rule8: measured[rule8]})  # without the floor's measurement: Rule 8 alone
+    assert only8.revolve_slope == 0.0
+    assert predict(only8, plans[floor]).peak_bytes < measured[floor][0] - (30 << 20)  # which under-predicts the floor's
 
 
 def test_every_other_block_measured_prices_recomputations_after_a_kept_block(prof: Profile) -> None:

@@ -145,6 +145,8 @@ class Block:
         alone_s: what a recomputation of this block costs beyond those where the next block is kept (its
             backward's kernels queued, the recomputation's host work runs beside them), measured (NOTE [ Mechanism
             costs ] Rule 9); may be negative.
+        chained: whether its first positional tensor argument was the previous block's first output, unchanged
+            (``checkpoint_chain`` may hand it on: NOTE [ Chain of blocks ] Rule 5; NOTE [ Plan search ] Rule 6).
     """
 
     name: str
@@ -163,6 +165,7 @@ class Block:
     keep_rec_s: float = 0.0
     host_rec_s: float = 0.0
     alone_s: float = 0.0
+    chained: bool = True
 
     @property
     def saved_bytes(self) -> int:
@@ -188,6 +191,8 @@ class StepCosts:
             costs ] Rule 5).
         revolve_bytes: measured bytes a plan of Revolve over the chain holds in its backward (rebuilding inputs and
             running blocks' backward) beyond what the model counts (NOTE [ Mechanism costs ] Rule 8); may be negative.
+        revolve_at / revolve_slope: the snapshot memory at which ``revolve_bytes`` was measured, and how much it
+            changes per byte of snapshot memory below that, down to the floor's (NOTE [ Mechanism costs ] Rule 10).
     """
 
     blocks: tuple[Block, ...]
@@ -202,6 +207,15 @@ class StepCosts:
     keep_rec_bytes: int = 0
     host_rec_bytes: int = 0
     revolve_bytes: int = 0
+    revolve_at: int = 0
+    revolve_slope: float = 0.0
+
+    def revolve_offset(self, memory: int) -> int:
+        """``revolve_bytes`` for a Revolve plan of ``memory`` bytes of snapshots (NOTE [ Mechanism costs ] Rules
+        8 and 10): measured at ``revolve_at``, linear below it, the same above."""
+        if memory >= self.revolve_at or not self.revolve_slope:
+            return self.revolve_bytes
+        return self.revolve_bytes + int(self.revolve_slope * (memory - self.revolve_at))
 
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
@@ -478,6 +492,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
         if per[i][6] and blocks[i].alone_s and i < n - 1 and not per[i + 1][6]:
             extra_b[i] = max(0.0, extra_b[i] + blocks[i].alone_s)
     base = chain.fixed_bytes + chain.other_saved_bytes
+    revolve_bytes = chain.revolve_offset(revolve.memory) if revolve else 0
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
     # Forward (NOTE [ Step model ] Rule 1): d2h[i] is when block i's copy to host ends.
@@ -536,13 +551,13 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
         if rec:
             recompute += extra_b[i]
         if revolve is not None:  # NOTE [ Step model ] Rule 5: the blocks run again to rebuild this block's input, then the states held
-            mem = base + resident + back + revolve.rebuild[i] + chain.revolve_bytes
+            mem = base + resident + back + revolve.rebuild[i] + revolve_bytes
             if mem > peak:
                 peak, at = mem, -1 - i
             t += revolve.extra_s[i]
             recompute += revolve.extra_s[i]
         mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes + (
-            revolve.bwd[i] + chain.revolve_bytes if revolve else 0)
+            revolve.bwd[i] + revolve_bytes if revolve else 0)
         if rec and host:
             mem -= min(off[i], back)  # its inputs and kept outputs, back, are part of what it materialises
         if mem > peak:

@@ -53,6 +53,7 @@ class States:
     extra_s: tuple[float, ...]
     rebuild: tuple[int, ...]
     advances: int
+    memory: int = 0  # the snapshot memory these are for
 
 
 def states(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> States:
@@ -65,7 +66,7 @@ def states(fwd_s: Sequence[float], input_bytes: Sequence[int], memory: int) -> S
         if i in w.saves:
             acc += input_bytes[i]
         fwd.append(acc + (0 if i in w.saves else input_bytes[i]))
-    return States(tuple(fwd), tuple(w.bwd), tuple(w.extra), tuple(w.rebuild), w.advances)
+    return States(tuple(fwd), tuple(w.bwd), tuple(w.extra), tuple(w.rebuild), w.advances, memory)
 
 
 class _Pricing(Walker):
