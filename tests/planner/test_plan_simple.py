@@ -20,7 +20,7 @@ from torchckpt.planner.calibrate import KEEP_TOP_ALL, calibrate
 from torchckpt.planner.optimize import _selective, search, simple_policies
 from torchckpt.planner.plan import Measurement
 from torchckpt.planner.verify import _make, _Profiled, _slack
-from torchckpt.planner.profiling import Profile
+from torchckpt.planner.profiling import Profile, profile, profile_blocks
 
 D, H = 32, 4
 EVERY = "every block Recompute()"
@@ -254,3 +254,33 @@ def test_close_measurements_are_measured_again(prof: Profile, again_s: float, to
     assert p.measurements[1].step_time == pytest.approx(simple_mean) and p.measurements[0].step_time == 2.0
     assert (p.simple == EVERY) == took
     assert p.measured_step_time == pytest.approx(simple_mean if took else 2.0)
+
+
+class _Broken(nn.Module):
+    """Blocks that do not form a chain: the third takes the second's output changed outside the blocks (as T5's
+    decoder takes its own embeddings, ConvNeXt's stages a downsampled input), or by a block of its own (``by_block``)."""
+
+    def __init__(self, broken: bool) -> None:
+        super().__init__()
+        self.h = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(6))
+        self.broken = broken
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, b in enumerate(self.h):
+            x = b(x * 2 if self.broken and i == 3 else x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("by_blocks", [False, True])
+def test_revolve_is_planned_only_over_blocks_that_form_a_chain(by_blocks: bool) -> None:
+    """NOTE [ Profiling step ] Rule 10, NOTE [ Plan search ] Rule 6: the profiling step (whole, or block by block)
+    records which blocks were called with the previous block's first output, unchanged; Revolve over the chain is
+    planned only where every block was (elsewhere checkpoint_chain keeps every input from the break on)."""
+    how = profile_blocks if by_blocks else profile
+    for broken in (False, True):
+        prof = how(_Broken(broken), (torch.randn(8, 16),), {})
+        assert prof.chained == (True, True, True, not broken, True, True)
+        names = [n for n, _ in simple_policies(prof.chain(Link(1e9, 1e9)))]
+        assert any(n.startswith("checkpoint_chain") for n in names) is not broken
+        again = Profile.from_json(prof.to_json())
+        assert again.chained == prof.chained and again.blocks()[3].chained is not broken

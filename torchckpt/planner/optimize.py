@@ -33,7 +33,12 @@
 #    every block recomputed (whole, or in parts where every block's ladder has them) with each amount of
 #    snapshot memory from one input to all but two (eight amounts for inputs of unequal size), each recorded with its prediction beside the walks'
 #    plans. It can reach below the floor of keeping every block's input where nothing may cross the host link,
-#    and Rule 3 picks it only where it is the fastest plan that fits.
+#    and Rule 3 picks it only where it is the fastest plan that fits. Only where the blocks form a chain, each
+#    called with the previous one's first output, unchanged (``Block.chained``, as the profiling step saw them):
+#    elsewhere ``checkpoint_chain`` keeps every input from the first break on (NOTE [ Chain of blocks ] Rule 5),
+#    and a plan priced as Revolve ran as every block ``Recompute()`` (on an H100, T5's encoder-to-decoder and
+#    ConvNeXt's downsampling between stages broke the chain: their floors were Revolve plans that measured 2-5%
+#    over their predicted peaks and 50-73% under their predicted steps).
 # 7. The policies a user writes in one line are plans of the search too (``simple_policies``), each recorded
 #    with its prediction as any other plan is, so Rule 3 may pick one and the floor is at or below each one's
 #    predicted peak: keep everything; ``Recompute()`` on every block; ``Recompute(save=...)`` on every block,
@@ -280,7 +285,7 @@ def _memories(blocks: tuple[Block, ...]) -> list[int]:
     """NOTE [ Plan search ] Rule 6's amounts of snapshot memory for Revolve over the chain (none where it may not
     run)."""
     n = len(blocks)
-    if n < 3 or not all(b.recomputable and b.input_bytes > 0 for b in blocks):
+    if n < 3 or not all(b.recomputable and b.input_bytes > 0 and b.chained for b in blocks):
         return []
     sizes = [b.input_bytes for b in blocks]
     if min(sizes) == max(sizes):

@@ -70,6 +70,11 @@
 #    many times, and each op's time is its median. Blocks that run the same computation (one ``kind``, the
 #    same input bytes, saved tensors and ops) then share the median of their times (``Profile.blocks``): the
 #    search sees identical layers as identical, and breaks ties between them by position alone.
+# 10. The step also records whether each block was called with the previous block's first output, unchanged, as
+#    its first positional tensor argument (``Profile.chained``, ``Block.chained``), as ``checkpoint_chain`` checks
+#    its blocks (NOTE [ Chain of blocks ] Rule 5): only blocks that all are may be planned as Revolve over the chain
+#    (NOTE [ Plan search ] Rule 6). T5's decoder blocks take the decoder's embeddings, not the encoder's output;
+#    timm's ConvNeXt downsamples between its stages' blocks.
 """
 from __future__ import annotations
 
@@ -92,6 +97,7 @@ from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
 from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer, less_gaps, median_ops
 from torchckpt.planner.sharded import ParamStorages
+from torchckpt.planner.wrapping import first_output, follows, wrap_block, wrap_call, wrap_recomputed
 from torchckpt.recompute.mutation import CallState, module_state
 
 __all__ = ["OpCost", "Profile", "SAC_OPS", "SavedTensor", "StepRaised", "profile", "profile_blocks"]
@@ -138,6 +144,7 @@ class Profile:
     saved_after: tuple[tuple[int, ...], ...] = ()
     writes_buffers: tuple[bool, ...] = ()
     mutates: tuple[str, ...] = ()  # NOTE [ Profiling step ] Rule 7: what each block's forward changed besides its outputs ("": nothing)
+    chained: tuple[bool, ...] = ()  # NOTE [ Profiling step ] Rule 10: each block called with the previous one's output
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -173,7 +180,8 @@ class Profile:
             sac = tuple(o.position for o in self.ops[i] if o.op in SAC_OPS and o.nbytes > 0)  # NOTE [ Plan search ] Rule 7
             out.append(Block(name, fwd_s[i], bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
-                             recomputable=not fixed, sac=sac))
+                             recomputable=not fixed, sac=sac,
+                             chained=self.chained[i] if len(self.chained) == len(self.names) else True))
         return out
 
     def _pooled(self) -> tuple[list[float], list[float], list[list[float]]]:
@@ -252,6 +260,8 @@ class _Recorder:
         self.sample: torch.Tensor | None = None
         self.writes_buffers = [False] * len(blocks)  # NOTE [ Profiling step ] Rule 7: blocks whose forward writes their buffers
         self.mutates = [""] * len(blocks)  # NOTE [ Profiling step ] Rule 7: what else each block's forward changed
+        self.chained = [True] * len(blocks)  # NOTE [ Profiling step ] Rule 10: called with the previous block's output
+        self.last: list[tuple[torch.Tensor, int] | None] = [None]  # the previous block's first output, its version
 
     def pack(self, t: torch.Tensor) -> torch.Tensor:
         st = t.untyped_storage()
@@ -293,6 +303,7 @@ class _Recorder:
             return
         self.inputs[i] = sum(t.untyped_storage().nbytes() for t in _tensors((args, kwargs))
                              if t.untyped_storage() not in self.params)
+        self.chained[i] = i == 0 or follows(args, self.last)  # NOTE [ Profiling step ] Rule 10
         outer, self.current = self.current, i
         bufs = list(self.blocks[i][1].buffers()) if i < len(self.blocks) else []
         versions = [b._version for b in bufs]
@@ -310,6 +321,8 @@ class _Recorder:
                 self.mutates[i] = changed
 
     def output(self, i: int, out: Any) -> None:
+        if not self.light:
+            self.last[:] = [first_output(out)]
         y = _first_grad_tensor(out)
         if y is not None:
             y.register_hook(lambda g: self._at(self.grad_at_out, i))
@@ -414,7 +427,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     chain, params, device, clock, loss_of = _setup(model, blocks, loss_fn)
 
     def step(rec: _Recorder | None) -> None:
-        wraps = [_wrap(mod, i, rec) for i, (_, mod) in enumerate(chain)] if rec is not None else []
+        wraps = [wrap_block(mod, i, rec) for i, (_, mod) in enumerate(chain)] if rec is not None else []
         _step(model, args, kwargs, loss_of, rec, clock, wraps)
 
     try:
@@ -436,6 +449,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
     rec = _Recorder(chain, params, clock)
     rec.keep_sample = keep_sample is not None
     _timed(step, rec, clock)
+    rec.last[:] = [None]  # NOTE [ Profiling step ] Rule 10: the last block's output is not held past its step
     if clock.cuda:
         peak = max(rec.peak, torch.cuda.max_memory_allocated(device)) - start_bytes
     else:
@@ -457,6 +471,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         bwd_start_bytes=tuple(b - start_bytes for b in rec.bwd_start) if clock.cuda and all(
             s is not None for s in rec.grad_at_out) else (),
         saved_after=after, writes_buffers=tuple(rec.writes_buffers), mutates=tuple(rec.mutates),
+        chained=tuple(rec.chained),
     )
 
 
@@ -500,8 +515,11 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     n = len(chain)
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * n
 
+    chained, last = [True] * n, [None]  # NOTE [ Profiling step ] Rule 10
+
     def step(rec: _Recorder | None) -> None:
-        wraps = [_wrap_recomputed(mod, i, inputs if rec is not None else None) for i, (_, mod) in enumerate(chain)]
+        wraps = [wrap_recomputed(mod, i, inputs if rec is not None else None, chained, last if rec is not None else None)
+                 for i, (_, mod) in enumerate(chain)]
         _step(model, args, kwargs, loss_of, rec, clock, wraps)
 
     for _ in range(warmup):
@@ -511,6 +529,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     t0 = clock.mark()
     step(rec)
     t1 = clock.mark()
+    last[:] = [None]
     clock.sync()
     peak = (torch.cuda.max_memory_allocated(device) - start_bytes) if clock.cuda else None
     fwd_total = clock.between(t0, rec.fwd_end)  # type: ignore[attr-defined]
@@ -571,6 +590,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
         other_bwd_s=max(0.0, step_s - fwd_total - sum(fwd) - sum(bwd)), step_s=step_s, peak_none=int(peak),
         device=str(device), by_blocks=True, saved_after=tuple(after),
         writes_buffers=tuple(r.writes_buffers[0] for r in per), mutates=tuple(r.mutates[0] for r in per),
+        chained=tuple(chained),
     )
 
 
@@ -604,7 +624,7 @@ def _op_costs(model: nn.Module, chain: Sequence[tuple[str, nn.Module]], args: tu
         return leave
 
     for i, (_, mod) in enumerate(chain):
-        undo.append(_wrap_call(mod, functools.partial(enter, i)))
+        undo.append(wrap_call(mod, functools.partial(enter, i)))
     try:
         with timer:
             out = model(*args, **kwargs)
@@ -621,62 +641,3 @@ def _cpu_peak(model: nn.Module, rec: _Recorder) -> int:
     """On the CPU there is no allocator peak: the gradients plus every saved byte."""
     grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     return grads + sum(s.nbytes for b in rec.saved for s in b) + rec.other
-
-
-def _swap_forward(mod: nn.Module, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> Callable[[], None]:
-    """Give ``mod`` the instance forward ``make(its current forward)`` for the profiling steps; returns the undo."""
-    had = "forward" in mod.__dict__
-    inner = mod.__dict__.get("forward", None)
-    call = inner if inner is not None else type(mod).forward.__get__(mod)
-    object.__setattr__(mod, "forward", make(call))
-
-    def undo() -> None:
-        if had:
-            object.__setattr__(mod, "forward", inner)
-        else:
-            del mod.__dict__["forward"]
-
-    return undo
-
-
-def _wrap(mod: nn.Module, i: int, rec: _Recorder) -> Callable[[], None]:
-    """Run ``mod``'s forward inside ``rec.block(i)`` (NOTE [ Profiling step ] Rules 2-3); returns the undo."""
-
-    def make(call: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*args: Any, **kwargs: Any) -> Any:
-            with rec.block(i, args, kwargs):
-                out = call(*args, **kwargs)
-            rec.output(i, out)
-            return out
-        return forward
-
-    return _swap_forward(mod, make)
-
-
-def _wrap_call(mod: nn.Module, enter: Callable[[], Callable[[], None]]) -> Callable[[], None]:
-    """Run ``mod``'s forward between ``enter()`` and what it returns (NOTE [ Profiling step ] Rule 5); returns the undo."""
-
-    def make(call: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*a: Any, **kw: Any) -> Any:
-            leave = enter()
-            try:
-                return call(*a, **kw)
-            finally:
-                leave()
-        return forward
-
-    return _swap_forward(mod, make)
-
-
-def _wrap_recomputed(mod: nn.Module, i: int, inputs: list[Any] | None) -> Callable[[], None]:
-    """Run ``mod`` under ``torch.utils.checkpoint``, recording its inputs into ``inputs[i]``
-    (NOTE [ Profiling step ] Rule 6); returns the undo."""
-
-    def make(call: Callable[..., Any]) -> Callable[..., Any]:
-        def forward(*a: Any, **kw: Any) -> Any:
-            if inputs is not None:
-                inputs[i] = (a, kw)
-            return torch.utils.checkpoint.checkpoint(call, *a, use_reentrant=False, **kw)
-        return forward
-
-    return _swap_forward(mod, make)
