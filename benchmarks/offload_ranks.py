@@ -14,8 +14,8 @@ measurement, ``torchckpt.planner.measure.measure_link`` (the one ``host_link`` m
 5 each way), which is measured once per process, so each measurement runs in fresh processes:
 
   planner alone     each rank in turn calls it while the others wait;
-  planner together  every rank calls ``measure_link(device, together=True)`` (a barrier, then the measurement), as
-                    ranks planning together could; the host-clock windows of the calls give their overlap.
+  planner together  every rank calls ``measure_link(device)`` after a barrier, as ranks planning together do
+                    (NOTE [ One plan for all ranks ] Rule 9); the host-clock windows of the calls give their overlap.
 
 ``--planner-reps`` pairs of such process groups (alternating order). The first group also runs the copies. Prints
 the tables (GB/s = 1e9 bytes/s; the ratio together/alone per rank and direction, the mean over ranks) and writes
@@ -128,9 +128,9 @@ def worker(rank: int, n: int, port: int, mode: str, opts: dict[str, Any], tmp: s
             res["gpu"] = torch.cuda.get_device_name(dev)
         link, t0, t1 = None, 0.0, 0.0
         if mode == "together":
-            dist.barrier()
+            dist.barrier()  # as the planner's ready() exchange before it measures (NOTE [ One plan for all ranks ] Rule 9)
             t0 = time.time()
-            link = measure_link(dev, together=True)  # a barrier inside, then host_link
+            link = measure_link(dev)
             t1 = time.time()
         else:
             for r in range(n):

@@ -6,7 +6,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from torchckpt.memory.bandwidth import host_link
 from torchckpt.planner.costs import CodecCost, Link
@@ -49,33 +48,17 @@ class Clock:
         return out
 
 
-def measure_link(device: torch.device, nbytes: int = 64 << 20, reps: int = 5, together: bool = False) -> Link:
+def measure_link(device: torch.device, nbytes: int = 64 << 20, reps: int = 5) -> Link:
     """Host-link bandwidth each way on ``device``: the one measurement, ``memory.bandwidth.host_link`` (pinned
-    memory on CUDA; a copy within host memory on the CPU, what an offload there does), once per process.
-
-    Args:
-        device: the device whose link is measured.
-        nbytes: bytes per copy (``host_link`` clamps them).
-        reps: copies timed each way.
-        together: every rank of the default process group calls this at the same point (the ranks plan
-            together, NOTE [ One plan for all ranks ] Rule 1): a barrier first, so that the ranks of a node copy at
-            the same time and each figure is the link under their shared traffic, as in a data-parallel step.
-            Ignored without an initialised group of several ranks. A link this process measured before is reused
-            as it is (``host_link`` measures once per process), barrier or not.
-
-    Returns:
-        The link: bytes per second each way.
+    memory on CUDA; a copy within host memory on the CPU, what an offload there does), once per process. Ranks that
+    plan together call it at once (NOTE [ One plan for all ranks ] Rule 9), so each figure is the link under their
+    shared traffic.
 
     Example::
 
         >>> measure_link(torch.device("cpu"), nbytes=1 << 20).d2h > 0
         True
     """
-    if together and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        if device.type == "cuda" and dist.get_backend() == "nccl":
-            dist.barrier(device_ids=[device.index if device.index is not None else torch.cuda.current_device()])
-        else:
-            dist.barrier()
     d2h, h2d = host_link(device, pinned=device.type == "cuda", nbytes=nbytes, reps=reps)
     return Link(d2h=d2h, h2d=h2d)
 

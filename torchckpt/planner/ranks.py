@@ -57,6 +57,10 @@ that ``plan``, ``plans`` and ``auto`` return the same plan on each.
 #    on every rank.
 # 8. Not agreed: ``auto``'s checks of its arguments (at the call, before any exchange), what runs after the planning of
 #    ``auto``'s first call (``Plan.apply``), and exceptions that are not ``Exception`` (``KeyboardInterrupt``).
+# 9. The host link is measured by every rank at once (``ready``: one exchange, then each rank measures), so that
+#    the ranks of one node copy together and each rank's figure is the link under their shared traffic, as in a
+#    data-parallel step that offloads (Rule 2 then takes the lowest). The exchange is the planner's own, so a rank
+#    that failed before it fails every rank there (Rule 5). A link measured earlier in the process is reused as it is.
 """
 from __future__ import annotations
 
@@ -77,7 +81,7 @@ from torchckpt.planner.costs import CodecCost, Link
 from torchckpt.planner.plan import Plan
 from torchckpt.planner.profiling import Profile
 
-__all__ = ["RanksFailed", "agree", "agreed", "combine", "failing_together", "stepping", "together"]
+__all__ = ["RanksFailed", "agree", "agreed", "combine", "failing_together", "ready", "stepping", "together"]
 
 Step = Callable[[Plan], "tuple[int, float] | None"]
 _D = TypeVar("_D", Link, CodecCost)
@@ -159,6 +163,13 @@ def failing_together(model: nn.Module, call: str, doing: str) -> Iterator[None]:
             raise RanksFailed(_agreed_words(call, failed)) from e
         raise  # every rank failed: each raises its own
     _exchange(None, call)
+
+
+def ready(model: nn.Module, call: str) -> None:
+    """When the ranks plan together, return once every rank has come here (one exchange; NOTE [ One plan for all
+    ranks ] Rule 9); a rank that failed before fails every rank here (NOTE [ One plan for all ranks ] Rule 5)."""
+    if together(model):
+        _exchange(None, call)
 
 
 @contextlib.contextmanager

@@ -20,14 +20,14 @@ from torchckpt._args import found, parse_bytes
 from torchckpt._errors import format_bytes_apart
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.blocks import find_blocks
-from torchckpt.planner.calibrate import calibrate, measure_policies
+from torchckpt.planner.calibrate import calibrate, floor_policy, measure_policies
 from torchckpt.planner.checks import check_args, rejected
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, StepCosts, parts_seconds, predict
 from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, simple_policies, size
 from torchckpt.planner.plan import BlockPlan, Measurement, Plan
 from torchckpt.planner.profiling import Profile, StepRaised, _loss_of, profile, profile_blocks
-from torchckpt.planner.ranks import agree, agreed, failing_together, stepping
+from torchckpt.planner.ranks import agree, agreed, failing_together, ready, stepping
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
@@ -192,11 +192,15 @@ class _Profiled:
         warn_mutating(prof.names, prof.mutates)  # NOTE [ Mutating forwards ] Rule 5
         say(f"profiled in {time.perf_counter() - t0:.1f} s: step {prof.step_s * 1e3:.1f} ms, peak {size(prof.peak_none)}"
             + (" (every block recomputed: the plain step did not fit)" if prof.by_blocks else ""))
+        if link is None:
+            ready(model, call)  # NOTE [ One plan for all ranks ] Rule 9: every rank measures the link at once
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
         prof, ln, ccost = agree(model, call, prof, ln, ccost)  # NOTE [ One plan for all ranks ] Rule 2
         loss_of = loss_fn if loss_fn is not None else _loss_of
         measuring = verify and torch.device(prof.device).type == "cuda"
+
+        reps = [_VERIFY_STEPS]  # NOTE [ Mechanism costs ] Rule 10: 1 for the floor's plan, measured for its peak
 
         @agreed(model, call)  # NOTE [ One plan for all ranks ] Rules 4 and 6
         def step(p: Plan) -> tuple[int, float] | None:
@@ -210,7 +214,7 @@ class _Profiled:
                 loss_of(out).backward()
                 del out
                 peaks, times = [], []
-                for _ in range(_VERIFY_STEPS):
+                for _ in range(reps[0]):
                     model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -231,16 +235,20 @@ class _Profiled:
         if measuring:  # NOTE [ Mechanism costs ]: the mechanisms' own costs, measured
             policies = simple_policies(chain)
             keep_all = predict(chain, policies[0][1])
+            floor = floor_policy(chain, policies)
 
             def policy_step(name: str, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
                 if prof.by_blocks and not any(d.mode == "recompute" for d in decisions):
                     return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
                 t1 = time.perf_counter()
+                reps[0] = 1 if name == floor else _VERIFY_STEPS
                 try:
                     got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     return None
+                finally:
+                    reps[0] = _VERIFY_STEPS
                 if got is not None:
                     memo[decisions] = got
                     say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
