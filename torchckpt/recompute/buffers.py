@@ -16,10 +16,10 @@
 # 2. Each recomputation (``torch.utils.checkpoint``'s, each part of ``Recompute(parts=...)``, each run of
 #    ``checkpoint_chain``) first notes the values of the written buffers and of Rule 1's norm buffers (as the
 #    forward left them, or as the step has them since), puts the values the forward started from back into
-#    the written ones, runs, then puts the noted values back, with one foreach copy each way. So the
-#    recomputation computes what the forward computed, and the buffers end the step as they would without
-#    torchckpt: batch norm's statistics move once a step (tested bit for bit against plain autograd, with
-#    every form of ``Recompute`` and with ``checkpoint_chain``).
+#    the written ones, runs, then puts the noted values back, with one foreach copy each way (on the CPU, the
+#    noting clones each buffer: ``_copies``). So the recomputation computes what the forward computed, and the
+#    buffers end the step as they would without torchckpt: batch norm's statistics move once a step (tested bit
+#    for bit against plain autograd, with every form of ``Recompute`` and with ``checkpoint_chain``).
 # 3. The writes go through ``.data``, which bumps no version counter: autograd's check on the tensors the
 #    block saved (NOTE [ Saved tensor identity ] Rule 1) sees the buffers as the forward left them. They run
 #    with every dispatch mode set aside, so ``Recompute(save=...)``'s op count (NOTE [ Selective recompute ]
@@ -28,14 +28,31 @@
 #    written in place: a buffer rebound to a new tensor is not seen (the planner's profile watches for that,
 #    NOTE [ Mutating forwards ] Rule 5). Nothing is done while Dynamo traces, for a module without buffers, or
 #    without grad (nothing is recomputed).
+# 5. The walk of Rule 4 (every submodule, each one's buffers, its norm flags) is kept per module, so that a call
+#    pays a comparison instead of a walk. It is kept as positions among the module's buffers, in walk order, and
+#    as the key of what the walk read: for each module reached, its ``_modules`` and ``_buffers`` (values by id,
+#    ``None`` included, and lengths) and its type; for each norm, ``training``, ``track_running_stats``, the names
+#    of its buffers and its class's ``forward``. A call computes the key again from the modules walked (held by weak
+#    reference: one gone ends the kept walk) and walks again where it differs, so a buffer added, removed or
+#    replaced, a submodule added or removed, a norm switched between training and evaluation or to
+#    ``track_running_stats`` walks again. The guard's tensors are read from the ``_buffers`` dicts as they are at
+#    the call, at the kept positions: what the walk finds depends on the tensors only through which positions hold
+#    the same one, which equal ids at the call tell, so an id another tensor held earlier cannot make it guard a
+#    tensor the module no longer has. A norm whose statistics are not its buffers of those names (a subclass's
+#    attributes) is walked at every call. The kept walk holds no module and no tensor, and goes with its module.
 """
 from __future__ import annotations
 
+import functools
+import weakref
 from collections.abc import Callable
+from itertools import chain
+from operator import attrgetter
 from typing import Any
 
 import torch
 from torch import nn
+from torch._ops import _len_torch_dispatch_stack_pre_dispatch
 from torch.nn.modules.batchnorm import SyncBatchNorm, _BatchNorm, _NormBase
 from torch.nn.modules.instancenorm import _InstanceNorm
 from torch.utils._python_dispatch import _disable_current_modes
@@ -44,6 +61,28 @@ __all__ = ["BufferGuard", "guarded"]
 
 
 _STOCK_NORMS = (_BatchNorm.forward, SyncBatchNorm.forward, _InstanceNorm.forward)  # NOTE [ Buffers written in a forward ] Rule 1
+_STATS = ("running_mean", "running_var", "num_batches_tracked")
+
+
+class _Aside:
+    """Grad off and every dispatch mode set aside (NOTE [ Buffers written in a forward ] Rule 3): what
+    ``with _disable_current_modes(), torch.no_grad():`` does, without entering ``_disable_current_modes`` (which
+    pops and pushes back nothing) where no mode is on."""
+
+    __slots__ = ("grad", "modes")
+
+    def __enter__(self) -> None:
+        self.modes = _disable_current_modes() if (torch._C._len_torch_dispatch_stack()
+                                                  or _len_torch_dispatch_stack_pre_dispatch()) else None
+        if self.modes is not None:
+            self.modes.__enter__()
+        self.grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._set_grad_enabled(self.grad)
+        if self.modes is not None:
+            self.modes.__exit__(*exc)
 
 
 class BufferGuard:
@@ -57,65 +96,166 @@ class BufferGuard:
             (subclasses with their own ``forward``) in training.
     """
 
-    __slots__ = ("buffers", "calls", "fn", "norms", "unseen", "written")
+    __slots__ = ("buffers", "calls", "fn", "held", "norms", "unseen", "written")
 
     def __init__(self, fn: Callable[..., Any], buffers: list[torch.Tensor], norms: list[torch.Tensor],
                  unseen: frozenset[int] = frozenset()) -> None:
         self.fn, self.buffers, self.norms, self.unseen = fn, buffers, norms, unseen
         self.calls = 0
         self.written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value when the forward began)
+        self.held = norms  # what each recomputation restores: the written buffers, then the norms' statistics
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
         if self.calls == 1:  # NOTE [ Buffers written in a forward ] Rule 1: the forward
             if not self.buffers:
                 return self.fn(*args, **kwargs)
-            with _disable_current_modes(), torch.no_grad():
+            with _Aside():
                 seen = [b._version for b in self.buffers]
                 before = _copies(self.buffers)
             out = self.fn(*args, **kwargs)
             self.written = [(b, v) for b, s, v in zip(self.buffers, seen, before)
                             if b._version != s or id(b) in self.unseen]
+            self.held = [b for b, _ in self.written] + self.norms
             return out
-        held = [b for b, _ in self.written] + self.norms
+        held = self.held
         if not held:
             return self.fn(*args, **kwargs)
-        with _disable_current_modes(), torch.no_grad():  # NOTE [ Buffers written in a forward ] Rules 2-3
+        with _Aside():  # NOTE [ Buffers written in a forward ] Rules 2-3
             now = _copies(held)
             if self.written:
                 torch._foreach_copy_([b.data for b, _ in self.written], [v for _, v in self.written])
         try:
             return self.fn(*args, **kwargs)
         finally:
-            with _disable_current_modes(), torch.no_grad():
+            with _Aside():
                 torch._foreach_copy_([b.data for b in held], now)
 
 
 def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Copies of ``ts``, bit for bit (times one: -0.0 and NaNs kept), in one foreach launch per dtype and device."""
-    return list(torch._foreach_mul([t.detach() for t in ts], 1))
+    """Copies of ``ts``, bit for bit: on a device in one foreach launch per dtype and device (times one: -0.0 and NaNs
+    kept); on the CPU, where foreach ops run tensor by tensor anyway, ``clone`` (less host time than the
+    multiplication). Called with grad off (``_Aside``): the copies record no graph."""
+    if ts[0].is_cpu:
+        return [t.clone() for t in ts]
+    return list(torch._foreach_mul(ts, 1))
 
 
-def guarded(fn: Callable[..., Any], module: nn.Module | None) -> Callable[..., Any]:
-    """``fn`` under a new ``BufferGuard`` for ``module``'s buffers, or ``fn`` itself where there is nothing to guard
-    (NOTE [ Buffers written in a forward ] Rule 4)."""
-    if module is None or isinstance(fn, BufferGuard) or torch.compiler.is_compiling():
-        return fn
+_BUFFERS, _DICTS = attrgetter("_buffers"), attrgetter("_modules", "_buffers")
+_FLAGS, _FORWARD = attrgetter("training", "track_running_stats"), attrgetter("forward")
+_DEREF = weakref.ref.__call__
+
+
+def _key(mods: list[nn.Module], dicts: list[dict[str, Any]], norms: list[nn.Module]) -> tuple[Any, ...]:
+    """What a walk of ``mods`` reads (NOTE [ Buffers written in a forward ] Rule 5): ``dicts`` their ``_modules`` and
+    ``_buffers`` in turn, ``norms`` the norms among them."""
+    key = (tuple(map(id, chain.from_iterable(map(dict.values, dicts)))), tuple(map(len, dicts)), tuple(map(type, mods)))
+    if not norms:
+        return key
+    return (*key, tuple(map(_FLAGS, norms)), tuple(chain.from_iterable(map(_BUFFERS, norms))),
+            tuple(map(_FORWARD, map(type, norms))))
+
+
+class _Walk:
+    """Where ``guarded`` found a module's buffers and norm statistics, by position among its buffers, and what it read
+    to find them (NOTE [ Buffers written in a forward ] Rule 5). Holds no module and no tensor.
+
+    Args:
+        mods: the modules walked, by weak reference (the module first).
+        key: ``_key`` of the walk.
+        norms: positions of the norms among ``mods``.
+        rest: positions of the buffers cloned at the call, among the modules' buffers in order.
+        stats: positions of the norms' statistics, likewise.
+        unseen: as ``BufferGuard``'s.
+    """
+
+    __slots__ = ("key", "mods", "norms", "rest", "stats", "unseen")
+
+    def __init__(self, mods: tuple[weakref.ref[nn.Module], ...], key: tuple[Any, ...], norms: list[int],
+                 rest: list[int], stats: list[int], unseen: frozenset[int]) -> None:
+        self.mods, self.key, self.norms, self.rest, self.stats, self.unseen = mods, key, norms, rest, stats, unseen
+
+    def found(self, module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+        """``(buffers, norms)`` of ``module`` as they are now, or ``None`` where the walk no longer holds."""
+        try:
+            mods: list[Any] = list(map(_DEREF, self.mods))  # a module gone is None: ``_DICTS`` raises below
+            if mods[0] is not module:
+                return None
+            dicts = list(chain.from_iterable(map(_DICTS, mods)))
+            if _key(mods, dicts, [mods[k] for k in self.norms] if self.norms else []) != self.key:
+                return None
+        except (AttributeError, TypeError):  # a module gone (None), or a dict that is no dict: walk again
+            return None
+        if not self.rest and not self.stats:
+            return [], []
+        flat = list(chain.from_iterable(map(dict.values, dicts[1::2])))
+        return [flat[i] for i in self.rest], [flat[i] for i in self.stats]
+
+
+def _walk(module: nn.Module) -> tuple[_Walk | None, list[torch.Tensor], list[torch.Tensor], frozenset[int]]:
+    """One walk of ``module``'s modules (NOTE [ Buffers written in a forward ] Rules 1, 4): its buffers cloned at the
+    call, its norms' statistics, the ids of ``unseen`` ones, and the walk to keep (``None``: walk at every call)."""
+    mods = list(module.modules())
+    bufs = list(map(_BUFFERS, mods))
     norms: dict[int, torch.Tensor] = {}
     unseen: set[int] = set()
-    buffers: dict[int, torch.Tensor] = {}  # one walk of the modules (a block's call pays it: NOTE [ Buffers written in a forward ] Rule 4)
-    for m in module.modules():
-        own = m._buffers
+    buffers: dict[int, torch.Tensor] = {}
+    kept = True  # each norm statistic is its buffer of that name (NOTE [ Buffers written in a forward ] Rule 5)
+    for m, own in zip(mods, bufs):
         if not own:
             continue
         if isinstance(m, _NormBase) and m.training and m.track_running_stats:
-            stats = [b for b in (m.running_mean, m.running_var, m.num_batches_tracked) if b is not None]
+            named = (m.running_mean, m.running_var, m.num_batches_tracked)
+            kept = kept and all(b is own.get(n) for b, n in zip(named, _STATS))
+            stats = [b for b in named if b is not None]
             if type(m).forward in _STOCK_NORMS:
                 norms.update((id(b), b) for b in stats)
             else:
                 unseen.update(id(b) for b in stats)
         buffers.update((id(b), b) for b in own.values() if b is not None)
-    if not buffers:
-        return fn
     rest = [b for k, b in buffers.items() if k not in norms]
-    return BufferGuard(fn, rest, list(norms.values()), frozenset(unseen))
+    found = rest, list(norms.values()), frozenset(unseen)
+    if not kept:
+        return None, *found
+    try:  # a TorchScript module's ``_modules`` is no dict: walked at every call
+        dicts = list(chain.from_iterable(map(_DICTS, mods)))
+        flat = list(chain.from_iterable(map(dict.values, dicts[1::2])))
+        refs = (weakref.ref(module, functools.partial(_forget, key=id(module))), *map(weakref.ref, mods[1:]))
+    except TypeError:
+        return None, *found
+    at: dict[int, int] = {}  # a buffer's first position in ``flat``
+    for i, b in enumerate(flat):
+        if b is not None:
+            at.setdefault(id(b), i)
+    where = [k for k, m in enumerate(mods) if isinstance(m, _NormBase)]
+    key = _key(mods, dicts, [mods[k] for k in where])
+    return _Walk(refs, key, where, [at[id(b)] for b in rest], [at[k] for k in norms], found[2]), *found
+
+
+# id(module) -> its walk, dropped with the module (NOTE [ Buffers written in a forward ] Rule 5)
+_WALKS: dict[int, _Walk] = {}
+
+
+def _forget(ref: weakref.ref[nn.Module], key: int) -> None:
+    """Drop the walk of a module gone (its id may be another module's next)."""
+    walk = _WALKS.get(key)
+    if walk is not None and walk.mods[0] is ref:
+        del _WALKS[key]
+
+
+def guarded(fn: Callable[..., Any], module: nn.Module | None) -> Callable[..., Any]:
+    """``fn`` under a new ``BufferGuard`` for ``module``'s buffers, or ``fn`` itself where there is nothing to guard
+    (NOTE [ Buffers written in a forward ] Rules 4-5)."""
+    if module is None or isinstance(fn, BufferGuard) or torch.compiler.is_compiling():
+        return fn
+    walk = _WALKS.get(id(module))
+    got = walk.found(module) if walk is not None else None
+    if walk is None or got is None:
+        walk, buffers, norms, unseen = _walk(module)
+        if walk is not None:
+            _WALKS[id(module)] = walk
+    else:
+        (buffers, norms), unseen = got, walk.unseen
+    if not buffers and not norms:
+        return fn
+    return BufferGuard(fn, buffers, norms, unseen)

@@ -135,6 +135,8 @@ class _Walk:
 
 def _changed(before: dict[str, tuple[Any, ...]], after: dict[str, tuple[Any, ...]]) -> list[str]:
     """The paths whose token differs, outermost first (a path inside a changed one is left out)."""
+    if before == after:  # the common case, in one comparison: no token differs (tuples compare item by item either way)
+        return []
     paths = sorted((p for p in before.keys() | after.keys() if before.get(p) != after.get(p)),
                    key=lambda p: (p.count(".") + p.count("["), p))
     out: list[str] = []
