@@ -515,7 +515,8 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     n = len(chain)
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]] | None] = [None] * n
 
-    chained, last = [True] * n, [None]  # NOTE [ Profiling step ] Rule 10
+    chained: list[bool] = [True] * n  # NOTE [ Profiling step ] Rule 10
+    last: list[tuple[torch.Tensor, int] | None] = [None]
 
     def step(rec: _Recorder | None) -> None:
         wraps = [wrap_recomputed(mod, i, inputs if rec is not None else None, chained, last if rec is not None else None)

@@ -87,7 +87,7 @@ Step = Callable[[Plan], "tuple[int, float] | None"]
 _D = TypeVar("_D", Link, CodecCost)
 
 
-def together(model: nn.Module) -> bool:
+def together(model: nn.Module | None) -> bool:
     """Whether ``model``'s ranks plan together (NOTE [ One plan for all ranks ] Rule 1)."""
     if not (isinstance(model, nn.Module) and dist.is_available() and dist.is_initialized()
             and dist.get_world_size() > 1):
@@ -141,7 +141,7 @@ _phases = [0]  # phases entered, not yet left (NOTE [ One plan for all ranks ] R
 
 
 @contextlib.contextmanager
-def failing_together(model: nn.Module, call: str, doing: str) -> Iterator[None]:
+def failing_together(model: nn.Module | None, call: str, doing: str) -> Iterator[None]:
     """Run one rank's share of ``call`` so that, when the ranks plan together, a failure on some rank raises on every
     rank, and an exchange at the end finds every rank done (NOTE [ One plan for all ranks ] Rule 5); ``doing`` says
     what it does, in errors."""
