@@ -12,7 +12,7 @@ from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
     EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, floor_policy, measure_policies, revolve_policy,
 )
-from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts
+from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts, chain_states
 from torchckpt.planner.optimize import search, simple_policies
 from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.profiling import Profile
@@ -264,3 +264,40 @@ def test_every_other_block_measured_prices_recomputations_after_a_kept_block(pro
     assert predict(cal, plans[RECOMPUTE_ALL]).step_s == pytest.approx(every)
     pair = (RECOMPUTE, RECOMPUTE) + (KEEP,) * (n - 2)
     assert predict(cal, pair).step_s - predict(chain, pair).step_s == pytest.approx(cal.blocks[1].alone_s)
+
+
+def test_revolve_rebuilds_take_the_floor_plans_measured_time() -> None:
+    """NOTE [ Mechanism costs ] Rule 11: what the Revolve plan with the fewest snapshots took beyond its prediction,
+    as a fraction of its rebuilds' predicted time, scales every Revolve plan's rebuilds: that plan then predicts its
+    measured step, a plan with more snapshots (less rebuilding) moves by less, and no plan without Revolve moves."""
+    chain = _chain(fixed_profile(Net(16)))
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    rule8, floor = revolve_policy(chain, policies), floor_policy(chain, policies)
+    assert rule8 is not None and floor is not None
+    before = {n: predict(chain, d) for n, d in policies}
+    rebuild = sum(chain_states(chain, plans[floor][0].revolve).extra_s)
+    measured = {rule8: (before[rule8].peak_bytes, before[rule8].step_s),
+                floor: (before[floor].peak_bytes, before[floor].step_s + rebuild)}  # the rebuilds took twice as long
+    cal = calibrate(chain, policies, measured)
+    assert cal.revolve_scale == pytest.approx(1.0)
+    assert predict(cal, plans[floor]).step_s == pytest.approx(measured[floor][1])
+    moved = {n: predict(cal, d).step_s - before[n].step_s for n, d in policies}
+    assert 0 < moved[rule8] < moved[floor]
+    assert all(moved[n] == pytest.approx(0.0) for n, d in policies if not d[0].revolve)
+    slow = calibrate(chain, policies, {floor: (measured[floor][0], before[floor].step_s - 100 * rebuild)})
+    assert slow.revolve_scale == -0.9  # never below: a rebuild costs something
+
+
+def test_sending_inputs_to_host_measured_faster_than_recompute_predicts_what_it_measured(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 5: where every block Recompute(store=...) measured faster than every block
+    Recompute() (after Rule 3), the difference comes off its blocks' recomputation, so it predicts what it measured
+    (it was clamped at no cost, over-predicted)."""
+    chain = prof.chain(Link(1e10, 1e10))
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    rec = predict(chain, plans[RECOMPUTE_ALL]).step_s
+    measured = {RECOMPUTE_ALL: (None, rec * 1.5), HOST_ALL: (None, rec * 1.4)}
+    cal = calibrate(chain, policies, measured)
+    assert predict(cal, plans[HOST_ALL]).step_s == pytest.approx(rec * 1.4, rel=1e-6)
+    assert predict(cal, plans[RECOMPUTE_ALL]).step_s == pytest.approx(rec * 1.5, rel=1e-6)

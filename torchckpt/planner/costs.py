@@ -193,6 +193,8 @@ class StepCosts:
             running blocks' backward) beyond what the model counts (NOTE [ Mechanism costs ] Rule 8); may be negative.
         revolve_at / revolve_slope: the snapshot memory at which ``revolve_bytes`` was measured, and how much it
             changes per byte of snapshot memory below that, down to the floor's (NOTE [ Mechanism costs ] Rule 10).
+        revolve_scale: what Revolve's rebuilds (blocks run again without grad) cost beyond their blocks' forward
+            times, as a fraction of those (NOTE [ Mechanism costs ] Rule 11); may be negative, not below -0.9.
     """
 
     blocks: tuple[Block, ...]
@@ -209,6 +211,7 @@ class StepCosts:
     revolve_bytes: int = 0
     revolve_at: int = 0
     revolve_slope: float = 0.0
+    revolve_scale: float = 0.0
 
     def revolve_offset(self, memory: int) -> int:
         """``revolve_bytes`` for a Revolve plan of ``memory`` bytes of snapshots (NOTE [ Mechanism costs ] Rules
@@ -463,6 +466,8 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
         extra_b = max(0.0, recompute_seconds(b, d) + (b.keep_rec_s if d.keep else b.rec_s))
         if d.host:  # in the forward, where the store's work starts and no copy back is waited for
             extra_f = max(0.0, b.host_rec_s)
+            if b.host_rec_s < 0:  # NOTE [ Mechanism costs ] Rule 5: measured faster than Recompute() alone
+                extra_b = max(0.0, extra_b + b.host_rec_s)
     if d.compress and codec is not None:
         squeezed = kept_bytes(b, d) if rec else off  # Decision.compress
         wire = off - squeezed + int(squeezed / codec.ratio)
@@ -554,8 +559,9 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             mem = base + resident + back + revolve.rebuild[i] + revolve_bytes
             if mem > peak:
                 peak, at = mem, -1 - i
-            t += revolve.extra_s[i]
-            recompute += revolve.extra_s[i]
+            rebuild = revolve.extra_s[i] * (1 + chain.revolve_scale)  # NOTE [ Mechanism costs ] Rule 11
+            t += rebuild
+            recompute += rebuild
         mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes + (
             revolve.bwd[i] + revolve_bytes if revolve else 0)
         if rec and host:
