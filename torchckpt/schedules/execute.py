@@ -15,16 +15,21 @@
 # 3. ``Walker`` is a driver whose methods do nothing: a dry run overrides only the actions it reads.
 # 4. An object that is not an action raises ``TypeError`` naming it and its position (``driver.unknown``).
 # 5. This module imports the actions and nothing else: schedules/ stays pure Python (no torch).
+# 6. The loops (``run``, ``walk``, ``bind``) look the driver's methods up once per walk, in a table keyed by
+#    the action's exact class (a dict lookup per action instead of ``singledispatch``'s and a ``getattr``);
+#    an object of any other class (``End``, a subclass of an action, a non-action) goes through ``execute``,
+#    so the results are the same. A driver that rebinds its methods in the middle of a walk is not seen
+#    until the next walk.
 """
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from torchckpt.schedules.actions import Action, Adjoint, Advance, End, EndForward, Free, Prefetch, Restore, Save
 
-__all__ = ["Walker", "execute", "run", "walk"]
+__all__ = ["Walker", "bind", "execute", "run", "walk"]
 
 
 class Walker:
@@ -76,9 +81,43 @@ def _to(method: str) -> Any:
     return call
 
 
-for _cls, _method in ((Advance, "advance"), (Save, "save"), (Restore, "restore"), (Adjoint, "adjoint"),
-                      (Prefetch, "prefetch"), (Free, "free"), (EndForward, "end_forward")):
+_METHODS: tuple[tuple[type, str], ...] = (
+    (Advance, "advance"), (Save, "save"), (Restore, "restore"), (Adjoint, "adjoint"), (Prefetch, "prefetch"),
+    (Free, "free"), (EndForward, "end_forward"))
+for _cls, _method in _METHODS:
     execute.register(_cls, _to(_method))
+
+
+def _table(driver: Any) -> dict[type, Callable[[Any, int], Any]]:
+    """The driver's methods by the exact class of their action (NOTE [ Executor ] Rule 6); a method the driver
+    lacks is left out, so its action goes through ``execute`` (which raises what it always did)."""
+    out = {}
+    for cls, method in _METHODS:
+        f = getattr(driver, method, None)
+        if f is not None:
+            out[cls] = f
+    return out
+
+
+def bind(driver: Any) -> Callable[[Action, int], bool]:
+    """``execute`` with ``driver``'s methods looked up once (NOTE [ Executor ] Rule 6): for a loop of its own.
+
+    Returns:
+        A function of ``(action, position)`` returning False where the walk stops.
+
+    Example::
+
+        >>> from torchckpt.schedules import Revolve
+        >>> step = bind(Walker())
+        >>> [step(a, i) for i, a in enumerate(Revolve(2, 1))][-1]
+        False
+    """
+    get = _table(driver).get
+
+    def step(a: Action, i: int) -> bool:
+        f = get(a.__class__)
+        return execute(a, driver, i) if f is None else f(a, i) is not False
+    return step
 
 
 @execute.register
@@ -89,8 +128,13 @@ def _(a: End, driver: Any, i: int) -> bool:
 
 def run(actions: Iterable[tuple[int, Action]], driver: Any) -> bool:
     """Execute ``(position, action)`` pairs until one stops the walk (True) or they run out (False)."""
+    get = _table(driver).get  # NOTE [ Executor ] Rule 6
     for i, a in actions:
-        if not execute(a, driver, i):
+        f = get(a.__class__)
+        if f is None:
+            if not execute(a, driver, i):
+                return True
+        elif f(a, i) is False:
             return True
     return False
 
@@ -112,8 +156,13 @@ def walk(actions: Iterable[Action], driver: Any) -> int:
         >>> walk(Revolve(10, 3), c), c.advances
         (42, 15)
     """
+    get = _table(driver).get  # NOTE [ Executor ] Rule 6
     n = 0
     for n, a in enumerate(actions, 1):
-        if not execute(a, driver, n - 1):
+        f = get(a.__class__)
+        if f is None:
+            if not execute(a, driver, n - 1):
+                return n
+        elif f(a, n - 1) is False:
             return n
     return n

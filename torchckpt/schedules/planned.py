@@ -11,10 +11,15 @@
 #    before the first Save (only Advances precede it), so the stream yields up to the first
 #    Save unplanned, and the driver's first ``save`` calls ``Planned.start(slots)``, which
 #    plans the rest.
-# 2. Planning streams: no list of planned actions is built. ``start`` reads the schedule once
-#    to decide the write-back (NOTE [ Write-back ] Rule 3; one bit per action), then the
-#    stream plans prefetches again as the executor reads it (``PrefetchStream``). Memory
-#    beyond the schedule's packed ints is the snapshots alive and the cache's slots.
+# 2. Planning streams: no list of planned actions is built. ``start`` reads the schedule once,
+#    planned by ``PrefetchStream``, to decide the write-back (NOTE [ Write-back ] Rule 3; one bit
+#    per action) and records each prefetch that stream inserts where it inserts it (two varints,
+#    about three bytes per prefetch: how many schedule actions after the previous prefetch it comes,
+#    with its tiers, then its step). The stream the
+#    executor reads is then the schedule's actions with those prefetches merged back in: the same
+#    actions at the same positions as a second ``PrefetchStream``, without planning (and checking,
+#    ``_CacheFollower``) them twice. Memory beyond the schedule's packed ints is those records, the
+#    snapshots alive and the cache's slots.
 """
 from __future__ import annotations
 
@@ -22,12 +27,14 @@ import itertools
 from collections.abc import Iterable, Iterator
 
 from torchckpt._errors import CheckpointError
-from torchckpt.schedules.actions import Action, Save
+from torchckpt.schedules.actions import Action, Prefetch, Save, Tier
 from torchckpt.schedules.packed import PackedSchedule
 from torchckpt.schedules.prefetch import PrefetchStream, flush_positions
 from torchckpt.schedules.schedule import Schedule
 
 __all__ = ["Planned"]
+
+_TIERS = tuple(Tier)  # a prefetch's tiers, packed as their index here (NOTE [ Planned stream ] Rule 2)
 
 
 class Planned:
@@ -50,6 +57,7 @@ class Planned:
         self._i0 = next((i for i, a in enumerate(actions) if type(a) is Save), -1)
         self._slots: int | None = None
         self._flushes = bytearray()
+        self._pf = bytearray()  # NOTE [ Planned stream ] Rule 2: the prefetches, ``_varint``s
         self._it = self._stream()
 
     @staticmethod
@@ -74,11 +82,54 @@ class Planned:
             return
         self._slots = slots
         bits = self._flushes
-        for f in flush_positions(self._rest(), slots):
+        rest = self._rest() if not self._prefetch else self._recorded(self._rest())
+        for f in flush_positions(rest, slots):
             f += self._i0
             if f >> 3 >= len(bits):
                 bits.extend(bytes((f >> 3) + 1 - len(bits)))
             bits[f >> 3] |= 1 << (f & 7)
+
+    def _recorded(self, planned: Iterator[Action]) -> Iterator[Action]:
+        """``planned``, noting each prefetch and the schedule position it precedes (NOTE [ Planned stream ] Rule 2)."""
+        pf, tier = self._pf, _TIERS.index
+        k = len(_TIERS)
+        m = last = self._i0  # m: position in the schedule of the next action that is not a prefetch
+        for a in planned:
+            if a.__class__ is Prefetch:
+                _varint(pf, ((m - last) * k + tier(a.src)) * k + tier(a.dst))  # type: ignore[attr-defined]
+                _varint(pf, a.n)  # type: ignore[attr-defined]
+                last = m
+            else:
+                m += 1
+            yield a
+
+    def _prefetches(self) -> Iterator[tuple[int, Prefetch]]:
+        """The recorded prefetches: (the schedule position each precedes, the prefetch) (NOTE [ Planned stream ]
+        Rule 2)."""
+        buf, tiers = self._pf, _TIERS
+        k = len(tiers)
+        p, end, at = 0, len(buf), self._i0
+        while p < end:
+            v = shift = 0
+            while True:
+                b = buf[p]
+                p += 1
+                v |= (b & 127) << shift
+                shift += 7
+                if b < 128:
+                    break
+            n = shift = 0
+            while True:
+                b = buf[p]
+                p += 1
+                n |= (b & 127) << shift
+                shift += 7
+                if b < 128:
+                    break
+            v, dst = divmod(v, k)
+            v, src = divmod(v, k)
+            at += v
+            yield at, Prefetch(n, tiers[src], tiers[dst])
 
     def flush(self, i: int) -> bool:
         """Whether the Save at position ``i`` copies its snapshot to host now (NOTE [ Write-back ])."""
@@ -94,13 +145,32 @@ class Planned:
         if self._slots is None:
             raise CheckpointError("torchckpt: the first Save was not executed before the actions after it "
                                   "(internal: the driver's save must call Planned.start)")
-        rest = self._rest()
-        next(rest)  # the first Save, already yielded (no prefetch precedes it: nothing is saved before it)
-        for k, a in enumerate(rest, start=self._i0 + 1):
+        if not self._prefetch:  # ``it`` goes on after the first Save
+            yield from enumerate(it, self._i0 + 1)
+            return
+        # NOTE [ Planned stream ] Rule 2: the recorded prefetches merged back in (none precedes the first Save:
+        # nothing is saved before it)
+        pfs = self._prefetches()
+        nxt, pf = next(pfs, (-1, None))
+        k = self._i0 + 1
+        for m, a in enumerate(it, self._i0 + 1):
+            while m == nxt:
+                yield k, pf  # type: ignore[misc]
+                k += 1
+                nxt, pf = next(pfs, (-1, None))
             yield k, a
+            k += 1
 
     def __iter__(self) -> Iterator[tuple[int, Action]]:
         return self._it
+
+
+def _varint(buf: bytearray, v: int) -> None:
+    """Append ``v >= 0`` to ``buf``, seven bits a byte, low bits first (a set high bit: more bytes follow)."""
+    while v >= 128:
+        buf.append(v & 127 | 128)
+        v >>= 7
+    buf.append(v)
 
 
 class _From:

@@ -61,7 +61,7 @@ from torchckpt.schedules.actions import (
     Save,
     Tier,
 )
-from torchckpt.schedules.execute import Walker, execute, run
+from torchckpt.schedules.execute import Walker, bind
 from torchckpt.schedules.schedule import check_int
 
 __all__ = ["CacheStats", "PrefetchStream", "PrefetchedSchedule", "flush_positions", "plan_flushes", "plan_prefetch",
@@ -144,12 +144,13 @@ class _OffGpuRestores(Walker):
 def _off_gpu_restores(scout: Iterator[Action]) -> Iterator[tuple[int, int, Tier, int]]:
     """``(position, step, tier, position of the Save it reads)`` of each off-GPU Restore, in order."""
     w = _OffGpuRestores()
-    pairs = enumerate(scout)
-    while run(pairs, w):
-        if w.found is None:  # End: nothing follows
-            return
-        yield w.found
-        w.found = None
+    step = bind(w)  # NOTE [ Executor ] Rule 6: one lookup of the walker's methods for the whole scout
+    for i, a in enumerate(scout):
+        if not step(a, i):
+            if w.found is None:  # End: nothing follows
+                return
+            yield w.found
+            w.found = None
 
 
 class _CacheFollower(Walker):
@@ -214,7 +215,7 @@ class PrefetchStream:
         restores = _off_gpu_restores(scout)
         nxt = next(restores, None)
         cache: Cache[int] = Cache(cache_slots)
-        follow = _CacheFollower(cache)
+        follow = bind(_CacheFollower(cache))
         ahead = cache_slots - 1  # NOTE [ Prefetch setup ] Rule 3
         for i, act in enumerate(main):
             while nxt is not None:  # NOTE [ Prefetch setup ] Rule 2
@@ -236,7 +237,7 @@ class PrefetchStream:
                 cache.pin(n)
                 nxt = next(restores, None)
             yield act
-            execute(act, follow, i)
+            follow(act, i)
         if nxt is not None:
             raise internal_error("plan_prefetch left restores unhandled")
 
@@ -287,8 +288,9 @@ def flush_positions(actions: Iterable[Action], cache_slots: int) -> Iterator[int
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
     w = _WriteBack(Cache(cache_slots))
+    step = bind(w)
     for i, act in enumerate(actions):
-        execute(act, w, i)
+        step(act, i)
         if w.out:
             yield from w.out
             w.out.clear()
@@ -512,8 +514,9 @@ def simulate_cache(actions: Iterable[Action], cache_slots: int) -> CacheStats:
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
     w = _CacheRun(Cache(cache_slots))
+    step = bind(w)
     for i, act in enumerate(actions):
-        execute(act, w, i)
+        step(act, i)
     restores, hits, saves, evictions, copies, pins, failed, bypassed, lost, peak, leads = (
         w.restores, w.hits, w.saves, w.evictions, w.copies, w.pins, w.failed, w.bypassed, w.lost, w.peak, w.leads)
     return CacheStats(

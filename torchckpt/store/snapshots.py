@@ -182,6 +182,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._blobs: dict[int, Blob] = {}  # off-GPU snapshot -> its blob layout (with a codec)
         self._packs: dict[int, list[Packed]] = {}  # GPU-tier snapshots, compressed (with a codec)
         self._warned_grow = False
+        self._save_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slot -> (its buffer, save's views)
         self._first: tuple[tuple[tuple[Any, ...], ...], list[Packed]] | None = None  # calibrate's compression
         self._slots = Slots()
         self._arena: DeviceArena | None = None
@@ -219,7 +220,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._check(tensors)
         c = self._c
         c["saves"] += 1
-        with nvtx_range(f"torchckpt.save {n}"):
+        with nvtx_range("torchckpt.save", n):
             packs = self._compress(tensors) if self.codec is not None else None
             if tier is Tier.GPU:
                 if packs is not None:
@@ -258,12 +259,13 @@ class SnapshotStore(DiskSide, PeerSide):
                 if need is not None:
                     self._timings.append(("save", need, self._flush_ev[s]))
             self._ensure_room(s, size)
-            self._fill_flat(self._slots[s], tensors, packs, blob)
+            slot = self._slots[s]
+            self._fill_flat(slot, tensors, packs, blob, s)
             self._use_ev[s] = self._record()
             old = self._on_host.pop(n, None)
             if old is not None:
                 self.host.free(old[0], old[1])
-            if self._peer_end(n, self._slots[s], s):  # sent to a peer: that was its flush (NOTE [ Snapshot peer tier ] Rule 4)
+            if self._peer_end(n, slot, s):  # sent to a peer: that was its flush (NOTE [ Snapshot peer tier ] Rule 4)
                 return
             if flush:
                 self._flush(n, s)
@@ -422,6 +424,7 @@ class SnapshotStore(DiskSide, PeerSide):
         self._gpu.clear()
         self._packs.clear()
         self._mover.drain()
+        self._save_views.clear()  # they hold the slots' memory
         self._slots.release()
         self._slots = Slots()
         if self._arena is not None:
@@ -541,12 +544,17 @@ class SnapshotStore(DiskSide, PeerSide):
         return self._layout.views(flat)
 
     def _fill_flat(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], packs: list[Packed] | None,
-                   blob: Blob | None) -> None:
+                   blob: Blob | None, s: int | None = None) -> None:  # s: the slot, its views kept with its buffer
         if packs is not None and blob is not None:
             blob.write(flat, packs)
             return
         assert self._layout is not None
-        for dst, src in zip(self._layout.views(flat), tensors):
+        kept = self._save_views.get(s) if s is not None else None
+        if kept is None or kept[0] is not flat:
+            kept = (flat, self._layout.views(flat))
+            if s is not None:
+                self._save_views[s] = kept
+        for dst, src in zip(kept[1], tensors):
             dst.copy_(src)
 
     def _ensure_room(self, s: int, nbytes: int) -> None:

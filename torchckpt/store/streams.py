@@ -19,7 +19,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -32,17 +32,36 @@ __all__ = ["Mover", "nvtx_range", "timed_wait"]
 _NVTX = torch.cuda.is_available()
 
 
-@contextlib.contextmanager
-def nvtx_range(name: str) -> Iterator[None]:
-    """Mark ``name`` as an NVTX range on the calling thread (no-op without CUDA; NOTE [ Mover ] Rule 4)."""
-    if not _NVTX:
-        yield
-        return
-    torch.cuda.nvtx.range_push(name)
-    try:
-        yield
-    finally:
+class _Range:
+    """An NVTX range as a context manager (a class: no generator per range, as ``contextlib.contextmanager`` makes)."""
+
+    __slots__ = ("name",)
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+
+    def __enter__(self) -> None:
+        torch.cuda.nvtx.range_push(self.name)
+
+    def __exit__(self, *exc: object) -> None:
         torch.cuda.nvtx.range_pop()
+
+
+_NO_RANGE = contextlib.nullcontext()  # reusable: what every range is without CUDA
+
+
+def nvtx_range(name: str, n: int | None = None) -> contextlib.AbstractContextManager[None]:
+    """Mark ``name`` (with ``n``: ``f"{name} {n}"``, formatted only when ranges are pushed) as an NVTX range on the
+    calling thread (no-op without CUDA; NOTE [ Mover ] Rule 4).
+
+    Example::
+
+        >>> with nvtx_range("torchckpt.save", 3):
+        ...     pass
+    """
+    if not _NVTX:
+        return _NO_RANGE
+    return _Range(name if n is None else f"{name} {n}")
 
 
 def timed_wait(stream: Any, done: Any, timing: bool) -> Any:
