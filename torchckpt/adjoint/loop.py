@@ -48,6 +48,13 @@
 #    ``None``, so the step before seeds that tensor once). Autograd then sums the step's uses of
 #    it in the order plain autograd does. The final state's two positions are two outputs of the
 #    Function, whose gradients the last step sums (the last bit may differ there).
+# 6. A ``Restore`` writes the snapshot into fresh tensors of the loop's own (``SnapshotStore.restore(
+#    out=...)``, NOTE [ Snapshot store ] Rule 11): a codec decodes straight into the new state, an
+#    uncompressed snapshot is copied into it once from its slot (or GPU-tier copy), and no device
+#    copy follows. It never writes into the tensors of an earlier state: those went to the user's
+#    step, which may hand them on (a carry leaf returned as it is, a view, a custom Function's saved
+#    or returned tensor), and a recorded step's graph saves them until its ``Adjoint``; nothing here
+#    can prove them unheld, and a tensor from the caching allocator costs no device work.
 """
 from __future__ import annotations
 
@@ -126,6 +133,7 @@ class _LoopRun:
         # The executor's state (NOTE [ Executor ] Rule 1): the sweep, the current state, the adjoints.
         self.backward = False
         self.first_packs: list[Packed] | None = None  # the initial state, compressed by AutoSchedule (or None)
+        self.like: list[tuple[torch.Size, torch.dtype]] = []  # the saved state's layout (NOTE [ Checkpointed loop ] Rule 6)
         self.owns_snaps = True  # False: the caller's SnapshotStore
         self.x: list[torch.Tensor] | None = None
         self.g: list[torch.Tensor | None] = []  # the adjoint of the current state
@@ -217,6 +225,7 @@ class _LoopRun:
             # The first state is compressed once; a store sized by bytes fixes its slots here.
             self.plan.start(self.snaps.calibrate(x, packs=self.first_packs))
             self.first_packs = None
+            self.like = [(v.shape, v.dtype) for v in x]
         self.snaps.save(n, tier, x, flush=self.plan.flush(i))
         pattern = aliases(x)
         if pattern is not None:  # NOTE [ Checkpointed loop ] Rule 5: restored as one tensor where it was one
@@ -237,13 +246,10 @@ class _LoopRun:
         if not self.backward:
             raise CheckpointError(f"torchckpt: {Restore(n, tier)!r} before EndForward: the schedule is invalid.")
         assert self.snaps is not None
-        got = self.snaps.restore(n, tier)
-        # With a codec the store decompresses into fresh tensors (NOTE [ Snapshot store ] Rule 8):
-        # they are ours already; otherwise they are views of a slot or of the stored snapshot.
-        self.x = list(got) if self.snaps.codec is not None else [v.clone() for v in got]
+        dev = self.snaps.device  # NOTE [ Checkpointed loop ] Rule 6: into fresh tensors, with no copy after
+        self.x = self.snaps.restore(n, tier, out=[torch.empty(s, dtype=d, device=dev) for s, d in self.like])
         if n in self.alias:  # NOTE [ Checkpointed loop ] Rule 5
             self.x = [self.x[j] for j in self.alias[n]]
-        self.snaps.after_use()
 
     def advance(self, a: Advance, i: int) -> None:
         assert self.x is not None

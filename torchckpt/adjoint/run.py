@@ -1,8 +1,10 @@
 """``run_schedule``: a hand-written adjoint (e.g. reverse time migration) driven by a checkpoint schedule.
 
 The user's callbacks compute (forward, backward) and move the state in and out of snapshots
-(``save`` returns the state's tensors, ``restore`` receives read-only views of a snapshot and
-copies them into the user's buffers); the executor (NOTE [ Executor ], schedules/execute.py) runs the schedule.
+(``save`` returns the state's tensors; ``restore_into`` returns the state's tensors for a restore to
+write the snapshot into, NOTE [ Snapshot store ] Rule 11, or ``restore`` receives read-only views of a
+snapshot and copies them into the user's buffers); the executor (NOTE [ Executor ], schedules/execute.py)
+runs the schedule.
 """
 from __future__ import annotations
 
@@ -26,12 +28,12 @@ from torchckpt.store.lend import lend_snapshot_store
 __all__ = ["run_schedule"]
 
 
-def _saved(tensors: object, n: int) -> list[torch.Tensor]:
-    """What ``run_schedule``'s ``save(n)`` returned, as a list of tensors."""
+def _saved(tensors: object, n: int, what: str = "save") -> list[torch.Tensor]:
+    """What ``run_schedule``'s ``save(n)`` (or ``restore_into(n)``) returned, as a list of tensors."""
     out = [tensors] if isinstance(tensors, torch.Tensor) else (
         list(tensors) if isinstance(tensors, (list, tuple)) else None)
     if not out or not all(isinstance(t, torch.Tensor) for t in out):
-        raise TypeError(f"torchckpt: run_schedule's save({n}) must return a tensor or a list/tuple of tensors, found "
+        raise TypeError(f"torchckpt: run_schedule's {what}({n}) must return a tensor or a list/tuple of tensors, found "
                         f"{type(tensors).__name__}; return the tensors of the current state, e.g. (u, u_prev).")
     return out  # type: ignore[return-value]
 
@@ -54,10 +56,11 @@ class _Callbacks:
     """``run_schedule``'s driver: each action calls the user's callbacks (NOTE [ Executor ] Rule 1)."""
 
     def __init__(self, forward: Callable[[int, int], None], save: Callable[[int], Any],
-                 restore: Callable[[int, list[torch.Tensor]], None], backward: Callable[[int], None],
+                 restore: Callable[[int, list[torch.Tensor]], None] | None, backward: Callable[[int], None],
                  end_forward: Callable[[], None] | None, store: Store | SnapshotStore | None, slots: int,
-                 plan: Planned, progress: Progress) -> None:
+                 plan: Planned, progress: Progress, restore_into: Callable[[int], Any] | None = None) -> None:
         self.forward, self.save_fn, self.restore_fn, self.backward = forward, save, restore, backward
+        self.into_fn = restore_into
         self.end_forward_fn = end_forward
         self.store, self.slots, self.plan, self.progress = store, slots, plan, progress
         self.snaps: SnapshotStore | None = store if isinstance(store, SnapshotStore) else None
@@ -82,6 +85,13 @@ class _Callbacks:
         if self.snaps is None:
             raise CheckpointError(f"torchckpt: {Restore(n, tier)!r} before any Save: the schedule is invalid (check it "
                                   "with simulate()).")
+        if self.into_fn is not None:  # NOTE [ Snapshot store ] Rule 11: written straight into the user's state
+            dst = _saved(self.into_fn(n), n, "restore_into")
+            self.snaps.restore(n, tier, out=dst)
+            if self.restore_fn is not None:
+                self.restore_fn(n, dst)
+            return
+        assert self.restore_fn is not None
         self.restore_fn(n, self.snaps.restore(n, tier))
         self.snaps.after_use()
 
@@ -111,13 +121,14 @@ def run_schedule(
     *,
     forward: Callable[[int, int], None],
     save: Callable[[int], torch.Tensor | Sequence[torch.Tensor]],
-    restore: Callable[[int, list[torch.Tensor]], None],
+    restore: Callable[[int, list[torch.Tensor]], None] | None = None,
     backward: Callable[[int], None],
     store: Store | SnapshotStore | None = None,
     slots: int = 4,
     prefetch: bool = True,
     end_forward: Callable[[], None] | None = None,
     progress: bool = False,
+    restore_into: Callable[[int], torch.Tensor | Sequence[torch.Tensor]] | None = None,
 ) -> SnapshotStats:
     """Drive a hand-written adjoint (e.g. reverse time migration) through a checkpoint schedule.
 
@@ -129,7 +140,8 @@ def run_schedule(
         forward: ``forward(n0, n1)`` advances the current state from step n0 to n1.
         save: ``save(n)`` returns the tensors of the current state (step n); torchckpt copies them.
         restore: ``restore(n, tensors)`` copies snapshot n into the current state; ``tensors`` are
-            read-only views, valid until the callback returns.
+            read-only views, valid until the callback returns. With ``restore_into`` it is optional
+            and gets the state's tensors once the snapshot is in them.
         backward: ``backward(n)`` takes the adjoint step n (the current state is state n).
         store: a ``SnapshotStore``, or a ``Store`` whose device and host pool to use; ``None``: the
             device of the first saved tensor and a new host pool.
@@ -137,6 +149,11 @@ def run_schedule(
         prefetch: plan prefetches with ``plan_prefetch`` (``False``: restores load on demand).
         end_forward: called once the forward sweep is done.
         progress: print adjoint progress to stderr every 10%.
+        restore_into: ``restore_into(n)`` returns the current state's tensors (as ``save`` does) for
+            the restore of snapshot n to overwrite: the store writes the snapshot straight into them
+            (a codec decodes there), saving the device copy ``restore`` makes (NOTE [ Snapshot
+            store ] Rule 11). They must match the snapshot's shapes and dtypes, be contiguous, not
+            require grad and hold nothing still needed; e.g. ``restore_into=lambda n: (u, u_prev)``.
 
     Returns:
         The snapshot store's statistics.
@@ -154,18 +171,32 @@ def run_schedule(
         ...     store=SnapshotStore("cpu", slots=2, host=HostPool(chunk_bytes=1 << 20, pin=False)))
         >>> log  # adjoint step n sees state n = 2**n
         [(3, 8.0), (2, 4.0), (1, 2.0), (0, 1.0)]
+
+        With ``restore_into`` a restore writes into the state itself, with no copy after it:
+
+        >>> u, log = torch.zeros(1), []
+        >>> stats = run_schedule(
+        ...     Revolve(4, 2, tier=Tier.HOST),
+        ...     forward=lambda n0, n1: u.add_(n1 - n0), save=lambda n: u, restore_into=lambda n: u,
+        ...     backward=lambda n: log.append(u.item()),
+        ...     store=SnapshotStore("cpu", slots=2, host=HostPool(chunk_bytes=1 << 20, pin=False)))
+        >>> log
+        [3.0, 2.0, 1.0, 0.0]
     """
-    for name, fn in (("forward", forward), ("save", save), ("restore", restore), ("backward", backward)):
-        check_callable("run_schedule", name, fn)
-    if end_forward is not None:
-        check_callable("run_schedule", "end_forward", end_forward)
+    if restore is None and restore_into is None:
+        raise TypeError("torchckpt: run_schedule needs restore=... (copies a snapshot into the state) or restore_into=... "
+                        "(returns the state's tensors, which a restore writes the snapshot into); pass one of them.")
+    for name, fn in (("forward", forward), ("save", save), ("backward", backward), ("restore", restore),
+                     ("restore_into", restore_into), ("end_forward", end_forward)):
+        if fn is not None or name in ("forward", "save", "backward"):
+            check_callable("run_schedule", name, fn)
     check_store("run_schedule", store, snapshot_store=True)
     check_slots("run_schedule", slots)
     check_flag("run_schedule", "prefetch", prefetch)
     check_flag("run_schedule", "progress", progress)
     plan = Planned.of(check_actions("run_schedule", schedule), prefetch)
     d = _Callbacks(forward, save, restore, backward, end_forward, store, slots, plan,
-                   Progress(progress, getattr(schedule, "n_steps", 0)))
+                   Progress(progress, getattr(schedule, "n_steps", 0)), restore_into)
     run(iter(plan), d)
     if d.snaps is None:
         return SnapshotStats()

@@ -141,7 +141,14 @@ class Codec(abc.ABC):
     @abc.abstractmethod
     def decompress(self, p: Packed, out: torch.Tensor | None = None,
                    stream: torch.cuda.Stream | None = None) -> torch.Tensor:
-        """Decompress ``p`` into ``out`` (a new tensor when ``None``) on ``stream``; returns it."""
+        """Decompress ``p`` into ``out`` (a new tensor when ``None``) on ``stream``; returns it.
+
+        A contiguous ``out`` is decoded in place, with no temporary of its size and no copy after
+        (the codecs here: TritonQuant's kernels and raw-block scatter, ZFP, Bitcomp when ``out`` is
+        16-byte aligned and not lossy bf16, which decodes through fp32); any other ``out`` gets a
+        temporary and one copy. ``SnapshotStore.restore(out=...)`` relies on it (NOTE [ Snapshot
+        store ] Rule 11); a new codec should keep it.
+        """
 
     def unavailable_reason(self) -> str | None:
         """``None`` when the codec can run here, else what is missing and how to get it."""

@@ -45,6 +45,12 @@
 #    at once and the rest in the background (a slot's first use waits for its own range only);
 #    elsewhere one ``torch.empty``. ``TORCHCKPT_DEVICE_CACHE=caching`` forces the latter. Arena
 #    memory is outside PyTorch's caching allocator: ``device_bytes()`` reports it.
+# 11. ``restore(n, tier, out=...)`` writes snapshot ``n`` into the caller's tensors (its shapes and
+#    dtypes on the store's device, contiguous, not requiring grad, not overlapping) on the compute
+#    stream: a codec decodes straight into them (``Codec.decompress(p, out=...)``); otherwise the
+#    slot's, the GPU-tier copy's or the host block's bytes are copied in once (Rule 5's copy). The
+#    store's own memory is never lent; a peer-tier restore decodes, then copies. The store records
+#    the slot's use (``after_use`` is a no-op) and bumps ``out``'s versions (autograd flags an ``out`` it saved).
 """
 from __future__ import annotations
 
@@ -303,17 +309,47 @@ class SnapshotStore(DiskSide, PeerSide):
             self._prefetched.add(n)
             self._c["prefetches"] += 1
 
-    def restore(self, n: int, tier: Tier) -> list[torch.Tensor]:
-        """Views of snapshot ``n`` valid on the current stream (NOTE [ Snapshot store ] Rule 5: copy them, do not modify them)."""
+    def restore(self, n: int, tier: Tier, out: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """Snapshot ``n`` of ``tier``, valid on the current stream; written into ``out`` when given.
+
+        Args:
+            n, tier: the step and tier the snapshot was saved at.
+            out: the caller's tensors to restore into (NOTE [ Snapshot store ] Rule 11), one per
+                tensor of the snapshot (its shape and dtype, on the store's device, contiguous, not
+                requiring grad); a codec decodes straight into them. ``None``: views of a slot or of
+                the stored snapshot (with a codec, fresh tensors) to copy, not modify, then call
+                ``after_use`` (NOTE [ Snapshot store ] Rule 5).
+
+        Returns:
+            ``out`` as a list, or the views.
+
+        Example::
+
+            >>> from torchckpt.memory import HostPool
+            >>> s = SnapshotStore("cpu", slots=1, host=HostPool(chunk_bytes=1 << 20, pin=False))
+            >>> s.save(0, Tier.HOST, [torch.arange(4.0)])
+            >>> state = [torch.zeros(4)]
+            >>> s.restore(0, Tier.HOST, out=state)[0] is state[0], state[0]
+            (True, tensor([0., 1., 2., 3.]))
+        """
+        if out is None:
+            return self._restore(n, tier, None)
+        outs = self._check_out(n, tier, out)
+        got = self._restore(n, tier, outs)
+        self.after_use()  # NOTE [ Snapshot store ] Rule 11: the store's own reads of the slot end here
+        torch.autograd.graph.increment_version(outs)  # kernels that wrote through a pointer did not
+        return got
+
+    def _restore(self, n: int, tier: Tier, outs: list[torch.Tensor] | None) -> list[torch.Tensor]:
         c = self._c
         c["restores"] += 1
-        with nvtx_range(f"torchckpt.restore {n}"):
+        with nvtx_range("torchckpt.restore", n):
             if tier is Tier.GPU:
                 if n in self._packs:
-                    return self._decompress(self._packs[n])
+                    return self._decompress(self._packs[n], outs)
                 if n not in self._gpu:
                     raise CheckpointError(f"torchckpt: Restore({n}, GPU) of a snapshot that was never saved.")
-                return self._gpu[n]
+                return self._gpu[n] if outs is None else self._copy_into(self._gpu[n], outs)  # NOTE [ Snapshot store ] Rule 11: copied
             self._poll()
             if n in self._reading:
                 self._finish_read(n)  # NOTE [ Snapshot disk tier ] Rule 2: the restore waits for its prefetch's read
@@ -330,12 +366,13 @@ class SnapshotStore(DiskSide, PeerSide):
                         self._timings.append(("late", need, self._fill_ev[s]))
                 elif self._fill_ev[s] is not None:
                     self._wait(self._fill_ev[s])
-                views = self._views(n, self._slots[s])
+                views = self._views(n, self._slots[s], outs)
                 self._use_ev[s] = None  # the caller's copy comes after: see _after_use
                 self._pending_use = s
                 return views
             if fetched is not None:
-                return self._peer_restore(n, fetched)
+                got = self._peer_restore(n, fetched)
+                return got if outs is None else self._copy_into(got, outs)  # NOTE [ Snapshot store ] Rule 11: a copy
             if n not in self._on_host and n in self._on_disk:
                 self._load(n)  # NOTE [ Snapshot disk tier ] Rule 2
             if n not in self._on_host:
@@ -352,14 +389,17 @@ class SnapshotStore(DiskSide, PeerSide):
                     c["miss_wait_s"] += time.perf_counter() - t0
                 self._pending_use = s
                 self._release_host(n)
-                return self._views(n, self._slots[s])
+                return self._views(n, self._slots[s], outs)
             block, ev = self._on_host[n]
             if ev is not None:
                 self._wait(ev)
-            flat = block.tensor.to(self.device)  # synchronous from the caller's view
             c["bytes_to_device"] += block.tensor.numel()
+            if outs is not None and self.codec is None:  # NOTE [ Snapshot store ] Rule 11: host to device straight into out
+                got = self._views(n, block.tensor, outs)
+            else:
+                got = self._views(n, block.tensor.to(self.device), outs)  # synchronous from the caller's view
             self._release_host(n)
-            return self._views(n, flat)
+            return got
 
     def free(self, n: int, tier: Tier) -> None:
         """Release snapshot ``n`` of ``tier`` (a disk snapshot's file too, NOTE [ Snapshot disk tier ] Rule 3)."""
@@ -531,17 +571,49 @@ class SnapshotStore(DiskSide, PeerSide):
             self._c["packed_bytes"] += sum(p.nbytes for p in packs)
         return packs
 
-    def _decompress(self, packs: Sequence[Packed]) -> list[torch.Tensor]:
+    def _decompress(self, packs: Sequence[Packed], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+        """``packs`` decoded into fresh tensors, or straight into ``outs`` (NOTE [ Snapshot store ] Rules 8, 11)."""
         assert self.codec is not None
-        return [self.codec.decompress(p) for p in packs]
+        if outs is None:
+            return [self.codec.decompress(p) for p in packs]
+        return [self.codec.decompress(p, out=o) for p, o in zip(packs, outs)]
 
-    def _views(self, n: int, flat: torch.Tensor) -> list[torch.Tensor]:
+    def _views(self, n: int, flat: torch.Tensor, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed
-        (NOTE [ Snapshot store ] Rule 8)."""
+        (NOTE [ Snapshot store ] Rule 8); written into ``outs`` when given (NOTE [ Snapshot store ] Rule 11)."""
         if self.codec is not None:
-            return self._decompress(self._blobs[n].read(flat))
+            return self._decompress(self._blobs[n].read(flat), outs)
         assert self._layout is not None
-        return self._layout.views(flat)
+        views = self._layout.views(flat)
+        return views if outs is None else self._copy_into(views, outs)
+
+    @staticmethod
+    def _copy_into(src: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One copy of each of ``src`` into ``outs`` (NOTE [ Snapshot store ] Rule 11)."""
+        for o, v in zip(outs, src):
+            o.copy_(v)
+        return outs
+
+    def _check_out(self, n: int, tier: Tier, out: object) -> list[torch.Tensor]:
+        """``restore``'s ``out``, checked against the snapshots' layout (NOTE [ Snapshot store ] Rule 11)."""
+        outs: list[Any] = list(out) if isinstance(out, (list, tuple)) else [out]
+        lay = self._layout
+        if lay is None:
+            raise CheckpointError(f"torchckpt: Restore({n}, {tier.name}) of a snapshot that was never saved.")
+        ok = isinstance(out, (list, tuple)) and len(outs) == len(lay.meta) and all(
+            isinstance(o, torch.Tensor) and o.shape == sh and o.dtype == dt and o.device == self.device
+            and o.is_contiguous() and not o.requires_grad for o, (sh, dt) in zip(outs, lay.meta))
+        spans = sorted((o.data_ptr(), o.data_ptr() + o.nbytes) for o in outs if o.numel()) if ok and len(outs) > 1 else []
+        if not ok or any(b[0] < a[1] for a, b in zip(spans, spans[1:])):
+            got = [f"{tuple(o.shape)} {o.dtype} {o.device}{'' if o.is_contiguous() else ' non-contiguous'}"
+                   f"{' requires grad' if o.requires_grad else ''}" if isinstance(o, torch.Tensor) else type(o).__name__
+                   for o in outs]
+            raise ValueError(f"torchckpt: SnapshotStore.restore({n}, {tier.name}, out=...) needs a list of one tensor per "
+                             f"tensor of the snapshot, of its shape and dtype on {self.device}, contiguous, not requiring "
+                             f"grad (a .detach() shares the memory) and overlapping no other: expected "
+                             f"{[(tuple(sh), dt) for sh, dt in lay.meta]}, got {'overlapping ' if ok else ''}{got}. Pass "
+                             "the state's own tensors in that order (e.g. out=[u, u_prev]), or out=None for views to copy.")
+        return outs
 
     def _fill_flat(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], packs: list[Packed] | None,
                    blob: Blob | None, s: int | None = None) -> None:  # s: the slot, its views kept with its buffer
