@@ -8,7 +8,8 @@ image's PSNR reported. Same RTM, schedules and baseline as ``benchmarks/adjoint.
 (b) GPUZIP's baseline: blocking copies to and from pinned host buffers (``adjoint.run_sync_host``).
 (d) torchckpt: ``Tier.HOST`` snapshots through ``SnapshotStore(gpu_bytes=B, codec=c)``: every
     snapshot is compressed on the GPU at save, held compressed in the slots and in host memory,
-    decompressed at restore (NOTE [ Snapshot store ] Rules 8, 9). The GPU budget B is the same
+    decompressed at restore (NOTE [ Snapshot store ] Rules 8, 9), straight into the wavefield's state
+    (``run_schedule(restore_into=...)``, NOTE [ Snapshot store ] Rule 11). The GPU budget B is the same
     for every codec (``--budget-slots`` uncompressed snapshots, 6 by default = 768 MiB at 256^3),
     so a codec's ratio becomes more slots. ``none`` is the uncompressed store with the same budget
     (= (c) of adjoint.py at k = budget slots).
@@ -163,8 +164,8 @@ def main() -> int:
         store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05)
         try:
             t, st = bench.timed(lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
-                                                     restore=bench.rtm.restore, backward=bench.rtm.backward,
-                                                     store=store))
+                                                     restore_into=lambda n: (bench.rtm.u.cur, bench.rtm.u.prev),
+                                                     backward=bench.rtm.backward, store=store))
             return t, st, store.nslots
         finally:
             store.close()
