@@ -40,7 +40,8 @@ sys.path.insert(2, os.path.join(os.path.dirname(HERE), "examples"))
 import torch  # noqa: E402
 
 from adjoint import Bench, stats_dict  # noqa: E402
-from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
+from common import (GiB, device_idle, fmt, out_dir, pinned_bandwidth, plot_bars, print_table,  # noqa: E402
+                    profiler_events, write_json)
 from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.codecs import TritonQuant  # noqa: E402
 from torchckpt.schedules import Revolve, Tier, simulate  # noqa: E402
@@ -87,24 +88,52 @@ def psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
     return math.inf if mse == 0 else 20 * math.log10(rng / math.sqrt(mse))
 
 
-def profile_run(path: str, fn, untraced_s: float) -> None:
-    """Run ``fn`` under torch.profiler and write where its time went: the ops by device time and by host time,
-    and the host's synchronizations (each makes the host wait for the device: launches stop running ahead)."""
-    from torch.profiler import ProfilerActivity, profile
+WINDOW = "adjoint_codecs: traced run"
 
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+
+def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> dict:
+    """Run ``fn`` (a run: returns its time first) once more under torch.profiler, inside
+    ``record_function(WINDOW)``; write where its time went to ``path``: the device's idle fraction over the
+    window, the ops by device time and by host time, and the host's synchronizations (each makes the host wait for
+    the device: launches stop running ahead); the raw trace to ``trace`` if given (Chrome trace JSON).
+
+    Returns:
+        ``run_s`` (the traced run's own timed region) and ``common.device_idle``'s figures over the window (the
+        whole call: the store's set-up and close included): ``wall_s``, ``busy_s`` (union of the device's kernels,
+        memcpys and memsets), ``idle_fraction``, ``syncs``, ``sync_calls``; without a device only ``wall_s`` and
+        ``run_s`` are measured, the others are ``None``.
+    """
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
-        fn()
+        with record_function(WINDOW):
+            run_s = fn()[0]
+    events, window = profiler_events(prof, WINDOW)
+    if cuda:
+        fig = device_idle(events, window)
+        head = (f"traced window {fig['wall_s']:.3f} s (timed run {run_s:.3f} s); device busy {fig['busy_s']:.3f} s "
+                f"(union of kernels, memcpys, memsets), idle {fig['idle_fraction']:.1%}; host synchronisations "
+                + (", ".join(f"{k} {v}" for k, v in fig["syncs"].items()) or "none") + "\n")
+    else:
+        fig = dict(wall_s=window[1] - window[0], busy_s=None, idle_fraction=None, syncs=None, sync_calls=None)
+        head = f"traced window {fig['wall_s']:.3f} s (timed run {run_s:.3f} s); no device: idle fraction not measured\n"
+    fig["run_s"] = run_s
     ka = prof.key_averages()
     dev_us = sum(e.self_device_time_total for e in ka)
     syncs = [e for e in ka if "Synchronize" in e.key or e.key in ("aten::item", "aten::_local_scalar_dense")]
     with open(path, "w") as f:
-        f.write(f"untraced run {untraced_s:.3f} s; device time of all ops {dev_us / 1e6:.3f} s\n")
+        f.write(f"untraced run {untraced_s:.3f} s; device time of all ops {dev_us / 1e6:.3f} s\n" + head)
         for e in syncs:
             f.write(f"sync {e.key}: {e.count} calls, host {e.cpu_time_total / 1e6:.3f} s\n")
         f.write("\n== by device time\n" + ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
         f.write("\n== by host time\n" + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     print(f"wrote {path}", flush=True)
+    if trace is not None:
+        prof.export_chrome_trace(trace)
+        print(f"wrote {trace}", flush=True)
+    return fig
 
 
 def main() -> int:
@@ -116,10 +145,18 @@ def main() -> int:
     p.add_argument("--codecs", default="none,quant8,quant4,quant8a,quant4a,bitcomp:0.001,zfp:8")
     p.add_argument("--schedules", default=",".join(SCHEDULES))
     p.add_argument("--profile", action="store_true",
-                   help="also run each (d) once more under torch.profiler; write profile_<schedule>_<codec>.txt "
-                        "(where the time goes: kernels, synchronizations)")
+                   help="also run each run ((a), (b), each (d)) once more under torch.profiler; report per run the "
+                        "traced window's wall time, the device's busy time (union of kernels, memcpys, memsets), its "
+                        "idle fraction and the host's synchronisations (table and JSON); write "
+                        "profile_<schedule>_<run>.txt (where the time goes: kernels, synchronizations)")
+    p.add_argument("--trace-dir", help="with --profile: also write each traced run's raw trace (Chrome trace JSON, "
+                                       "trace_<schedule>_<run>.json) to this directory")
     p.add_argument("--out")
     args = p.parse_args()
+    if args.trace_dir and not args.profile:
+        p.error("--trace-dir writes the traces of --profile: pass --profile too, or leave --trace-dir out")
+    if args.trace_dir:
+        os.makedirs(args.trace_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
     args.grid = args.grid or (256 if cuda else 24)
     args.steps = args.steps or (1000 if cuda else 50)
@@ -180,7 +217,22 @@ def main() -> int:
         run_codec(warm, c)
     bench.rtm = main_rtm
 
-    rows, results, ok = [], {}, True
+    def traced(s: str, key: str, run: str, fn, untraced_s: float) -> dict:
+        """``profile_run`` of one run, its figures printed and tabled; ``key`` names it in the files."""
+        tag = f"{s}_{key}".replace(":", "_")
+        fig = profile_run(os.path.join(out, f"profile_{tag}.txt"), fn, untraced_s,
+                          os.path.join(args.trace_dir, f"trace_{tag}.json") if args.trace_dir else None)
+        if fig["idle_fraction"] is None:
+            print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s; no device: idle fraction not measured", flush=True)
+        else:
+            print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s, device busy {fig['busy_s']:.3f} s, idle "
+                  f"{fig['idle_fraction']:.1%}; {fig['sync_calls']} host synchronisations {fig['syncs']}", flush=True)
+        prows.append([s, run, fmt(untraced_s, ".3f"), fmt(fig["run_s"], ".3f"), fmt(fig["wall_s"], ".3f"),
+                      fmt(fig["busy_s"], ".3f"), "-" if fig["idle_fraction"] is None else f"{fig['idle_fraction']:.1%}",
+                      "-" if fig["sync_calls"] is None else str(fig["sync_calls"])])
+        return fig
+
+    rows, prows, results, ok = [], [], {}, True
     for s, (sg, sh) in scheds.items():
         r: dict = dict(schedule=repr(sh))
         ta, _ = bench.run_gpu(sg)
@@ -189,6 +241,9 @@ def main() -> int:
         exact_b = torch.equal(bench.rtm.image, ref)
         ok &= exact_b
         r["a"], r["b"] = dict(time_s=ta), dict(time_s=tb, image_equal=exact_b)
+        if args.profile:
+            r["a"]["profile"] = traced(s, "a_gpu", "(a) GPU tier", lambda: bench.run_gpu(sg), ta)
+            r["b"]["profile"] = traced(s, "b_sync", "(b) sync host", lambda: bench.run_sync(sh), tb)
         print(f"\n== {s}: (a) {ta:.3f} s, (b) {tb:.3f} s", flush=True)
         rows.append([s, "(a) GPU tier", fmt(ta, ".3f"), fmt(tb / ta, ".2f") + "x", "-", "-", "-", "-", "ref"])
         rows.append([s, "(b) sync host", fmt(tb, ".3f"), "1.00x", "-", "-", "-", "-", "inf" if exact_b else "DIFF"])
@@ -196,12 +251,13 @@ def main() -> int:
         for name, c in codecs.items():
             t, st, slots = run_codec(sh, c)
             q = psnr(bench.rtm.image, ref)
-            if args.profile:
-                profile_run(os.path.join(out, f"profile_{s}_{name}.txt"), lambda: run_codec(sh, c), t)
+            fig = traced(s, name, f"(d) {name}", lambda: run_codec(sh, c), t) if args.profile else None
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,
                      stats=stats_dict(st))
+            if fig is not None:
+                d["profile"] = fig
             r["d"][name] = d
             print(f"[{s} (d) {name}] {t:.3f} s = {tb / t:.2f}x faster than (b), {t / ta:.2f}x (a); {slots} slots, "
                   f"ratio {st.ratio:.2f}x, hit rate {st.hit_rate:.3f}, {st.misses} misses, late "
@@ -220,6 +276,11 @@ def main() -> int:
     res["schedules"] = results
     print()
     print_table(["schedule", "run", "time s", "vs (b)", "slots", "ratio", "hit rate", "to host GiB", "image PSNR dB"], rows)
+    if prows:
+        print("\ntraced runs (torch.profiler): the window is the whole call; busy = union of the device's kernels, "
+              "memcpys and memsets; idle = 1 - busy / window")
+        print_table(["schedule", "run", "time s", "traced run s", "window s", "device busy s", "device idle",
+                     "host syncs"], prows)
     for s, r in results.items():
         if "target" in r:
             t = r["target"]

@@ -6,7 +6,7 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -160,6 +160,92 @@ def write_json(path: str, obj: Any) -> None:
     with open(path, "w") as f:
         json.dump(_clean(obj), f, indent=1, default=str, allow_nan=False)
     print(f"wrote {path}", flush=True)
+
+
+DEVICE_WORK = ("kernel", "memcpy", "memset")
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaEventSynchronize", "cudaDeviceSynchronize")
+
+
+def is_sync_call(name: str) -> bool:
+    """Whether a CUDA runtime call makes the host wait for the device: the three synchronisations, and the
+    non-async copies (``cudaMemcpy``, ``cudaMemcpy2D``, ...; never ``cudaMemcpyAsync``)."""
+    return name in SYNC_CALLS or (name.startswith("cudaMemcpy") and "Async" not in name)
+
+
+def device_idle(events: Iterable[tuple[float, float, str, str]], window: tuple[float, float]) -> dict[str, Any]:
+    """The device's busy time and idle fraction over ``window``, and the host's synchronisations in it.
+
+    Args:
+        events: ``(start, end, kind, name)``; ``kind`` ``"kernel"``, ``"memcpy"`` or ``"memset"`` is work on the
+            device (on any stream), anything else (``"runtime"``, ``"cpu"``, ...) is the host's; times in seconds.
+        window: ``(start, end)`` of the traced run, in the events' clock.
+
+    Returns:
+        ``wall_s`` (the window's length), ``busy_s`` (the length of the union of the device's work clipped to the
+        window: overlapping kernels on two streams count once, gaps not at all), ``idle_fraction``
+        (1 - busy / wall; ``None`` for an empty window), ``syncs`` (calls per name, see ``is_sync_call``, of the
+        host's events that start in the window) and ``sync_calls`` (their total).
+
+    Example::
+
+        >>> r = device_idle([(0.0, 2.0, "kernel", "a"), (1.0, 3.0, "kernel", "b"), (5.0, 6.0, "memcpy", "c"),
+        ...                  (3.0, 5.0, "runtime", "cudaStreamSynchronize")], (0.0, 8.0))
+        >>> r["busy_s"], r["idle_fraction"], r["sync_calls"]
+        (4.0, 0.5, 1)
+    """
+    t0, t1 = window
+    if t1 < t0:
+        raise ValueError(f"device_idle: window {window!r} ends before it starts")
+    spans = sorted((max(s, t0), min(e, t1)) for s, e, kind, _ in events if kind in DEVICE_WORK)
+    busy, cur_s, cur_e = 0.0, None, None
+    for s, e in spans:
+        if e <= s:
+            continue  # outside the window, or empty
+        if cur_e is None or s > cur_e:
+            if cur_e is not None:
+                busy += cur_e - cur_s
+            cur_s, cur_e = s, e
+        else:
+            cur_e = max(cur_e, e)
+    if cur_e is not None:
+        busy += cur_e - cur_s
+    syncs: dict[str, int] = {}
+    for s, _, kind, name in events:
+        if kind not in DEVICE_WORK and t0 <= s <= t1 and is_sync_call(name):
+            syncs[name] = syncs.get(name, 0) + 1
+    wall = t1 - t0
+    return {"wall_s": wall, "busy_s": busy, "idle_fraction": 1 - busy / wall if wall > 0 else None,
+            "syncs": dict(sorted(syncs.items())), "sync_calls": sum(syncs.values())}
+
+
+def profiler_events(prof: Any, window_name: str) -> tuple[list[tuple[float, float, str, str]], tuple[float, float]]:
+    """A finished ``torch.profiler.profile``'s events as ``device_idle`` takes them (seconds), and the window of its
+    ``record_function(window_name)`` range. Work on a CUDA device is a kernel, a memcpy or a memset by its name
+    (kineto's ``Memcpy ...``/``Memset ...``); the device's mirror of user annotations and CUPTI's synchronisation
+    records (``... Sync``, ``Stream Wait Event``) are left out: they are not work."""
+    from torch.autograd import DeviceType
+
+    events: list[tuple[float, float, str, str]] = []
+    window = None
+    for e in prof.events():
+        s, t = e.time_range.start / 1e6, e.time_range.end / 1e6
+        if e.device_type == DeviceType.CPU:
+            if e.is_user_annotation and e.name == window_name:
+                window = (s, t)
+            events.append((s, t, "cpu", e.name))
+        elif e.device_type == DeviceType.CUDA and not e.is_user_annotation:
+            if e.name.startswith("Memcpy"):
+                kind = "memcpy"
+            elif e.name.startswith("Memset"):
+                kind = "memset"
+            elif e.name.endswith(" Sync") or e.name == "Stream Wait Event":
+                kind = "device_sync"
+            else:
+                kind = "kernel"
+            events.append((s, t, kind, e.name))
+    if window is None:
+        raise RuntimeError(f"profiler_events: no record_function({window_name!r}) range in the trace")
+    return events, window
 
 
 class GPTBlock(torch.nn.Module):

@@ -1,0 +1,141 @@
+"""The device-idle figures of ``benchmarks/adjoint_codecs.py --profile``: ``common.device_idle`` on synthetic event
+lists (overlapping kernels on two streams, gaps, memcpys, host synchronisations), ``common.profiler_events`` on a
+stand-in for a CUDA trace, and the script's CPU smoke run with ``--profile`` (no device: no figure invented)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+import random
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
+from torch.autograd import DeviceType
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(ROOT, "benchmarks")
+
+_spec = importlib.util.spec_from_file_location("bench_common", os.path.join(BENCH, "common.py"))
+assert _spec is not None and _spec.loader is not None
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+
+
+def test_overlapping_kernels_on_two_streams_count_once() -> None:
+    events = [(0.0, 3.0, "kernel", "stencil"),  # stream 1
+              (1.0, 2.0, "kernel", "quant"),  # stream 2, inside the first
+              (2.0, 5.0, "kernel", "dequant")]  # stream 2, overlaps the first's end
+    r = common.device_idle(events, (0.0, 10.0))
+    assert r["busy_s"] == pytest.approx(5.0)  # the sum would be 7
+    assert r["idle_fraction"] == pytest.approx(0.5)
+    assert r["wall_s"] == pytest.approx(10.0)
+
+
+def test_gaps_between_kernels_memcpys_and_memsets_are_idle() -> None:
+    events = [(6.0, 7.0, "memcpy", "Memcpy DtoH (Device -> Pinned)"),  # unsorted on purpose
+              (0.0, 1.0, "kernel", "a"),
+              (7.0, 8.0, "memset", "Memset (Device)"),  # touches the memcpy: no gap, no overlap
+              (3.0, 4.0, "kernel", "b")]
+    r = common.device_idle(events, (0.0, 10.0))
+    assert r["busy_s"] == pytest.approx(4.0)  # first-to-last would be 8
+    assert r["idle_fraction"] == pytest.approx(0.6)
+
+
+def test_device_work_is_clipped_to_the_window_and_host_events_are_not_work() -> None:
+    events = [(-2.0, 1.0, "kernel", "before"), (9.0, 12.0, "memcpy", "Memcpy HtoD"), (20.0, 30.0, "kernel", "after"),
+              (2.0, 8.0, "runtime", "cudaStreamSynchronize"), (1.0, 9.0, "cpu", "aten::copy_"),
+              (3.0, 6.0, "device_sync", "Stream Sync")]
+    r = common.device_idle(events, (0.0, 10.0))
+    assert r["busy_s"] == pytest.approx(2.0)
+    assert r["idle_fraction"] == pytest.approx(0.8)
+
+
+def test_no_device_work_is_all_idle() -> None:
+    r = common.device_idle([(1.0, 2.0, "runtime", "cudaLaunchKernel")], (0.0, 4.0))
+    assert r["busy_s"] == 0.0 and r["idle_fraction"] == pytest.approx(1.0) and r["sync_calls"] == 0
+
+
+def test_busy_is_the_union_on_random_intervals() -> None:
+    rng = random.Random(26)
+    for _ in range(200):
+        cells: set[int] = set()
+        events = []
+        for _ in range(rng.randrange(0, 12)):
+            s = rng.randrange(-5, 40)
+            e = s + rng.randrange(0, 8)
+            kind = rng.choice(["kernel", "memcpy", "memset", "runtime"])
+            events.append((float(s), float(e), kind, "x"))
+            if kind != "runtime":
+                cells.update(c for c in range(s, e) if 0 <= c < 30)
+        r = common.device_idle(events, (0.0, 30.0))
+        assert r["busy_s"] == pytest.approx(len(cells)), events
+        assert r["idle_fraction"] == pytest.approx(1 - len(cells) / 30), events
+
+
+def test_counts_host_synchronisations_in_the_window() -> None:
+    events = [(1.0, 1.1, "runtime", "cudaStreamSynchronize"), (2.0, 2.1, "runtime", "cudaStreamSynchronize"),
+              (3.0, 3.1, "runtime", "cudaEventSynchronize"), (4.0, 4.1, "runtime", "cudaDeviceSynchronize"),
+              (5.0, 5.1, "runtime", "cudaMemcpy"), (5.5, 5.6, "runtime", "cudaMemcpy2D"),
+              (6.0, 6.1, "runtime", "cudaMemcpyAsync"), (6.5, 6.6, "runtime", "cudaMemcpy2DAsync"),
+              (7.0, 7.1, "runtime", "cudaLaunchKernel"), (7.5, 7.6, "runtime", "cudaStreamWaitEvent"),
+              (11.0, 11.1, "runtime", "cudaStreamSynchronize"),  # after the window
+              (8.0, 9.0, "kernel", "cudaStreamSynchronize")]  # device work, whatever its name
+    r = common.device_idle(events, (0.0, 10.0))
+    assert r["syncs"] == {"cudaDeviceSynchronize": 1, "cudaEventSynchronize": 1, "cudaMemcpy": 1, "cudaMemcpy2D": 1,
+                          "cudaStreamSynchronize": 2}
+    assert r["sync_calls"] == 6
+    assert r["busy_s"] == pytest.approx(1.0)
+
+
+def test_a_window_that_ends_before_it_starts_is_refused() -> None:
+    with pytest.raises(ValueError, match="ends before it starts"):
+        common.device_idle([], (2.0, 1.0))
+
+
+def _ev(name: str, start_us: float, end_us: float, dev: DeviceType, annotation: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(name=name, time_range=SimpleNamespace(start=start_us, end=end_us), device_type=dev,
+                           is_user_annotation=annotation)
+
+
+def test_profiler_events_sorts_a_cuda_trace_into_work_host_and_window() -> None:
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    prof = SimpleNamespace(events=lambda: [
+        _ev("run", 0, 1_000_000, cpu, annotation=True),
+        _ev("run", 100, 900_000, cuda, annotation=True),  # the device's mirror of the range: not work
+        _ev("_wave_step_kernel", 100_000, 300_000, cuda),
+        _ev("Memcpy DtoD (Device -> Device)", 200_000, 400_000, cuda),
+        _ev("Memset (Device)", 500_000, 600_000, cuda),
+        _ev("Event Sync", 600_000, 900_000, cuda),  # CUPTI's record of a wait: not work
+        _ev("cudaStreamSynchronize", 550_000, 600_000, cpu),
+    ])
+    events, window = common.profiler_events(prof, "run")
+    assert window == (0.0, 1.0)
+    kinds = {name: kind for _, _, kind, name in events}
+    assert kinds["_wave_step_kernel"] == "kernel" and kinds["Memset (Device)"] == "memset"
+    assert kinds["Memcpy DtoD (Device -> Device)"] == "memcpy" and kinds["Event Sync"] == "device_sync"
+    r = common.device_idle(events, window)
+    assert r["busy_s"] == pytest.approx(0.4)
+    assert r["idle_fraction"] == pytest.approx(0.6)
+    assert r["syncs"] == {"cudaStreamSynchronize": 1}
+    with pytest.raises(RuntimeError, match="no record_function"):
+        common.profiler_events(prof, "other")
+
+
+def test_adjoint_codecs_profile_on_the_cpu_measures_no_idle_fraction(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--schedules", "zcut", "--codecs",
+                          "none,quant4", "--profile", "--trace-dir", str(tmp_path / "traces"), "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert res.stdout.count("no device: idle fraction not measured") == 4  # (a), (b), (d) none, (d) quant4
+    with open(tmp_path / "adjoint_codecs.json") as f:
+        z = json.load(f)["schedules"]["zcut"]
+    figs = [z["a"]["profile"], z["b"]["profile"], z["d"]["none"]["profile"], z["d"]["quant4"]["profile"]]
+    for fig in figs:
+        assert fig["wall_s"] > 0 and fig["run_s"] > 0
+        assert fig["busy_s"] is None and fig["idle_fraction"] is None and fig["sync_calls"] is None
+    assert sorted(os.listdir(tmp_path / "traces")) == ["trace_zcut_a_gpu.json", "trace_zcut_b_sync.json",
+                                                       "trace_zcut_none.json", "trace_zcut_quant4.json"]
