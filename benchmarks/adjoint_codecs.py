@@ -23,6 +23,7 @@ otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s imag
 
     python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
                                         [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
+                                        [--profile [--trace-dir DIR]]
 Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
 """
 from __future__ import annotations
