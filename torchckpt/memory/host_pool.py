@@ -5,8 +5,13 @@
 #    are pinned once and kept for the life of the pool: steady-state training does no
 #    ``cudaHostAlloc`` per step. A request larger than a chunk gets a chunk of its own,
 #    rounded up to a power of two (PyTorch's pinned allocator rounds that way too).
-# 2. A block never straddles two chunks. Inside a chunk, first-fit over an offset-sorted
-#    free list, coalesced on free; offsets are aligned to ``ALIGN`` bytes.
+# 2. A block never straddles two chunks. Inside a chunk, first-fit by offset (the lowest free
+#    span that fits), coalesced on free; offsets are aligned to ``ALIGN`` bytes. The free spans
+#    are a treap ordered by offset whose nodes also hold the largest span beneath them, so
+#    finding that span and updating the spans after a take or a free cost O(log spans), not a
+#    scan of the spans: a long-lived pool whose churn leaves many small holes stays as cheap
+#    per allocation as a fresh one. Blocks go exactly where a scan of an offset-sorted list
+#    would put them (tests/memory/test_host_pool_churn.py checks both against such a list).
 # 3. A block freed while a copy may still read or write it is parked with the event
 #    that copy recorded; it rejoins the free list once the event has completed. When no
 #    free span fits but parked blocks hold enough bytes, the allocation waits for their
@@ -35,6 +40,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
+import random
 import threading
 import warnings
 from collections.abc import Callable
@@ -90,42 +96,189 @@ class HostPoolStats:
     pageable_fallbacks: int
 
 
+class _Span:
+    """A free span, a node of its chunk's treap (see ``Chunk``)."""
+
+    __slots__ = ("off", "size", "mx", "pri", "l", "r")
+
+    def __init__(self, off: int, size: int, pri: float) -> None:
+        self.off = off
+        self.size = size
+        self.mx = size  # the largest span in this subtree
+        self.pri = pri
+        self.l: _Span | None = None
+        self.r: _Span | None = None
+
+
+def _pull(t: _Span) -> None:
+    m = t.size
+    if t.l is not None and t.l.mx > m:
+        m = t.l.mx
+    if t.r is not None and t.r.mx > m:
+        m = t.r.mx
+    t.mx = m
+
+
+def _merge(a: _Span | None, b: _Span | None) -> _Span | None:
+    """One treap of ``a`` and ``b``, every span of ``a`` below every span of ``b``."""
+    if a is None:
+        return b
+    if b is None:
+        return a
+    if a.pri > b.pri:
+        a.r = _merge(a.r, b)
+        _pull(a)
+        return a
+    b.l = _merge(a, b.l)
+    _pull(b)
+    return b
+
+
+def _split(t: _Span | None, off: int) -> tuple[_Span | None, _Span | None]:
+    """``t``'s spans below ``off`` and those from ``off`` on, as two treaps."""
+    if t is None:
+        return None, None
+    if t.off < off:
+        t.r, rest = _split(t.r, off)
+        _pull(t)
+        return t, rest
+    rest, t.l = _split(t.l, off)
+    _pull(t)
+    return rest, t
+
+
+def _fix(path: list[_Span]) -> None:
+    """Recompute ``mx`` from the end of ``path`` up, stopping where it no longer changes."""
+    for t in reversed(path):
+        old = t.mx
+        _pull(t)
+        if t.mx == old:
+            break
+
+
 class Chunk:
-    __slots__ = ("buf", "size", "free", "pinned")
+    """One chunk's free spans (NOTE [ Host pool ] Rule 2).
+
+    The spans are a treap ordered by offset in which each node also holds the largest span under it (``mx``): the
+    lowest-offset span of at least ``n`` bytes is one walk down from the root, and a span's change is one walk
+    back up. Two maps, by start and by end, find a freed block's free neighbours at once.
+    """
+
+    __slots__ = ("buf", "size", "pinned", "_root", "_start", "_end", "_rng")
 
     def __init__(self, buf: torch.Tensor, pinned: bool):
         self.buf = buf
         self.size = buf.numel()
-        self.free: list[tuple[int, int]] = [(0, self.size)]  # (offset, size), sorted by offset
         self.pinned = pinned
+        self._root: _Span | None = None
+        self._start: dict[int, _Span] = {}  # offset -> the free span starting there
+        self._end: dict[int, _Span] = {}  # end -> the free span ending there
+        self._rng = random.Random(0)  # treap priorities: the tree's shape only, never where a block goes
+        if self.size:
+            self._insert(_Span(0, self.size, self._rng.random()))
+
+    @property
+    def free(self) -> list[tuple[int, int]]:
+        """The free spans as ``(offset, size)``, sorted by offset (a copy: for stats and tests)."""
+        return sorted((off, t.size) for off, t in self._start.items())
 
     def take(self, n: int) -> int | None:
-        for i, (off, size) in enumerate(self.free):
-            if size >= n:
-                if size == n:
-                    del self.free[i]
-                else:
-                    self.free[i] = (off + n, size - n)
-                return off
-        return None
+        """The offset of the lowest free span of at least ``n`` bytes, its first ``n`` bytes taken; ``None`` when
+        no span fits (NOTE [ Host pool ] Rule 2: O(depth), about log2 of the number of free spans)."""
+        root = self._root
+        if root is None or root.mx < n:
+            return None
+        t: _Span = root
+        path: list[_Span] = []
+        while True:
+            path.append(t)
+            if t.l is not None and t.l.mx >= n:
+                t = t.l
+            elif t.size >= n:
+                break
+            elif t.r is not None:  # mx >= n: the right subtree holds it
+                t = t.r
+            else:
+                raise internal_error("host pool free-span tree lost its largest span")
+        off = t.off
+        del self._start[off]
+        if t.size > n:
+            t.off = off + n  # still between its neighbours: the order holds
+            t.size -= n
+            self._start[off + n] = t
+            _fix(path)
+        else:
+            del self._end[off + n]
+            self._replace(path, _merge(t.l, t.r))
+        return off
 
     def give(self, off: int, n: int) -> None:
-        free = self.free
-        lo, hi = 0, len(free)
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if free[mid][0] < off:
-                lo = mid + 1
+        """Return ``n`` bytes at ``off``, coalesced with free neighbours on both sides (NOTE [ Host pool ] Rule 2)."""
+        start, end = self._start, self._end
+        if off in start or off + n in end:
+            raise internal_error(f"host pool span at {off} (+{n}) freed while free")
+        right = start.pop(off + n, None)
+        left = end.pop(off, None)
+        if right is not None:
+            path = self._path(right.off)
+            if left is not None:  # both: the left span absorbs the block and the right span
+                self._replace(path, _merge(right.l, right.r))
+                end[right.off + right.size] = left
+                left.size += n + right.size
+                _fix(self._path(left.off))
             else:
-                hi = mid
-        free.insert(lo, (off, n))
-        # Coalesce with the right neighbour, then the left one (see NOTE [ Host pool ] Rule 2).
-        if lo + 1 < len(free) and free[lo][0] + free[lo][1] == free[lo + 1][0]:
-            free[lo] = (off, n + free[lo + 1][1])
-            del free[lo + 1]
-        if lo > 0 and free[lo - 1][0] + free[lo - 1][1] == free[lo][0]:
-            free[lo - 1] = (free[lo - 1][0], free[lo - 1][1] + free[lo][1])
-            del free[lo]
+                start[off] = right
+                right.off = off
+                right.size += n
+                _fix(path)
+        elif left is not None:
+            left.size += n
+            end[off + n] = left
+            _fix(self._path(left.off))
+        else:
+            self._insert(_Span(off, n, self._rng.random()))
+
+    def _path(self, off: int) -> list[_Span]:
+        """The nodes from the root down to the span at ``off``."""
+        path = []
+        t = self._root
+        while t is not None:
+            path.append(t)
+            if t.off == off:
+                return path
+            t = t.l if off < t.off else t.r
+        raise internal_error(f"host pool free span at {off} missing from its tree")
+
+    def _replace(self, path: list[_Span], sub: _Span | None) -> None:
+        """Put ``sub`` where ``path[-1]`` was."""
+        if len(path) == 1:
+            self._root = sub
+            return
+        parent = path[-2]
+        if parent.l is path[-1]:
+            parent.l = sub
+        else:
+            parent.r = sub
+        _fix(path[:-1])
+
+    def _insert(self, node: _Span) -> None:
+        self._start[node.off] = node
+        self._end[node.off + node.size] = node
+        path = []
+        t = self._root
+        while t is not None and t.pri > node.pri:
+            path.append(t)
+            t = t.l if node.off < t.off else t.r
+        node.l, node.r = _split(t, node.off)
+        _pull(node)
+        if not path:
+            self._root = node
+            return
+        if node.off < path[-1].off:
+            path[-1].l = node
+        else:
+            path[-1].r = node
+        _fix(path)
 
 
 class Blocks:
