@@ -33,15 +33,26 @@ disk-level look-ahead such as MLBS's LIFO prefetch), and no autotuner ranks the 
 #    Reads give back exactly the bytes written: the mode changes speed and page-cache use,
 #    never results.
 # 5. Errors: construction raises ``CheckpointError`` for a missing or unwritable directory (the
-#    probe writes a file there). An I/O error in a thread (ENOSPC, EIO, ...) becomes a
+#    probe writes a file there). An I/O error in a write thread (ENOSPC, EIO, ...) becomes a
 #    ``CheckpointError`` that the job's future holds and that the next ``write``, ``prefetch``,
 #    ``read`` or ``check`` raises on the owner's thread (once; ``read`` of the failed key
 #    raises it itself). A failed write leaves no file and its source untouched: the caller
-#    still holds the data (SnapshotStore keeps the host block). A failed read leaves no data.
+#    still holds the data (SnapshotStore keeps the host block). A failed read leaves no data;
+#    its error is the key's ``read``'s (Rule 7).
 # 6. Cleanup: ``delete(key)`` cancels the key's queued jobs (or waits for a running one) and
 #    unlinks its file; ``close()`` cancels queued jobs, waits for running ones and removes the
 #    directory; a ``weakref.finalize`` does the same when the tier is collected and at process
 #    exit (the pool's threads finish their running jobs first).
+# 7. Reads in flight: ``prefetch`` queues its job on ``reads`` read threads of their own (default
+#    ``READS``), apart from the write threads, so reads never queue behind writes and up to
+#    ``reads`` files are read at once (more queue, first in, first out). A read job waits only
+#    for its key's previous job (Rule 3; a write runs on the other pool, which never waits for a
+#    read: no deadlock), reads into the caller's buffer, and its error (naming the file) stays in
+#    its future: ``read(key)``, the collection that needs the bytes, raises it, never ``check``,
+#    so one snapshot's failed read fails that snapshot's restore, not another action. A read never
+#    collected (its key deleted) needed no bytes: its error goes with it. ``close()`` cancels both
+#    pools' queued jobs first (a running read waiting for a cancelled write then ends), then joins
+#    both pools' threads.
 """
 from __future__ import annotations
 
@@ -64,10 +75,11 @@ import torch
 
 from torchckpt._errors import CheckpointError, internal_error
 
-__all__ = ["ALIGN", "DiskStats", "DiskTier"]
+__all__ = ["ALIGN", "READS", "DiskStats", "DiskTier"]
 
 ALIGN = 4096  # O_DIRECT file offsets and lengths (NOTE [ Disk tier ] Rule 4)
 PIECE = 8 << 20  # bytes per O_DIRECT call, and the bounce buffer's size (NOTE [ Disk tier ] Rule 4)
+READS = 4  # read threads by default: the default 4 slots prefetch 3 ahead, + 1 (NOTE [ Disk tier ] Rule 7)
 _O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _log = logging.getLogger("torchckpt")
 
@@ -164,9 +176,9 @@ def _write_error(shared: _Shared, nbytes: int, e: Exception) -> CheckpointError:
         "schedule with fewer Tier.DISK snapshots. The snapshot stayed in host memory: no data was lost.")
 
 
-def _read_error(shared: _Shared, nbytes: int, e: Exception) -> CheckpointError:
+def _read_error(path: str, nbytes: int, e: Exception) -> CheckpointError:
     return CheckpointError(
-        f"torchckpt: reading a snapshot of {nbytes} bytes back from the disk tier at {shared.root} failed ({e}); "
+        f"torchckpt: reading a snapshot of {nbytes} bytes back from the disk tier's file {path} failed ({e}); "
         "the snapshot is lost. Check the device and its file system, or pass another directory "
         "(SnapshotStore(disk=...)).")
 
@@ -279,20 +291,24 @@ def _read_job(shared: _Shared, path: str, out: torch.Tensor, prev: cf.Future[Any
               written: cf.Future[None]) -> torch.Tensor:
     _wait([prev, written])  # NOTE [ Disk tier ] Rule 3
     failed = _failed_write(written)
-    if failed is not None:
-        raise shared.fail(CheckpointError(f"torchckpt: a read of a snapshot whose write failed: {failed}"))
+    if failed is not None:  # held by the future: ``read`` of the key raises it (NOTE [ Disk tier ] Rule 7)
+        raise CheckpointError(f"torchckpt: a read of a snapshot whose write failed (file {path}): {failed}")
     t0 = time.perf_counter()
     try:
         _read_file(shared, path, out)
-    except Exception as e:  # noqa: BLE001 - every failure reaches the owner (NOTE [ Disk tier ] Rule 5)
-        raise shared.fail(_read_error(shared, out.numel(), e)) from e
+    except Exception as e:  # noqa: BLE001 - the owner's ``read`` of the key raises it (NOTE [ Disk tier ] Rule 7)
+        raise _read_error(path, out.numel(), e) from e
     shared.count(reads=1, bytes_read=out.numel(), read_s=time.perf_counter() - t0)
     return out
 
 
-def _cleanup(pool: cf.ThreadPoolExecutor, root: str) -> None:
-    """NOTE [ Disk tier ] Rule 6: queued jobs cancelled, running ones waited for, the directory removed."""
-    pool.shutdown(wait=True, cancel_futures=True)
+def _cleanup(pools: tuple[cf.ThreadPoolExecutor, ...], root: str) -> None:
+    """NOTE [ Disk tier ] Rules 6-7: queued jobs of both pools cancelled (a running read that waits for a
+    cancelled write then ends), running ones waited for and the threads joined, the directory removed."""
+    for pool in pools:
+        pool.shutdown(wait=False, cancel_futures=True)
+    for pool in pools:
+        pool.shutdown(wait=True)
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -328,7 +344,9 @@ class DiskTier:
     Args:
         path: an existing, writable directory (an NVMe file system in practice); the tier works in a
             private subdirectory of it, removed by ``close()``.
-        threads: I/O threads (>= 1).
+        threads: I/O threads for writes (>= 1).
+        reads: read threads (>= 1), the most reads in flight at once (NOTE [ Disk tier ] Rule 7);
+            default ``READS``.
         direct: ``None``: O_DIRECT where the file system takes it, buffered I/O elsewhere; ``True``:
             O_DIRECT or a ``CheckpointError``; ``False``: buffered I/O (NOTE [ Disk tier ] Rule 4).
 
@@ -348,13 +366,18 @@ class DiskTier:
         >>> tier.close()
     """
 
-    def __init__(self, path: str | os.PathLike[str], threads: int = 2, direct: bool | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], threads: int = 2, direct: bool | None = None,
+                 reads: int | None = None) -> None:
+        reads = READS if reads is None else reads
         if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
             raise TypeError(f"torchckpt: DiskTier(path=...) expects a directory path (str or os.PathLike), got "
                             f"{type(path).__name__} {path!r}; pass e.g. DiskTier('/mnt/nvme/scratch').")
         if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
             raise ValueError(f"torchckpt: DiskTier(threads=...) must be an int >= 1, got {threads!r}; pass e.g. "
                              "threads=2.")
+        if not isinstance(reads, int) or isinstance(reads, bool) or reads < 1:
+            raise ValueError(f"torchckpt: DiskTier(reads=...) must be an int >= 1 (reads in flight), got {reads!r}; "
+                             f"pass e.g. reads={READS}, or None.")
         if direct is not None and not isinstance(direct, bool):
             raise TypeError(f"torchckpt: DiskTier(direct=...) expects None, True or False, got {direct!r}.")
         where = os.fspath(path)
@@ -375,12 +398,15 @@ class DiskTier:
         self.root = root
         self.threads = threads
         self._shared = _Shared(root, use_direct, mem_align)
+        self.reads = reads
         self._pool = cf.ThreadPoolExecutor(max_workers=threads, thread_name_prefix="torchckpt-disk")
+        self._read_pool = cf.ThreadPoolExecutor(max_workers=reads, thread_name_prefix="torchckpt-disk-read")
         self._files: dict[Hashable, _Entry] = {}
         self._reads: dict[Hashable, tuple[cf.Future[torch.Tensor], torch.Tensor]] = {}  # prefetches not collected
         self._seq = itertools.count()
         self._closed = False
-        self._finalizer = weakref.finalize(self, _cleanup, self._pool, root)  # NOTE [ Disk tier ] Rule 6
+        pools = (self._read_pool, self._pool)
+        self._finalizer = weakref.finalize(self, _cleanup, pools, root)  # NOTE [ Disk tier ] Rules 6-7
 
     @staticmethod
     def _choose_mode(root: str, direct: bool | None) -> tuple[bool, int]:
@@ -451,9 +477,10 @@ class DiskTier:
         return fut
 
     def prefetch(self, key: Hashable, out: torch.Tensor | None = None) -> cf.Future[torch.Tensor]:
-        """Start reading ``key`` into ``out`` (or a new buffer) on an I/O thread; the future gives the buffer.
+        """Start reading ``key`` into ``out`` (or a new buffer) on a read thread; the future gives the buffer.
 
-        ``out`` is the job's until the future is done (NOTE [ Disk tier ] Rule 2); ``read(key, out)`` collects it.
+        ``out`` is the job's until the future is done (NOTE [ Disk tier ] Rule 2); ``read(key, out)`` collects it,
+        and raises the read's error (NOTE [ Disk tier ] Rule 7).
         """
         self.check()
         e = self._entry(key, "prefetch")
@@ -461,7 +488,8 @@ class DiskTier:
         if got is not None:
             return got[0]
         buf = self._out(e, out)
-        fut = self._pool.submit(_read_job, self._shared, e.name, buf, e.job, e.written)
+        # NOTE [ Disk tier ] Rule 7: on the read threads
+        fut = self._read_pool.submit(_read_job, self._shared, e.name, buf, e.job, e.written)
         e.job = fut
         self._reads[key] = (fut, buf)
         return fut
@@ -491,11 +519,12 @@ class DiskTier:
         failed = _failed_write(e.written)
         if failed is not None:
             self._forget(failed)
-            raise CheckpointError(f"torchckpt: a read of a snapshot whose write failed: {failed}") from failed
+            raise CheckpointError(f"torchckpt: a read of a snapshot whose write failed (file {e.name}): "
+                                  f"{failed}") from failed
         try:
             _read_file(shared, e.name, out)
         except OSError as err:
-            raise _read_error(shared, out.numel(), err) from err
+            raise _read_error(e.name, out.numel(), err) from err
         dt = time.perf_counter() - t0
         shared.count(reads=1, bytes_read=out.numel(), read_s=dt, read_waits=1, read_wait_s=dt)
         return out
@@ -581,7 +610,8 @@ class DiskTier:
         self.close()
 
     def __repr__(self) -> str:
-        return f"DiskTier({os.path.dirname(self.root)!r}, threads={self.threads}, direct={self.direct})"
+        return (f"DiskTier({os.path.dirname(self.root)!r}, threads={self.threads}, direct={self.direct}, "
+                f"reads={self.reads})")
 
     # -- internals -----------------------------------------------------------------------
     def _entry(self, key: Hashable, what: str) -> _Entry:

@@ -22,6 +22,19 @@ files' own NOTE [ Disk tier ] is memory/disk.py's.
 #    a snapshot whose write failed keeps its host block and is a HOST snapshot from then on: an
 #    error, never a lost or wrong snapshot. ``stats()`` waits for the jobs under way, so a loop's
 #    own write errors reach it. With a codec the files hold the blobs (NOTE [ Snapshot store ] Rule 8).
+# 4. Reads in flight: the prefetches' reads run on the tier's read threads (NOTE [ Disk tier ]
+#    Rule 7), so as many reads as the schedule has prefetches ahead (``slots - 1`` with
+#    ``plan_prefetch``), up to the tier's ``reads``, are under way at once, each into its own host
+#    block and tracked by its own future in ``_reading``. Each action collects the reads that have
+#    ended, whichever order they end in, and fills their slots; a restore waits only for its own
+#    snapshot's read (Rule 2). The bytes, the slot fills and the order of the frees are those of
+#    one read at a time: a block goes back as Rule 1 says, whenever its read ended.
+# 5. A failed read is collected only by its own snapshot's restore: ``_poll`` leaves it in
+#    ``_reading``, and the tier reports it to no other action (NOTE [ Disk tier ] Rule 7). That
+#    restore raises the tier's ``torchckpt:`` error, which names the file, after giving back the
+#    snapshot's host block and slot (nothing of it stays: never a wrong restore); its file stays
+#    until ``free`` or ``close`` deletes it. ``close`` of a store that made its tier joins the
+#    tier's threads, reads in flight included (NOTE [ Disk tier ] Rules 6-7).
 """
 from __future__ import annotations
 
@@ -91,7 +104,7 @@ class DiskSide:
 
     def _finish_read(self, n: int) -> None:
         """Collect the prefetch's read of ``n`` (waiting for it) and fill its pinned slot
-        (NOTE [ Snapshot disk tier ] Rule 2)."""
+        (NOTE [ Snapshot disk tier ] Rules 2, 4-5)."""
         assert self.disk is not None
         self._reading.pop(n)
         block, _ = self._on_host[n]
@@ -136,9 +149,16 @@ class DiskSide:
             else:
                 self._on_disk.add(n)
                 self._release_host(n)
-        for n in [n for n, fut in self._reading.items() if fut.done()]:
-            self._finish_read(n)
+        for n in [n for n, fut in self._reading.items() if fut.done() and not fut.cancelled() and not fut.exception()]:
+            self._finish_read(n)  # a failed read waits for its own restore (NOTE [ Snapshot disk tier ] Rule 5)
         disk.check()
+
+    def _closing(self) -> list[int]:
+        """The off-GPU snapshots ``close`` frees, once every queued read is cancelled: ``close`` then waits only for
+        the reads already running (NOTE [ Snapshot disk tier ] Rule 5)."""
+        for fut in self._reading.values():
+            fut.cancel()
+        return [*self._on_host, *(self._disk_ns - self._on_host.keys())]
 
     def _drop_disk(self, n: int) -> None:
         """Forget disk snapshot ``n``: its jobs cancelled or waited for, its file deleted

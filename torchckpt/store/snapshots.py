@@ -459,7 +459,7 @@ class SnapshotStore(DiskSide, PeerSide):
         (NOTE [ Snapshot peer tier ] Rule 6); ranks that were not all closing raise after the local part is done.
         """
         err = self._peer_close()
-        for n in [*self._on_host, *(self._disk_ns - self._on_host.keys())]:
+        for n in self._closing():  # queued reads cancelled first (NOTE [ Snapshot disk tier ] Rule 5)
             self._free(n, Tier.HOST)
         self._gpu.clear()
         self._packs.clear()
