@@ -110,22 +110,8 @@ class Planned:
         k = len(tiers)
         p, end, at = 0, len(buf), self._i0
         while p < end:
-            v = shift = 0
-            while True:
-                b = buf[p]
-                p += 1
-                v |= (b & 127) << shift
-                shift += 7
-                if b < 128:
-                    break
-            n = shift = 0
-            while True:
-                b = buf[p]
-                p += 1
-                n |= (b & 127) << shift
-                shift += 7
-                if b < 128:
-                    break
+            v, p = _read_varint(buf, p)
+            n, p = _read_varint(buf, p)
             v, dst = divmod(v, k)
             v, src = divmod(v, k)
             at += v
@@ -171,6 +157,18 @@ def _varint(buf: bytearray, v: int) -> None:
         buf.append(v & 127 | 128)
         v >>= 7
     buf.append(v)
+
+
+def _read_varint(buf: bytearray, p: int) -> tuple[int, int]:
+    """The ``_varint`` at ``buf[p]`` and the position after it."""
+    v = shift = 0
+    while True:
+        b = buf[p]
+        p += 1
+        v |= (b & 127) << shift
+        shift += 7
+        if b < 128:
+            return v, p
 
 
 class _From:
