@@ -25,13 +25,17 @@ gathered; a row holds the largest step time and peak of any rank (the ranks' own
 raises (out of memory) is recorded with its error and the run goes on; one that raises on some ranks only leaves the
 others waiting in a collective until the process group times out. Each plan row keeps the planner's predictions, its
 verification's figures, its decisions, a hash of the plan on each rank (the same on all: one plan for all ranks), and
-the fastest eager method whose per-rank peak fits the budget, with the plan's ratio to it (target <= 1.02).
+the fastest eager method whose per-rank peak fits the budget, with the plan's ratio to it (target <= 1.02). Then
+(``--pair-rounds``, default 5 on CUDA) each plan and that eager method are measured again in turns (eager, plan, eager,
+plan, ...; each turn set up afresh, a warm-up step and the median of 5, every rank together): the ratio reported is
+the median of the plan's turns over the median of the eager method's, so that drift between the two rows (measured a
+minute apart) does not decide it; the unpaired ratio is kept (``ratio_unpaired``).
 
 Writes, under ``--out``: ``fsdp_frontier.json`` (after every method) and ``fsdp_frontier.png`` (step time over none's
 against per-rank peak: eager methods as markers, plans a line; on the CPU the planner's predicted peaks).
 
     python benchmarks/fsdp_frontier.py [--gpus 2] [--tiny] [--batch 2] [--seq 4096] [--reps 7] [--n-budgets 4]
-                                       [--budgets 12G,16G] [--progress] [--out DIR]
+                                       [--budgets 12G,16G] [--pair-rounds 5] [--progress] [--out DIR]
 """
 from __future__ import annotations
 
@@ -43,6 +47,7 @@ import gc
 import hashlib
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -62,6 +67,7 @@ from zoo import gib, sac_policy
 
 EAGER = ("none", "checkpoint", "sac")
 MARKERS = {"none": "s", "checkpoint": "^", "sac": "D", "none_end": "x"}
+_PAIR_STEPS = 5  # timed steps a turn of Rank.pair
 PROBE = 1 << 50  # a budget above any step: the plan that keeps everything, and the planner's floor with it
 
 
@@ -106,6 +112,10 @@ class Rank:
             fully_shard(layer)
         fully_shard(m)
         self.model, self.blocks, self.library = m, built.blocks, built.library
+        sac = functools.partial(create_selective_checkpoint_contexts, sac_policy)
+        self.setups: dict[str, Callable[[], Any]] = {
+            "none": lambda: None, "checkpoint": self.library,
+            "sac": lambda: wrap_blocks(self.blocks, lambda i, f: torch_checkpoint(f, sac))}
         self.losses: list[torch.Tensor] = []
         self.rows: list[dict[str, Any]] = []
         self.path = os.path.join(out, "fsdp_frontier.json")
@@ -227,13 +237,38 @@ class Rank:
                 return pl.apply(m).remove  # type: ignore[no-any-return]
 
             self.run(label, "plan", setup, extra, {"plan_hash": plan_hash(pl)})
+            if self.args.pair_rounds and "step_s" in self.rows[-1]:
+                self.pair(self.rows[-1], setup)
+
+    def pair(self, row: dict[str, Any], setup: Callable[[], Any]) -> None:
+        """The plan and the fastest eager method within its budget measured again in turns (eager, plan, eager, plan,
+        ...; each turn set up afresh, a warm-up step and the median of ``_PAIR_STEPS``, every rank together; a turn's
+        time the largest of any rank's), so drift and the allocator's state fall on both alike: ``row["paired"]`` gets
+        both medians of the turns and their ratio. Every rank holds the same rows, so every rank picks the same eager
+        method and runs the same turns."""
+        best = best_eager(self.rows, row["budget_GiB"])
+        if best is None:
+            return
+        times: dict[str, list[float]] = {"eager": [], "plan": []}
+        for _ in range(self.args.pair_rounds):
+            for side, how in (("eager", self.setups[best["method"]]), ("plan", setup)):
+                undo = how()
+                try:
+                    mine = float(measure_steps(self.step, _PAIR_STEPS, self.cuda, warmup=1)["step_s"] or 0.0)
+                finally:
+                    if callable(undo):
+                        undo()
+                self.clean()
+                times[side].append(max(self.gather(mine)))
+        e, p = statistics.median(times["eager"]), statistics.median(times["plan"])
+        row["paired"] = {"eager": best["name"], "eager_step_s": e, "plan_step_s": p, "ratio": p / e, "turns": times}
+        self.say(f"{'':<14} paired with {best['name']}: {p * 1e3:.1f} against {e * 1e3:.1f} ms, {p / e:.3f}x")
+        self.save()
 
     def all(self) -> None:
         t0 = time.perf_counter()
-        sac = functools.partial(create_selective_checkpoint_contexts, sac_policy)
-        self.run("none", "none", lambda: None)
-        self.run("checkpoint", "checkpoint", self.library)
-        self.run("sac", "sac", lambda: wrap_blocks(self.blocks, lambda i, f: torch_checkpoint(f, sac)))
+        for name in EAGER:
+            self.run(name, name, self.setups[name])
         self.plan_rows()
         self.run("none_end", "none_end", lambda: None)
         first, last = (next((r for r in self.rows if r["name"] == n and "step_s" in r), None)
@@ -245,7 +280,8 @@ class Rank:
             if r["method"] == "plan" and "budget_GiB" in r:
                 best = best_eager(self.rows, r["budget_GiB"])
                 r["best_eager"] = best["name"] if best else None
-                r["ratio"] = r["step_s"] / best["step_s"] if best and "step_s" in r else None
+                r["ratio_unpaired"] = r["step_s"] / best["step_s"] if best and "step_s" in r else None
+                r["ratio"] = r["paired"]["ratio"] if "paired" in r else r["ratio_unpaired"]
                 r["within_budget"] = r["peak_GiB"] <= r["budget_GiB"] if r.get("peak_GiB") is not None else None
         self.save()
         if self.rank == 0:
@@ -261,10 +297,11 @@ def report(result: dict[str, Any]) -> None:
     table = [[r["name"], fmt(r.get("step_s") and r["step_s"] * 1e3), fmt(r.get("x_none"), ".2f"),
               fmt(r.get("peak_GiB"), ".3g"), fmt(r.get("budget_GiB"), ".3g"), fmt(r.get("pred_peak_GiB"), ".3g"),
               fmt(r.get("pred_step_s") and r["pred_step_s"] * 1e3), yes[r.get("within_budget")],
-              r.get("best_eager") or "-", fmt(r.get("ratio"), ".3f"), (r.get("error") or "")[:50]] for r in result["rows"]]
+              r.get("best_eager") or "-", fmt(r.get("ratio"), ".3f"), fmt(r.get("ratio_unpaired"), ".3f"),
+              (r.get("error") or "")[:50]] for r in result["rows"]]
     print(f"\n{result['model']}; {result['world_size']} x {result['device']}, per-rank figures (the largest of any rank)")
     print_table(["method", "step ms", "x none", "peak GiB", "budget GiB", "pred GiB", "pred ms", "fits",
-                 "best eager", "ratio", "error"], table)
+                 "best eager", "ratio", "unpaired", "error"], table)
     if result.get("drift") is not None:
         print(f"drift: none took {result['drift'] * 100:+.1f}% at the end of the run against its start")
     print(f"{result['total_s']:.1f} s in all (ratio: plan / the fastest eager method within its budget, target <= 1.02)",
@@ -318,6 +355,8 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=None, help="timed steps per method (default 7; 1 tiny)")
     p.add_argument("--n-budgets", type=int, default=4, help="plans from 1.1 x the floor to 0.9 x none's per-rank peak")
     p.add_argument("--budgets", default="", help="per-rank budgets instead, comma-separated (e.g. 12G,16G)")
+    p.add_argument("--pair-rounds", type=int, default=None,
+                   help="turns a side when each plan is measured again against its eager method (default 5; 0 tiny)")
     p.add_argument("--progress", action="store_true", help="the planner prints its phases to stderr (every rank)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
@@ -327,6 +366,7 @@ def main() -> None:
                 f"{torch.cuda.device_count()} or --tiny")
     args.batch = args.batch or 2
     args.seq = args.seq or (4096 if cuda else 32)
+    args.pair_rounds = args.pair_rounds if args.pair_rounds is not None else (5 if cuda else 0)
     args.reps = args.reps if args.reps is not None else (7 if cuda else 1)
     out = out_dir(args.out)
     with tempfile.TemporaryDirectory() as d:  # a rendezvous file: no port to find free
