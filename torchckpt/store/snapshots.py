@@ -4,7 +4,8 @@
 # The runtime of NOTE [ Snapshot cache ] (schedules/prefetch.py): the same ``Cache`` ranks the
 # slots and holds the pins; the memory is real and every copy goes through the mover
 # (NOTE [ Mover ], store/streams.py). Its disk tier is NOTE [ Snapshot disk tier ]
-# (store/snapshot_disk.py), its peers NOTE [ Snapshot peer tier ] (store/snapshot_peer.py).
+# (store/snapshot_disk.py), its peers NOTE [ Snapshot peer tier ] (store/snapshot_peer.py); its codec side (Rules 8-9)
+# is store/snapshot_codec.py.
 # 1. A snapshot is a tuple of tensors (a wave equation carries u_t and u_{t-1}); every
 #    snapshot of one loop has the same layout (shapes, dtypes), checked at each save.
 # 2. ``Tier.GPU`` snapshots are device copies held by reference. Off-GPU snapshots
@@ -58,7 +59,6 @@ import dataclasses
 import itertools
 import os
 import time
-import warnings
 from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -74,17 +74,13 @@ from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import DeviceArena, arena_slots
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
+from torchckpt.store.snapshot_codec import CodecSide
 from torchckpt.store.snapshot_disk import DiskSide
 from torchckpt.store.snapshot_peer import PeerSide, PeerSpill
 from torchckpt.store.snapshot_slots import ALIGN, Layout, Slots
 from torchckpt.store.stats import SnapshotStats
 
 _store_ids = itertools.count()  # names a store's files in a DiskTier it may share (NOTE [ Snapshot disk tier ] Rule 1)
-
-
-def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
-    """What makes a compression of ``tensors`` reusable: the same memory, unchanged since (version)."""
-    return tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
 def _check_device(device: object) -> torch.device:
@@ -111,7 +107,7 @@ def _check_device(device: object) -> torch.device:
     return dev
 
 
-class SnapshotStore(DiskSide, PeerSide):
+class SnapshotStore(CodecSide, DiskSide, PeerSide):
     """Holds a schedule's snapshots: GPU tier on the device, other tiers via device slots and a host pool.
 
     Args:
@@ -520,21 +516,13 @@ class SnapshotStore(DiskSide, PeerSide):
         tensors = list(tensors)
         if self._layout is not None:
             return self.nslots
-        if self.codec is not None:
-            if packs is None:
-                packs = self._compress(tensors, count=False)
-            self._first = (_identity(tensors), list(packs))
+        first = self._first_blob(tensors, packs) if self.codec is not None else None
         if not tensors:
             raise ValueError("torchckpt: a snapshot needs at least one tensor.")
         lay = Layout(tensors)
         nb = self._slot_bytes
         if nb is None:
-            if self.codec is not None:
-                assert packs is not None
-                blob = Blob(list(packs))
-                nb = int(blob.nbytes * (1.0 + self.slot_margin))
-            else:
-                nb = lay.nbytes
+            nb = first if first is not None else lay.nbytes
         nb = (nb + ALIGN - 1) // ALIGN * ALIGN
         if self.codec is None and nb < lay.nbytes:
             raise ValueError(f"torchckpt: slot_bytes={nb} is smaller than one snapshot ({lay.nbytes} bytes) "
@@ -559,41 +547,6 @@ class SnapshotStore(DiskSide, PeerSide):
         """Bytes of one slot (``None`` before the first snapshot fixed it)."""
         return self._slot_bytes
 
-    def _compress(self, tensors: Sequence[torch.Tensor], count: bool = True) -> list[Packed]:
-        assert self.codec is not None
-        first, self._first = self._first, None
-        if first is not None and count and first[0] == _identity(tensors):
-            packs = first[1]  # the first snapshot, compressed once by calibrate
-        else:
-            packs = [self.codec.compress(t.detach()) for t in tensors]
-        if count:
-            self._c["raw_bytes"] += sum(p.orig_nbytes for p in packs)
-            self._c["packed_bytes"] += sum(p.nbytes for p in packs)
-        return packs
-
-    def _decompress(self, packs: Sequence[Packed], outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """``packs`` decoded into fresh tensors, or straight into ``outs`` (NOTE [ Snapshot store ] Rules 8, 11)."""
-        assert self.codec is not None
-        if outs is None:
-            return [self.codec.decompress(p) for p in packs]
-        return [self.codec.decompress(p, out=o) for p, o in zip(packs, outs)]
-
-    def _views(self, n: int, flat: torch.Tensor, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed
-        (NOTE [ Snapshot store ] Rule 8); written into ``outs`` when given (NOTE [ Snapshot store ] Rule 11)."""
-        if self.codec is not None:
-            return self._decompress(self._blobs[n].read(flat), outs)
-        assert self._layout is not None
-        views = self._layout.views(flat)
-        return views if outs is None else self._copy_into(views, outs)
-
-    @staticmethod
-    def _copy_into(src: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """One copy of each of ``src`` into ``outs`` (NOTE [ Snapshot store ] Rule 11)."""
-        for o, v in zip(outs, src):
-            o.copy_(v)
-        return outs
-
     def _check_out(self, n: int, tier: Tier, out: object) -> list[torch.Tensor]:
         """``restore``'s ``out``, checked against the snapshots' layout (NOTE [ Snapshot store ] Rule 11)."""
         outs: list[Any] = list(out) if isinstance(out, (list, tuple)) else [out]
@@ -614,37 +567,6 @@ class SnapshotStore(DiskSide, PeerSide):
                              f"{[(tuple(sh), dt) for sh, dt in lay.meta]}, got {'overlapping ' if ok else ''}{got}. Pass "
                              "the state's own tensors in that order (e.g. out=[u, u_prev]), or out=None for views to copy.")
         return outs
-
-    def _fill_flat(self, flat: torch.Tensor, tensors: Sequence[torch.Tensor], packs: list[Packed] | None,
-                   blob: Blob | None, s: int | None = None) -> None:  # s: the slot, its views kept with its buffer
-        if packs is not None and blob is not None:
-            blob.write(flat, packs)
-            return
-        assert self._layout is not None
-        kept = self._save_views.get(s) if s is not None else None
-        if kept is None or kept[0] is not flat:
-            kept = (flat, self._layout.views(flat))
-            if s is not None:
-                self._save_views[s] = kept
-        for dst, src in zip(kept[1], tensors):
-            dst.copy_(src)
-
-    def _ensure_room(self, s: int, nbytes: int) -> None:
-        """Grow slot ``s`` to ``nbytes`` when a blob does not fit (NOTE [ Snapshot store ] Rule 9)."""
-        old = self._slots[s]
-        if nbytes <= old.numel():
-            return
-        self._mover.keep_alive(old)  # the old buffer may still be read by a flush or written by a fill
-        self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
-        self._c["slot_grows"] += 1
-        if not self._warned_grow:
-            self._warned_grow = True
-            warnings.warn(
-                f"torchckpt: a compressed snapshot of {nbytes} bytes did not fit its slot of {old.numel()} bytes; "
-                "the slot grew (GPU memory beyond the store's budget). Pass SnapshotStore(slot_bytes=...) or a "
-                "larger slot_margin, or a codec setting with a steadier ratio.",
-                RuntimeWarning, stacklevel=4,
-            )
 
     def _flush(self, n: int, s: int) -> None:
         """Copy the snapshot in slot ``s`` (step ``n``) to a host block on the offload stream."""
