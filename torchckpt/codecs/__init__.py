@@ -6,9 +6,9 @@ nvCOMP's Bitcomp, lossless or lossy with an absolute bound (bitcomp.py; needs th
 ``nvidia-libnvcomp-cu13`` wheel), ``ZFP`` fixed-rate zfp / cuZFP (zfp.py; needs the extension
 built with ``TORCHCKPT_BUILD_ZFP=1``).
 """
-from torchckpt.codecs.base import Codec, Guarantee, Identity, Meta, Packed
+from torchckpt.codecs.base import Codec, Deferred, Guarantee, Identity, Meta, Packed
 from torchckpt.codecs.bitcomp import Bitcomp
 from torchckpt.codecs.quant import TritonQuant
 from torchckpt.codecs.zfp import ZFP
 
-__all__ = ["Bitcomp", "Codec", "Guarantee", "Identity", "Meta", "Packed", "TritonQuant", "ZFP"]
+__all__ = ["Bitcomp", "Codec", "Deferred", "Guarantee", "Identity", "Meta", "Packed", "TritonQuant", "ZFP"]

@@ -8,8 +8,15 @@
 #    their memory out before ``s`` has read them. Outputs are allocated on ``s``: a consumer
 #    on another stream waits on an event recorded on ``s`` (the caller records it, as the
 #    store does for copies) and calls ``record_stream`` if it frees them there.
-# 3. A codec may read a few bytes back to the host (TritonQuant: the number of blocks kept
-#    raw, to size the packed buffer); that synchronizes ``s`` only, never the device.
+# 3. ``compress`` returns a ``Packed`` sized exactly, so a codec whose sizes depend on the data
+#    reads them back to the host there (TritonQuant: its raw-block count; Bitcomp: its stream's
+#    length), which waits for ``s`` only, never the whole device. ``compress_deferred`` reads
+#    nothing back: its ``Deferred`` holds buffers of the worst-case size, which ``decompress``
+#    decodes as they are (reading the sizes on the device), and the sizes as a device tensor that
+#    the caller copies to the host when it likes (the snapshot store: off the critical path,
+#    NOTE [ Snapshot sizes ]); ``settle`` then gives the ``Packed`` that ``compress`` returns for
+#    the same input, as views of those buffers. Codecs whose sizes follow from the shape (Identity,
+#    ZFP) read nothing back in either.
 # 4. On the CPU streams are absent and ``stream`` must be ``None``.
 """
 from __future__ import annotations
@@ -18,10 +25,12 @@ import abc
 import contextlib
 import dataclasses
 import types
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+
+from torchckpt._errors import internal_error
 
 _KINDS = ("lossless", "abs", "rel", "fixed_rate")
 
@@ -114,6 +123,30 @@ class Packed:
         return self.buffers[0].device
 
 
+@dataclasses.dataclass(frozen=True)
+class Deferred:
+    """A compression whose sizes are still on the device (NOTE [ Codec streams ] Rule 3).
+
+    ``packed`` has buffers of the worst-case size and decodes as it is; ``sizes`` is an int64 tensor
+    on its device for the host to read back later (``None``: ``packed`` is exact already). Give the
+    values read back to ``Codec.settle`` for the exact ``Packed``.
+
+    Example::
+
+        >>> from torchckpt.codecs import TritonQuant
+        >>> c = TritonQuant(bits=8, mode="abs", bound=1e-2)
+        >>> x = torch.linspace(-1, 1, 1000)
+        >>> d = c.compress_deferred(x)  # nothing read back to the host
+        >>> y = c.decompress(d.packed)  # decodes as it is
+        >>> p = c.settle(d, d.sizes.tolist())  # later, once the sizes are on the host
+        >>> torch.equal(c.decompress(p), y), p.nbytes == c.compress(x).nbytes
+        (True, True)
+    """
+
+    packed: Packed
+    sizes: torch.Tensor | None = None
+
+
 class Codec(abc.ABC):
     """Compresses tensors on a given stream into a ``Packed`` and back (NOTE [ Codec streams ]).
 
@@ -149,6 +182,21 @@ class Codec(abc.ABC):
         temporary and one copy. ``SnapshotStore.restore(out=...)`` relies on it (NOTE [ Snapshot
         store ] Rule 11); a new codec should keep it.
         """
+
+    def compress_deferred(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Deferred:
+        """Compress ``x`` on ``stream`` reading nothing back to the host (NOTE [ Codec streams ] Rule 3).
+
+        This default suits codecs whose packed sizes follow from the shape: ``compress`` itself. A codec
+        that sizes its output from the data overrides it and ``settle``.
+        """
+        return Deferred(self.compress(x, stream))
+
+    def settle(self, d: Deferred, values: Sequence[int]) -> Packed:
+        """The ``Packed`` that ``compress`` returns, from ``d`` and ``values`` (``d.sizes`` read back to the host):
+        views of ``d.packed``'s buffers, which must stay unmodified."""
+        if d.sizes is None:
+            return d.packed
+        raise internal_error(f"{type(self).__name__} deferred its sizes but does not settle them")
 
     def unavailable_reason(self) -> str | None:
         """``None`` when the codec can run here, else what is missing and how to get it."""

@@ -38,12 +38,15 @@ with cuZFP for adjoint snapshots.
 #    the top 16 bits of their fp32 bits instead (exact: nvCOMP kept them raw). The ratio is
 #    counted against the bf16 bytes, so it is about half what fp32 data would get. When
 #    ``p`` is below bf16's smallest subnormal, bf16 is compressed losslessly.
-# 6. The compressed size is known only once the kernel ran: compress queues
-#    ``bitcompGetCompressedSizeAsync`` on the stream and reads the size back, which
-#    synchronizes that stream only (NOTE [ Codec streams ] Rule 3) and so waits for what it
-#    waits on (the producer of ``x``). The kernel writes into a scratch buffer of
-#    ``bitcompMaxBuflen`` bytes; the Packed holds a copy of the first ``size`` bytes, so it
-#    occupies only its compressed size. Decompress never synchronizes.
+# 6. The compressed size is known only once the kernel ran: the kernel writes into a scratch
+#    buffer of ``bitcompMaxBuflen`` bytes and ``bitcompGetCompressedSizeAsync`` writes the size
+#    into an int64 on the device. ``compress`` reads it back, which synchronizes that stream only
+#    (NOTE [ Codec streams ] Rule 3) and so waits for what it waits on (the producer of ``x``);
+#    its Packed holds a copy of the first ``size`` bytes, so it occupies only its compressed
+#    size. ``compress_deferred`` on CUDA reads nothing back: its Packed is the whole scratch
+#    buffer (it decodes as it is: the stream's header says its length) with the size as its
+#    ``sizes``, and ``settle`` makes it a view of the first ``size`` bytes. Decompress never
+#    synchronizes.
 # 7. Device plans are cached per (device, nbytes, type, mode, algorithm), 256 at most (least
 #    recently used evicted). A plan carries its stream (``bitcompSetStream``) and is not safe
 #    to use from two streams at once, so one lock covers set-stream and launch (both only
@@ -70,14 +73,14 @@ import dataclasses
 import math
 import threading
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
 
 from torchckpt._errors import internal_error
 from torchckpt._native import nvcomp as nv
-from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
+from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, on_stream
 
 _ALIGN = 16  # NOTE [ Bitcomp ] Rule 8
 _PLAN_CACHE_SIZE = 256  # NOTE [ Bitcomp ] Rule 7
@@ -155,11 +158,12 @@ def _delta_arg(r: _Recipe) -> Any:
     return _half_bits(r.step) if r.btype == nv.FP16 else r.step
 
 
-def _trimmed(scratch: torch.Tensor, n: int) -> torch.Tensor:
-    """The first ``n`` bytes of the worst-case buffer, in a buffer of their own (NOTE [ Bitcomp ] Rule 6)."""
+def _trimmed(scratch: torch.Tensor, n: int, copy: bool = True) -> torch.Tensor:
+    """The first ``n`` bytes of the worst-case buffer, in a buffer of their own or (``copy=False``) a view
+    (NOTE [ Bitcomp ] Rule 6)."""
     if not 0 < n <= scratch.numel():
         raise internal_error(f"Bitcomp reported a compressed size of {n} bytes for a buffer of {scratch.numel()}")
-    return scratch[:n].clone()
+    return scratch[:n].clone() if copy else scratch[:n]
 
 
 def _to_bf16(y32: torch.Tensor) -> torch.Tensor:
@@ -324,6 +328,21 @@ class Bitcomp(Codec):
 
     def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
         """Compress ``x`` (any layout, read as if contiguous) on ``stream``; see NOTE [ Bitcomp ]."""
+        return self._compress(x, stream, deferred=False).packed
+
+    def compress_deferred(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Deferred:
+        """``compress`` with a CUDA tensor's compressed size left on the device (NOTE [ Bitcomp ] Rule 6)."""
+        return self._compress(x, stream, deferred=True)
+
+    def settle(self, d: Deferred, values: Sequence[int]) -> Packed:
+        """``compress``'s ``Packed`` from ``compress_deferred``'s and its size read back (a view of its buffer)."""
+        if d.sizes is None:
+            return d.packed
+        self._check_packed(d.packed)
+        (size,) = (int(v) for v in values)
+        return Packed(_trimmed(d.packed.buffers[0], size, copy=False), d.packed.meta)
+
+    def _compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None, deferred: bool) -> Deferred:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"torchckpt: Bitcomp.compress needs a torch.Tensor, got {type(x).__name__}.")
         if x.device.type not in ("cpu", "cuda"):
@@ -336,10 +355,14 @@ class Bitcomp(Codec):
             if r.work != x.dtype:
                 src = src.to(r.work)
             nbytes = src.numel() * src.element_size()
+            size = None
             if nbytes == 0:
                 data = torch.empty(0, dtype=torch.uint8, device=x.device)
             elif x.device.type == "cuda":
-                data = self._compress_cuda(_aligned(src), r, nbytes)
+                data, size = self._compress_cuda(_aligned(src), r, nbytes)
+                if not deferred:
+                    data = _trimmed(data, int(size.item()))  # .item() waits for this stream only: NOTE [ Bitcomp ] Rule 6
+                    size = None
             else:
                 data = self._compress_host(_aligned(src), r, nbytes)
         meta = Meta(x.shape, x.dtype, self.name, types.MappingProxyType({
@@ -353,9 +376,10 @@ class Bitcomp(Codec):
             "algo": self._algo,
             "nbytes": nbytes,
         }))
-        return Packed(data, meta)
+        return Deferred(Packed(data, meta), size)
 
-    def _compress_cuda(self, src: torch.Tensor, r: _Recipe, nbytes: int) -> torch.Tensor:
+    def _compress_cuda(self, src: torch.Tensor, r: _Recipe, nbytes: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The worst-case buffer nvCOMP wrote and the compressed size (int64 on the device), nothing read back."""
         lib = nv.library()
         dev = src.device
         with torch.cuda.device(dev):
@@ -367,7 +391,7 @@ class Bitcomp(Codec):
                 nv.check(lib.bitcompGetCompressedSizeAsync(scratch.data_ptr(), size.data_ptr(),
                                                            ctypes.c_void_p(s.cuda_stream)),
                          "bitcompGetCompressedSizeAsync")
-            return _trimmed(scratch, int(size.item()))  # .item() synchronizes this stream only: NOTE [ Bitcomp ] Rule 6
+            return scratch, size
 
     def _compress_host(self, src: torch.Tensor, r: _Recipe, nbytes: int) -> torch.Tensor:
         lib = nv.library()

@@ -34,13 +34,20 @@
 #    and those blocks' original bytes. With no raw blocks, fp32 is 264 bytes per 1024 at 8
 #    bits (3.88x), 136 at 4 bits (7.53x) and 260 in e4m3 (3.94x) at block=256.
 # 5. How many blocks are raw is known only after the kernel ran: the kernel adds its raw
-#    blocks to a device counter, and compress reads that one int32 back (one D2H copy into
-#    pinned memory, then an event wait: NOTE [ Codec streams ] Rule 3). The packed buffers
-#    are sized exactly, so the count must be known on the host before compress returns; the
-#    compaction of raw blocks (``nonzero``, a gather) runs only when the count is non-zero.
-#    Blocks whose range needs more than ``L`` steps of ``2 * bound`` (or, in e4m3, whose
-#    elements' rounding errors exceed it) end up raw: on such data the ratio falls towards
-#    1, the bound never breaks.
+#    blocks to a device counter. ``compress`` sizes its buffers exactly, so it reads that one
+#    int32 back (one D2H copy into pinned memory, then an event wait: NOTE [ Codec streams ]
+#    Rule 3); the compaction of raw blocks (``nonzero``, a gather) runs only when the count is
+#    non-zero. ``compress_deferred`` reads nothing back: the raw blocks' indices and bytes go
+#    to buffers with room for every block, each raw block at its rank among the raw blocks
+#    (an inclusive ``cumsum`` of the markers on the device, so in ``compress``'s order, padded
+#    as ``compress`` pads), and ``meta.params["raw_blocks"]`` is the count as an int64 tensor on
+#    the device, which ``decompress`` reads there (a Triton kernel that moves the first
+#    ``count`` rows only; the reference chooses every block between itself and its raw row).
+#    Its ``sizes`` are ``[count, whether the last block is raw]``; ``settle`` trims the two
+#    buffers to the count and gives ``compress``'s Packed, byte for byte. Until then the raw
+#    buffer takes as much memory as the tensor. Blocks whose range needs more than ``L``
+#    steps of ``2 * bound`` (or, in e4m3, whose elements' rounding errors exceed it) end up
+#    raw: on such data the ratio falls towards 1, the bound never breaks.
 # 6. The Triton kernels (_quant_triton.py) and the PyTorch reference (``_quant_ref``,
 #    ``_dequant_ref``) do the same fp32 operations in the same order on every block that is
 #    not raw, with IEEE division and no fused multiply-add, so their packed bytes are
@@ -50,17 +57,19 @@
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import importlib.util
 import logging
 import math
 import types
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from torchckpt._errors import internal_error
-from torchckpt.codecs.base import Codec, Guarantee, Meta, Packed, on_stream
+from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, on_stream
 
 _log = logging.getLogger("torchckpt")
 
@@ -293,8 +302,7 @@ class TritonQuant(Codec):
         codes = "e4m3" if self.fmt == "e4m3" else f"int{self.bits}"
         return _CFG[(min(dtype.itemsize, 4), codes)]
 
-    def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
-        """Quantize ``x`` (fp32, fp16 or bf16, any layout) on ``stream``; see NOTE [ Block quantization ]."""
+    def _check_input(self, x: object) -> None:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"torchckpt: TritonQuant.compress needs a torch.Tensor, got {type(x).__name__}.")
         if x.dtype not in _DTYPES:
@@ -302,24 +310,38 @@ class TritonQuant(Codec):
                 f"torchckpt: TritonQuant supports float32, float16 and bfloat16 tensors, got {x.dtype}; "
                 "cast it (e.g. x.float()) or use a lossless codec such as Identity()."
             )
+
+    def _meta(self, x: torch.Tensor, nb: int, raw_blocks: int | torch.Tensor, tail_raw: bool | None) -> Meta:
+        return Meta(x.shape, x.dtype, self.name, types.MappingProxyType({
+            "bits": self.bits, "mode": self.mode, "bound": self.bound, "block": self.block,
+            "raw_blocks": raw_blocks, "blocks": nb, "fmt": self.fmt, "tail_raw": tail_raw,
+        }))
+
+    def _quantize(self, flat: torch.Tensor, n: int, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Triton kernel's codes, params (fp32, (nb, 1 or 2)) and raw-block count (int32 on the device)."""
+        from torchckpt.codecs import _quant_triton as k
+
         B = self.block
-        fp8 = self.fmt == "e4m3"
-        npar = 1 if fp8 else 2
+        rows, warps, _, _ = self._config(flat.dtype)
+        codes = torch.empty(nb * B * self.bits // 8, dtype=torch.uint8, device=flat.device)
+        params = torch.empty(nb, 1 if self.fmt == "e4m3" else 2, dtype=torch.float32, device=flat.device)
+        count = torch.zeros(1, dtype=torch.int32, device=flat.device)
+        _launch(k.quant_kernel, n, nb, B, rows,
+                (flat, codes, params, count, n, nb, self._b32, float(2**self.bits - 1)),
+                REL=self.mode == "rel", BITS=self.bits, FP8=self.fmt == "e4m3", BLOCK=B, ROWS=rows,
+                OUT=_tl_dtype(flat.dtype), num_warps=warps, enable_fp_fusion=False)
+        return codes, params, count
+
+    def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
+        """Quantize ``x`` (fp32, fp16 or bf16, any layout) on ``stream``; see NOTE [ Block quantization ]."""
+        self._check_input(x)
+        B = self.block
         with on_stream(stream, x.device, x):
             flat = x.detach().contiguous().reshape(-1)
             n = flat.numel()
             nb = -(-n // B)
             if self._triton(x.device) and nb > 0:
-                from torchckpt.codecs import _quant_triton as k
-
-                rows, warps, _, _ = self._config(x.dtype)
-                codes = torch.empty(nb * B * self.bits // 8, dtype=torch.uint8, device=x.device)
-                params = torch.empty(nb, npar, dtype=torch.float32, device=x.device)
-                count = torch.zeros(1, dtype=torch.int32, device=x.device)
-                _launch(k.quant_kernel, n, nb, B, rows,
-                        (flat, codes, params, count, n, nb, self._b32, float(2**self.bits - 1)),
-                        REL=self.mode == "rel", BITS=self.bits, FP8=fp8, BLOCK=B, ROWS=rows,
-                        OUT=_tl_dtype(x.dtype), num_warps=warps, enable_fp_fusion=False)
+                codes, params, count = self._quantize(flat, n, nb)
                 # NOTE [ Block quantization ] Rule 5: one int32 to pinned memory, then wait for this stream only
                 host = torch.empty(1, dtype=torch.int32, pin_memory=True)
                 host.copy_(count, non_blocking=True)
@@ -342,11 +364,47 @@ class TritonQuant(Codec):
                 ids_u8, raw_u8, tail_raw = _gather_raw(flat, params, B, nraw)
             else:
                 ids_u8, raw_u8 = none
-        meta = Meta(x.shape, x.dtype, self.name, types.MappingProxyType({
-            "bits": self.bits, "mode": self.mode, "bound": self.bound, "block": B,
-            "raw_blocks": ids_u8.numel() // 4, "blocks": nb, "fmt": self.fmt, "tail_raw": tail_raw,
-        }))
-        return Packed((codes, params_u8, ids_u8, raw_u8), meta)
+        return Packed((codes, params_u8, ids_u8, raw_u8), self._meta(x, nb, ids_u8.numel() // 4, tail_raw))
+
+    def compress_deferred(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Deferred:
+        """``compress`` with the raw-block count left on the device (NOTE [ Block quantization ] Rule 5).
+
+        ``sizes`` is ``[raw blocks, whether the last block is raw]``; ``settle`` takes them back.
+        """
+        self._check_input(x)
+        B = self.block
+        with on_stream(stream, x.device, x):
+            flat = x.detach().contiguous().reshape(-1)
+            n = flat.numel()
+            nb = -(-n // B)
+            if nb == 0:
+                none = torch.empty(0, dtype=torch.uint8, device=x.device)
+                return Deferred(Packed((none, none, none, none), self._meta(x, 0, 0, False)))
+            if self._triton(x.device):
+                codes, params, _ = self._quantize(flat, n, nb)
+                ids_u8, raw_u8, sizes = _gather_raw_triton(flat, params, B)
+            else:
+                codes, params = _quant_ref(flat, self.bits, B, self.mode == "rel", self._b32, self.fmt)
+                ids_u8, raw_u8, sizes = _gather_raw_dev(flat, params, B)
+        params_u8 = params.reshape(-1).view(torch.uint8)
+        return Deferred(Packed((codes, params_u8, ids_u8, raw_u8), self._meta(x, nb, sizes[:1], None)), sizes)
+
+    def settle(self, d: Deferred, values: Sequence[int]) -> Packed:
+        """``compress``'s ``Packed`` from ``compress_deferred``'s and its sizes read back (views of its buffers)."""
+        if d.sizes is None:
+            return d.packed
+        self._check_packed(d.packed)
+        count, last = (int(v) for v in values)
+        meta = d.packed.meta
+        nb, B = int(meta.params["blocks"]), int(meta.params["block"])
+        if not 0 <= count <= nb or len(d.packed.buffers) != 4:
+            raise internal_error(f"TritonQuant counted {count} raw blocks of {nb}")
+        codes, params_u8, ids_u8, raw_u8 = d.packed.buffers
+        es = meta.dtype.itemsize
+        tail_raw = count > 0 and meta.shape.numel() % B != 0 and bool(last)
+        return Packed((codes, params_u8, ids_u8[: count * 4], raw_u8[: count * B * es]),
+                      dataclasses.replace(meta, params=types.MappingProxyType(
+                          {**meta.params, "raw_blocks": count, "tail_raw": tail_raw})))
 
     def decompress(self, p: Packed, out: torch.Tensor | None = None,
                    stream: torch.cuda.Stream | None = None) -> torch.Tensor:
@@ -374,7 +432,13 @@ class TritonQuant(Codec):
                         num_warps=warps, enable_fp_fusion=False)
             else:
                 _dequant_ref(codes, params, flat, bits, B, fmt)
-            if ids_u8.numel():
+            count = p.meta.params["raw_blocks"]
+            if isinstance(count, torch.Tensor):  # compress_deferred's: the count on the device (NOTE [ Block quantization ] Rule 5)
+                if self._triton(p.device):
+                    _scatter_raw_triton(flat, ids_u8.view(torch.int32), raw_u8, count, B)
+                else:
+                    _scatter_raw_dev(flat, ids_u8.view(torch.int32), raw_u8, count, B)
+            elif ids_u8.numel():
                 _scatter_raw(flat, ids_u8.view(torch.int32), raw_u8.view(out.dtype), B,
                              bool(p.meta.params.get("tail_raw", False)))
             if flat.data_ptr() != out.data_ptr() or not out.is_contiguous():
@@ -415,6 +479,81 @@ def _scatter_raw(flat: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor, B: in
         flat[: nfull * B].view(nfull, B).index_copy_(0, ids[:kf].long(), raw[:kf])
     if tail_raw:
         flat[nfull * B:] = raw[kf, : n - nfull * B]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """``t`` viewed as integers of its element size: copies that move bits, NaN payloads included."""
+    return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
+
+
+def _gather_raw_dev(flat: torch.Tensor, params: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_gather_raw`` with the count left on the device (NOTE [ Block quantization ] Rule 5), in PyTorch:
+    ``(ids, bytes, sizes)``; ids and bytes have room for every block and their first ``count`` rows hold what
+    ``_gather_raw`` returns; ``sizes`` is ``[count, whether the last block is raw]`` (int64)."""
+    n, nb, dev = flat.numel(), params.shape[0], flat.device
+    raw = params[:, -1] < 0
+    pos = torch.cumsum(raw, 0)  # a raw block's rank among the raw blocks, plus one: _gather_raw's order
+    dst = torch.where(raw, pos - 1, nb)  # the other blocks go to a spare row
+    ids = torch.zeros(nb + 1, dtype=torch.int32, device=dev)
+    ids.index_copy_(0, dst, torch.arange(nb, dtype=torch.int32, device=dev))
+    src = _bits(flat)
+    if nb * B > n:  # a partial last block, padded with its last element as _gather_raw pads it
+        src = torch.cat([src, src[-1:].expand(nb * B - n)])
+    rows = src.new_empty(nb + 1, B)
+    rows.index_copy_(0, dst, src.view(nb, B))
+    sizes = torch.stack([pos[-1], raw[-1].long()])
+    return ids[:nb].view(torch.uint8), rows[:nb].reshape(-1).view(torch.uint8), sizes
+
+
+def _scatter_raw_dev(flat: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor, count: torch.Tensor, B: int) -> None:
+    """Writes the first ``count`` (a device tensor) raw blocks of ``_gather_raw_dev``'s buffers back into ``flat``
+    (contiguous), in PyTorch, reading nothing on the host: every block is chosen between itself and its raw row."""
+    n, nb, dev = flat.numel(), ids.numel(), flat.device
+    j = torch.arange(nb, device=dev)
+    row = torch.full((nb + 1,), -1, dtype=torch.int64, device=dev)  # block -> its raw row, -1 for none
+    row.index_copy_(0, torch.where(j < count, ids.long(), nb), j)
+    row = row[:nb]
+    bits = _bits(flat)
+    got = raw.view(bits.dtype).view(nb, B)[row.clamp(min=0)]
+    have = row >= 0
+    full = n // B
+    if full:
+        blocks = bits[: full * B].view(full, B)
+        blocks.copy_(torch.where(have[:full, None], got[:full], blocks))
+    if n > full * B:
+        tail = bits[full * B:]
+        tail.copy_(torch.where(have[full], got[full, : n - full * B], tail))
+
+
+def _small_rows(B: int) -> int:
+    return max(1, 2048 // B)  # blocks per program of the raw-block kernels: tiles of about 2048 elements
+
+
+def _gather_raw_triton(flat: torch.Tensor, params: torch.Tensor,
+                       B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_gather_raw_dev`` by a Triton kernel that copies the raw blocks only (same bytes in the first ``count`` rows)."""
+    from torchckpt.codecs import _quant_triton as k
+
+    n, nb, dev = flat.numel(), params.shape[0], flat.device
+    pos = torch.cumsum(params[:, -1] < 0, 0)
+    ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    src = _bits(flat)
+    rows = src.new_empty(nb * B)
+    sizes = torch.empty(2, dtype=torch.int64, device=dev)
+    R = _small_rows(B)
+    k.gather_raw_kernel[(triton_cdiv(nb, R),)](src, params, pos, ids, rows, sizes, n, nb,
+                                                NPAR=params.shape[1], BLOCK=B, ROWS=R)
+    return ids.view(torch.uint8), rows.view(torch.uint8), sizes
+
+
+def _scatter_raw_triton(flat: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor, count: torch.Tensor, B: int) -> None:
+    """``_scatter_raw_dev`` by a Triton kernel that reads and writes the first ``count`` raw blocks only."""
+    from torchckpt.codecs import _quant_triton as k
+
+    bits = _bits(flat)
+    nb, R = ids.numel(), _small_rows(B)
+    k.scatter_raw_kernel[(triton_cdiv(nb, R),)](raw.view(bits.dtype), ids, count, bits, bits.numel(),
+                                                 BLOCK=B, ROWS=R)
 
 
 def triton_cdiv(a: int, b: int) -> int:
