@@ -8,6 +8,14 @@ which bounds a step whose kernels are short) and, with ``--trace``, torch.profil
 (device and host time per op).
 
     python benchmarks/recompute_overhead.py [--batch 128] [--reps 7] [--profile 30] [--trace 25]
+
+``--ablate vit_l,resnet152`` instead: where ``Recompute()``'s cost beyond ``torch.utils.checkpoint`` comes from, on
+the zoo's models (``benchmarks/architectures.py``, training sizes on CUDA, tiny on the CPU): every block under
+``torch.utils.checkpoint``, under ``Recompute()``, and under ``Recompute()`` with parts of ``api.run`` switched off
+(the buffer guard, NOTE [ Buffers written in a forward ]; the call's state, NOTE [ Mutating forwards ] Rule 2;
+both), measured in ``--turns`` turns (each method in turn, a warm-up step and the median of 5 a turn; the median of
+the turns), then a torch.profiler table of one ``Recompute()`` step and one ``torch.utils.checkpoint`` step (host
+time per op), with ``--trace`` rows.
 """
 from __future__ import annotations
 
@@ -16,6 +24,7 @@ import cProfile
 import io
 import pstats
 import time
+from typing import Any
 
 import torch
 import torchvision
@@ -24,13 +33,107 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 import torchckpt
 
 
+def ablate(name: str, turns: int, trace: int) -> None:
+    """The ``--ablate`` run for one model of ``benchmarks/architectures.py``."""
+    import contextlib
+    import statistics
+
+    import torchckpt.api as api
+    from architectures import build, torch_checkpoint, wrap_blocks
+    from common import measure_steps
+
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    b = build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32)
+    print(f"== {name}: {b.note}", flush=True)
+
+    def step() -> None:
+        b.loss(b.model(*b.args, **b.kwargs)).backward()
+        b.model.zero_grad(set_to_none=True)
+
+    @contextlib.contextmanager
+    def without(guard: bool, state: bool) -> Any:
+        old = api.guarded, api.CallState
+        if guard:
+            api.guarded = lambda fn, module: fn  # type: ignore[assignment]
+        if state:
+            api.CallState = type("NoState", (), {"of": staticmethod(lambda *a: None)})  # type: ignore[assignment,misc]
+        try:
+            yield
+        finally:
+            api.guarded, api.CallState = old
+
+    def ours(guard: bool = False, state: bool = False) -> Any:
+        def setup() -> Any:
+            undo = wrap_blocks(b.blocks, lambda i, f: None)
+            for blk in b.blocks:
+                torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+            ctx = without(guard, state)
+            ctx.__enter__()
+
+            def remove() -> None:
+                ctx.__exit__(None, None, None)
+                for blk in b.blocks:
+                    blk.__dict__.pop("forward", None)
+                undo()
+            return remove
+        return setup
+
+    methods: dict[str, Any] = {
+        "none": lambda: None,
+        "torch.utils.checkpoint": lambda: wrap_blocks(b.blocks, lambda i, f: torch_checkpoint(f)),
+        "Recompute()": ours(),
+        "Recompute(), no guard": ours(guard=True),
+        "Recompute(), no call state": ours(state=True),
+        "Recompute(), neither": ours(guard=True, state=True),
+    }
+    got: dict[str, list[float]] = {k: [] for k in methods}
+    for _ in range(turns):
+        for k, setup in methods.items():
+            undo = setup()
+            try:
+                got[k].append(float(measure_steps(step, 5, cuda, warmup=1)["step_s"]))
+            finally:
+                if callable(undo):
+                    undo()
+            if cuda:
+                torch.cuda.empty_cache()
+    base = statistics.median(got["torch.utils.checkpoint"])
+    n = len(b.blocks)
+    for k, ts in got.items():
+        m = statistics.median(ts)
+        print(f"{k:<28} {m * 1e3:8.1f} ms  turns {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}  "
+              f"{(m - base) / n * 1e6:+7.0f} us a block over torch.utils.checkpoint", flush=True)
+    if trace:
+        from torch.profiler import ProfilerActivity, profile
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        for k in ("Recompute()", "torch.utils.checkpoint"):
+            undo = methods[k]()
+            try:
+                step()
+                with profile(activities=acts) as prof:
+                    step()
+                    if cuda:
+                        torch.cuda.synchronize()
+            finally:
+                undo()
+            print(f"-- {k}: host time per op, one step")
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=trace))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--ablate", default="", help="models of architectures.py (comma-separated): the ablation instead")
+    p.add_argument("--turns", type=int, default=5, help="turns of each method in --ablate")
     p.add_argument("--batch", type=int, default=None)
     p.add_argument("--reps", type=int, default=7)
     p.add_argument("--profile", type=int, default=30, help="lines of the cProfile to print")
     p.add_argument("--trace", type=int, default=0, help="lines of torch.profiler's table of the selective steps")
     args = p.parse_args()
+    if args.ablate:
+        for name in args.ablate.split(","):
+            ablate(name, args.turns, args.trace)
+        return
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     dtype = torch.bfloat16 if cuda else torch.float32
