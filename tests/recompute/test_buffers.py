@@ -139,13 +139,64 @@ def test_guard_only_where_there_are_buffers() -> None:
     bn = nn.BatchNorm1d(3)
     g = guarded(fn, bn)
     assert isinstance(g, BufferGuard) and guarded(g, bn) is g
-    assert g.buffers == [] and {id(b) for b in g.norms} == {id(b) for b in bn.buffers()} and not g.unseen
+    assert g.buffers == [] and not g.unseen
+    assert all(d is bn._buffers for d, _ in g.norms) and {id(d[n]) for d, n in g.norms} == {id(b) for b in bn.buffers()}
     g2 = guarded(fn, bn.eval())
     assert isinstance(g2, BufferGuard) and g2.norms == [] and len(g2.buffers) == 3 and not g2.unseen
     mine = OwnForwardBN(3)
     g3 = guarded(fn, mine)
     assert isinstance(g3, BufferGuard) and g3.norms == [] and g3.unseen == {id(mine.running_mean), id(mine.running_var),
                                                                             id(mine.num_batches_tracked)}
+
+
+def test_a_recomputation_writes_fresh_statistics_not_the_norms() -> None:
+    """NOTE [ Buffers written in a forward ] Rule 2: while a recomputation runs, a stock norm's ``_buffers`` hold fresh
+    tensors (the count a CPU zero), and the norm's own tensors are back after it, untouched: same objects, values and
+    versions as after the forward."""
+    seen: list[dict[str, torch.Tensor]] = []
+
+    class Spy(nn.BatchNorm1d):
+        pass
+
+    bn = nn.BatchNorm1d(3, momentum=None)  # the cumulative average: the forward reads the count with float()
+    own = dict(bn._buffers)
+
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        seen.append(dict(bn._buffers))
+        return bn(x)
+    g = guarded(fn, bn)
+    x = torch.randn(8, 3)
+    g(x)  # the forward
+    after = {k: (v.clone(), v._version) for k, v in own.items()}
+    g(x)  # a recomputation
+    assert all(bn._buffers[k] is own[k] for k in own)
+    assert all(torch.equal(own[k], after[k][0]) and own[k]._version == after[k][1] for k in own)
+    assert all(seen[1][k] is not own[k] for k in own) and seen[1]["num_batches_tracked"].device.type == "cpu"
+    assert int(bn.num_batches_tracked) == 1
+
+
+def test_statistics_two_norms_share_are_copied_not_swapped() -> None:
+    """NOTE [ Buffers written in a forward ] Rule 2: a statistic two norms share (or that is no buffer of its name)
+    cannot be swapped in one norm alone: it is cloned at the call and put back after each recomputation, and the
+    gradients and statistics are plain autograd's."""
+    torch.manual_seed(0)
+
+    def shared() -> Net:
+        blocks = []
+        for _ in range(3):
+            a, b = nn.BatchNorm1d(3), nn.BatchNorm1d(3)
+            b.running_mean = a.running_mean  # one tensor, two norms
+            blocks.append(nn.Sequential(nn.Linear(3, 3), a, nn.Linear(3, 3), b))
+        return Net(blocks)
+    plain = shared()
+    model = copy.deepcopy(plain)
+    g = guarded(lambda x: x, model.b[0])
+    assert isinstance(g, BufferGuard) and id(model.b[0][1].running_mean) in g.unseen
+    assert all(d[n] is not model.b[0][1].running_mean for d, n in g.norms)
+    for blk in model.b:
+        torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+    x = torch.randn(8, 3)
+    _same(plain, model, _steps(plain, x), _steps(model, x))
 
 
 class OwnForwardBN(nn.BatchNorm1d):

@@ -173,7 +173,8 @@ def test_the_walk_is_kept_and_found_again_on_a_change(monkeypatch: pytest.Monkey
         assert isinstance(g, BufferGuard) and len(walks) == n
         stats = [blk.bn.running_mean, blk.bn.running_var, blk.bn.num_batches_tracked]
         norms = stats if blk.bn.training and blk.bn.track_running_stats else []
-        assert [id(b) for b in g.norms] == [id(b) for b in norms]
+        assert [id(d[n]) for d, n in g.norms] == [id(b) for b in norms]
+        assert all(d is blk.bn._buffers for d, _ in g.norms)
         assert {id(b) for b in g.buffers} == {id(b) for b in blk.buffers()} - {id(b) for b in norms}
 
 

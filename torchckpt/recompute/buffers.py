@@ -14,12 +14,19 @@
 #    copies nothing. Other norms in training (subclasses with a ``forward`` of their own, timm's
 #    ``BatchNormAct2d``) count as written whatever their versions say.
 # 2. Each recomputation (``torch.utils.checkpoint``'s, each part of ``Recompute(parts=...)``, each run of
-#    ``checkpoint_chain``) first notes the values of the written buffers and of Rule 1's norm buffers (as the
-#    forward left them, or as the step has them since), puts the values the forward started from back into
-#    the written ones, runs, then puts the noted values back, with one foreach copy each way (on the CPU, the
-#    noting clones each buffer: ``_copies``). So the recomputation computes what the forward computed, and the
-#    buffers end the step as they would without torchckpt: batch norm's statistics move once a step (tested bit
-#    for bit against plain autograd, with every form of ``Recompute`` and with ``checkpoint_chain``).
+#    ``checkpoint_chain``) first notes the values of the written buffers (as the forward left them, or as the step has
+#    them since), puts the values the forward started from back into them, runs, then puts the noted values back,
+#    with one foreach copy each way (on the CPU, the noting clones each buffer: ``_copies``). Rule 1's norm
+#    statistics are not copied: for the recomputation's run, each of those norms' ``_buffers`` entries is a fresh
+#    tensor of its shape (``torch.empty_like``; ``num_batches_tracked`` a zero on the CPU, which the stock ``forward``
+#    only counts up and reads with ``float()``), which the recomputation's kernels write, then the module's own
+#    tensors are put back. A stock norm in training normalises with the batch's statistics and reads its running ones
+#    only to update them (and may save them for a backward in training, which does not read them), so the
+#    recomputation computes what the forward computed. On an H100 the copies each way had cost ResNet-152
+#    (``torch.utils.checkpoint`` on every Bottleneck, batch 128) about 0.65 ms a block: 462 small kernels and as many
+#    copies a step from the host, on a step the host bounds (``benchmarks/recompute_overhead.py --ablate``). So the
+#    buffers end the step as they would without torchckpt: batch norm's statistics move once a step (tested bit for
+#    bit against plain autograd, with every form of ``Recompute`` and with ``checkpoint_chain``).
 # 3. The writes go through ``.data``, which bumps no version counter: autograd's check on the tensors the
 #    block saved (NOTE [ Saved tensor identity ] Rule 1) sees the buffers as the forward left them. They run
 #    with every dispatch mode set aside, so ``Recompute(save=...)``'s op count (NOTE [ Selective recompute ]
@@ -45,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from itertools import chain
 from operator import attrgetter
@@ -91,19 +99,19 @@ class BufferGuard:
     Args:
         fn: the block's function.
         buffers: the module's buffers cloned at the call (NOTE [ Buffers written in a forward ] Rule 1).
-        norms: the running statistics of torch's own norms in training, restored after each recomputation only.
+        norms: the running statistics of torch's own norms in training, as ``(the norm's _buffers, name)``: each
+            recomputation runs with fresh tensors in their place (Rule 2).
         unseen: ids of ``buffers`` written without moving their version: the running statistics of other norms
             (subclasses with their own ``forward``) in training.
     """
 
-    __slots__ = ("buffers", "calls", "fn", "held", "norms", "unseen", "written")
+    __slots__ = ("buffers", "calls", "fn", "norms", "unseen", "written")
 
-    def __init__(self, fn: Callable[..., Any], buffers: list[torch.Tensor], norms: list[torch.Tensor],
+    def __init__(self, fn: Callable[..., Any], buffers: list[torch.Tensor], norms: list[tuple[dict[str, Any], str]],
                  unseen: frozenset[int] = frozenset()) -> None:
         self.fn, self.buffers, self.norms, self.unseen = fn, buffers, norms, unseen
         self.calls = 0
         self.written: list[tuple[torch.Tensor, torch.Tensor]] = []  # (buffer, its value when the forward began)
-        self.held = norms  # what each recomputation restores: the written buffers, then the norms' statistics
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         self.calls += 1
@@ -116,20 +124,34 @@ class BufferGuard:
             out = self.fn(*args, **kwargs)
             self.written = [(b, v) for b, s, v in zip(self.buffers, seen, before)
                             if b._version != s or id(b) in self.unseen]
-            self.held = [b for b, _ in self.written] + self.norms
             return out
-        held = self.held
-        if not held:
+        written, norms = self.written, self.norms
+        if not written and not norms:
             return self.fn(*args, **kwargs)
         with _Aside():  # NOTE [ Buffers written in a forward ] Rules 2-3
-            now = _copies(held)
-            if self.written:
-                torch._foreach_copy_([b.data for b, _ in self.written], [v for _, v in self.written])
+            if written:
+                now = _copies([b for b, _ in written])
+                torch._foreach_copy_([b.data for b, _ in written], [v for _, v in written])
+            own = [d[n] for d, n in norms]
+            for (d, n), t in zip(norms, own):
+                d[n] = _scratch(t)
         try:
             return self.fn(*args, **kwargs)
         finally:
-            with _Aside():
-                torch._foreach_copy_([b.data for b in held], now)
+            for (d, n), t in zip(norms, own):
+                d[n] = t
+            if written:
+                with _Aside():
+                    torch._foreach_copy_([b.data for b, _ in written], now)
+
+
+def _scratch(t: torch.Tensor) -> torch.Tensor:
+    """What a recomputation's norm writes instead of ``t`` (NOTE [ Buffers written in a forward ] Rule 2): a fresh
+    tensor like it; for the 0-dim count (``num_batches_tracked``) a zero on the CPU, which the stock ``forward``
+    counts up and may read with ``float()``: no launch, no synchronization, never a division by zero."""
+    if t.dim() == 0 and not t.is_floating_point():
+        return torch.zeros((), dtype=t.dtype)
+    return torch.empty_like(t)
 
 
 def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -165,18 +187,19 @@ class _Walk:
         key: ``_key`` of the walk.
         norms: positions of the norms among ``mods``.
         rest: positions of the buffers cloned at the call, among the modules' buffers in order.
-        stats: positions of the norms' statistics, likewise.
+        stats: the norms' statistics, as (the norm's position among ``mods``, the buffer's name).
         unseen: as ``BufferGuard``'s.
     """
 
     __slots__ = ("key", "mods", "norms", "rest", "stats", "unseen")
 
     def __init__(self, mods: tuple[weakref.ref[nn.Module], ...], key: tuple[Any, ...], norms: list[int],
-                 rest: list[int], stats: list[int], unseen: frozenset[int]) -> None:
+                 rest: list[int], stats: list[tuple[int, str]], unseen: frozenset[int]) -> None:
         self.mods, self.key, self.norms, self.rest, self.stats, self.unseen = mods, key, norms, rest, stats, unseen
 
-    def found(self, module: nn.Module) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
-        """``(buffers, norms)`` of ``module`` as they are now, or ``None`` where the walk no longer holds."""
+    def found(self, module: nn.Module) -> tuple[list[torch.Tensor], list[tuple[dict[str, Any], str]]] | None:
+        """``(buffers, norms)`` of ``module`` as they are now (``BufferGuard``'s), or ``None`` where the walk no longer
+        holds."""
         try:
             mods: list[Any] = list(map(_DEREF, self.mods))  # a module gone is None: ``_DICTS`` raises below
             if mods[0] is not module:
@@ -188,33 +211,39 @@ class _Walk:
             return None
         if not self.rest and not self.stats:
             return [], []
-        flat = list(chain.from_iterable(map(dict.values, dicts[1::2])))
-        return [flat[i] for i in self.rest], [flat[i] for i in self.stats]
+        flat = list(chain.from_iterable(map(dict.values, dicts[1::2]))) if self.rest else []
+        return [flat[i] for i in self.rest], [(dicts[2 * k + 1], n) for k, n in self.stats]
 
 
-def _walk(module: nn.Module) -> tuple[_Walk | None, list[torch.Tensor], list[torch.Tensor], frozenset[int]]:
+def _walk(module: nn.Module) -> tuple[_Walk | None, list[torch.Tensor], list[tuple[dict[str, Any], str]], frozenset[int]]:
     """One walk of ``module``'s modules (NOTE [ Buffers written in a forward ] Rules 1, 4): its buffers cloned at the
-    call, its norms' statistics, the ids of ``unseen`` ones, and the walk to keep (``None``: walk at every call)."""
+    call, its norms' statistics (``BufferGuard``'s ``norms``), the ids of ``unseen`` ones, and the walk to keep
+    (``None``: walk at every call)."""
     mods = list(module.modules())
     bufs = list(map(_BUFFERS, mods))
     norms: dict[int, torch.Tensor] = {}
+    slots: list[tuple[int, str]] = []  # (position among mods, name) of each statistic in ``norms``
     unseen: set[int] = set()
     buffers: dict[int, torch.Tensor] = {}
     kept = True  # each norm statistic is its buffer of that name (NOTE [ Buffers written in a forward ] Rule 5)
-    for m, own in zip(mods, bufs):
+    held = Counter(id(b) for b in chain.from_iterable(map(dict.values, bufs)) if b is not None)
+    for k, (m, own) in enumerate(zip(mods, bufs)):
         if not own:
             continue
         if isinstance(m, _NormBase) and m.training and m.track_running_stats:
             named = (m.running_mean, m.running_var, m.num_batches_tracked)
-            kept = kept and all(b is own.get(n) for b, n in zip(named, _STATS))
-            stats = [b for b in named if b is not None]
-            if type(m).forward in _STOCK_NORMS:
-                norms.update((id(b), b) for b in stats)
-            else:
-                unseen.update(id(b) for b in stats)
+            theirs = all(b is own.get(n) for b, n in zip(named, _STATS))
+            kept = kept and theirs
+            stats = [(b, n) for b, n in zip(named, _STATS) if b is not None]
+            if type(m).forward in _STOCK_NORMS and theirs and all(held[id(b)] == 1 for b, _ in stats):
+                norms.update((id(b), b) for b, _ in stats)
+                slots.extend((k, n) for _, n in stats)
+            else:  # a statistic that is no buffer of its name, or one another module holds too, cannot be swapped: copied
+                unseen.update(id(b) for b, _ in stats)
+                buffers.update((id(b), b) for b, _ in stats)
         buffers.update((id(b), b) for b in own.values() if b is not None)
     rest = [b for k, b in buffers.items() if k not in norms]
-    found = rest, list(norms.values()), frozenset(unseen)
+    found = rest, [(bufs[k], n) for k, n in slots], frozenset(unseen)
     if not kept:
         return None, *found
     try:  # a TorchScript module's ``_modules`` is no dict: walked at every call
@@ -229,7 +258,7 @@ def _walk(module: nn.Module) -> tuple[_Walk | None, list[torch.Tensor], list[tor
             at.setdefault(id(b), i)
     where = [k for k, m in enumerate(mods) if isinstance(m, _NormBase)]
     key = _key(mods, dicts, [mods[k] for k in where])
-    return _Walk(refs, key, where, [at[id(b)] for b in rest], [at[k] for k in norms], found[2]), *found
+    return _Walk(refs, key, where, [at[id(b)] for b in rest], slots, found[2]), *found
 
 
 # id(module) -> its walk, dropped with the module (NOTE [ Buffers written in a forward ] Rule 5)
