@@ -292,12 +292,29 @@ class _Profiled:
             assert p.measured_peak_bytes is not None and p.measured_step_time is not None
             assert best.measured_step_time is not None
             if p.measured_peak_bytes <= limit and p.measured_step_time < best.measured_step_time:
-                asked, other = format_bytes_apart(budget, p.budget)
-                self.say(f"budget {asked}: the plan verified for {other} fits and measured faster "
-                         f"({p.measured_step_time * 1e3:.1f} against {best.measured_step_time * 1e3:.1f} ms)")
-                best = dataclasses.replace(p, budget=budget)
+                best = self._faster(budget, best, p)
         self.verified.append(best)
         return best
+
+    def _faster(self, budget: int, best: Plan, p: Plan) -> Plan:
+        """NOTE [ Applying a plan ] Rule 6: ``best`` (this budget's, measured) or ``p`` (verified for another budget,
+        measured faster, its peak within this one's), whichever measures faster; figures within Rule 8's 3% are
+        measured again, as Rule 8 does (``best`` first), and within its 1% the model decides."""
+        ours, theirs = best.measured_step_time, p.measured_step_time
+        assert ours is not None and theirs is not None
+        took = True
+        if ours - theirs <= theirs * _CLOSE and p.blocks != best.blocks:
+            a, b = self._step(best), self._step(p)
+            if a is not None and b is not None:
+                ours, theirs = (ours + a[1]) / 2, (theirs + b[1]) / 2
+                tie = abs(ours - theirs) <= min(ours, theirs) * _TIE
+                took = p.step_time < best.step_time if tie else theirs < ours
+        asked, other = format_bytes_apart(budget, p.budget)
+        self.say(f"budget {asked}: the plan verified for {other} fits and measured "
+                 f"{theirs * 1e3:.1f} against {ours * 1e3:.1f} ms: " + ("took it" if took else "kept this budget's"))
+        if not took:
+            return dataclasses.replace(best, measured_step_time=ours)
+        return dataclasses.replace(p, budget=budget, measured_step_time=theirs)
 
     def step(self, p: Plan, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
         """``p`` (whose decisions are ``decisions``) measured, or what measuring it gave before (NOTE [ Mechanism costs ]
