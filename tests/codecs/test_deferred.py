@@ -14,7 +14,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from torchckpt.codecs import Bitcomp, Codec, Deferred, Identity, Packed, TritonQuant
-from torchckpt.codecs import quant as Q
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 CODES = [(8, "int"), (4, "int"), (8, "e4m3")]
@@ -56,9 +55,11 @@ def same_packed(a: Packed, b: Packed) -> bool:
         x.shape == y.shape and torch.equal(x, y) for x, y in zip(a.buffers, b.buffers))
 
 
-def check_deferred(c: Codec, x: torch.Tensor) -> None:
+def check_deferred(c: Codec, x: torch.Tensor, same_bytes: bool = True) -> None:
     """The deferred form decodes to ``decompress(compress(x))``'s bits as it is and settled; settled, it is
-    ``compress``'s Packed byte for byte; decoding into an ``out`` (contiguous or not) gives the same bits."""
+    ``compress``'s Packed byte for byte (``same_bytes=False``: its meta and the decoded bits only, for a codec whose
+    bytes may differ from one compression to the next); decoding into an ``out`` (contiguous or not) gives the same
+    bits."""
     p = c.compress(x)
     want = c.decompress(p)
     d = c.compress_deferred(x)
@@ -71,7 +72,7 @@ def check_deferred(c: Codec, x: torch.Tensor) -> None:
         c.decompress(d.packed, out=t)
         assert same_bits(t.contiguous(), want)
     s = c.settle(d, d.sizes.tolist() if d.sizes is not None else [])
-    assert same_packed(s, p), (s.meta, p.meta)
+    assert same_packed(s, p) if same_bytes else s.meta == p.meta, (s.meta, p.meta)
     assert same_bits(c.decompress(s), want)
     assert all(b.device == x.device for b in s.buffers)
 

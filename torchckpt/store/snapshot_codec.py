@@ -3,20 +3,69 @@
 ``SnapshotStore`` (store/snapshots.py, NOTE [ Snapshot store ] Rules 8-9) takes these methods from ``CodecSide``:
 compressing a snapshot at save, decoding it at restore (into fresh tensors or the caller's, NOTE [ Snapshot store ]
 Rule 11), writing it into a slot, and sizing or growing the slots from the blobs.
+
+# NOTE [ Snapshot sizes ]
+# A save with a codec reads no size back to the host: the host does not wait for the device at
+# a save, so the device keeps the work queued behind it (issue 26).
+# 1. The save compresses with ``Codec.compress_deferred`` on the compute stream (NOTE [ Codec
+#    streams ] Rule 3) and copies the sizes of all the snapshot's tensors, in one copy, to a
+#    pinned row on the mover's sizes stream (NOTE [ Mover ] Rule 6), with an event. Until it is
+#    settled (Rule 2) the snapshot is *unsized*: it holds the deferred buffers (of the codec's
+#    worst case, about the snapshot's own size), a ``Tier.GPU`` one in ``_packs``, an off-GPU one
+#    beside the slot it was given (not written yet), and a restore decodes them as they are, on
+#    the compute stream, with the sizes read on the device.
+# 2. Each action first settles the unsized snapshots whose sizes are on the host (their event
+#    has completed: ``query``, no wait), oldest first. ``Codec.settle`` gives the exact Packed
+#    (``compress``'s bytes); a GPU-tier snapshot keeps trimmed copies; an off-GPU one is written
+#    into its slot (``Mover.place``, on the sizes stream: NOTE [ Mover ] Rule 6) after the save's
+#    event, the slot's fill and flush events as they were at the save, and flushed from there to a
+#    host block of its exact blob size on the offload stream after that write: neither waits for
+#    the compute stream's later work, so the flush overlaps the steps queued since, and the
+#    write does not queue behind other flushes. The write's event is the slot's fill and flush
+#    event until the flush (restores wait for it; a fill, or a later snapshot's write, into the
+#    slot come after it). So a save of an off-GPU snapshot makes the compute stream wait for
+#    nothing (no save wait, NOTE [ Snapshot store ] Rule 3).
+# 3. The host waits for a size (``Event.synchronize``) only when it must: for the oldest when
+#    more than ``_MAX_UNSIZED`` snapshots are unsized (this bounds the deferred memory), for one
+#    whose slot is taken by another (eviction flushes it), and in ``stats``. Each such event was
+#    recorded at an earlier save, and the device still holds the work queued after it, so its
+#    queue does not empty; ``stats().size_waits`` counts the waits that found an event not done.
+# 4. ``compress`` (exact sizes, read back at once) keeps the cases that need the size at the
+#    save: ``peers=`` (its plan splits snapshots by size, collectively, at the save) and a save
+#    that finds every slot pinned (straight to host), as well as the first snapshot (compressed
+#    once by ``calibrate`` to size the slots). A codec that defers nothing (Identity, ZFP) is
+#    settled at its save. On the CPU sizes are on the host at once: the same bookkeeping runs
+#    and a snapshot is settled at the next action (``_sized`` is the tests' seam to delay it).
+# 5. Whether a restore decodes the deferred buffers, the slot or a host block, it gets the same
+#    bits: ``decompress`` of ``compress``'s Packed (the codecs' tests and the store's compare).
+#    Stats count a snapshot's packed bytes when it is settled; one freed or saved again while
+#    unsized is still settled in its turn, only to count them (its buffers kept until then).
+# 6. Why sizes read back late rather than slots sized from the codec's bound: TritonQuant's and
+#    Bitcomp's worst case is about the snapshot's own size (every block raw; ``bitcompMaxBuflen``),
+#    so bound-sized slots would turn no compression ratio into more slots, and a flush of a
+#    bound-sized slot moves more than the compressed bytes. Offsets kept on the device (a bump
+#    allocator) would not remove the read-back either: a device-to-host copy takes its length on
+#    the host. Reading the sizes back late pays the worst case only for the few snapshots in
+#    flight (Rule 3's bound, in PyTorch's caching allocator, outside ``gpu_bytes``), while slots,
+#    host blocks and the link carry compressed bytes only, as before.
 """
 from __future__ import annotations
 
+import collections
+import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from torchckpt.codecs.base import Codec, Packed
+from torchckpt.codecs.base import Codec, Deferred, Packed
 from torchckpt.codecs.blob import Blob
 from torchckpt.store.snapshot_slots import Layout, Slots
 
 __all__ = ["CodecSide"]
+
+_MAX_UNSIZED = 2  # snapshots whose sizes may be on the device at once (NOTE [ Snapshot sizes ] Rule 3)
 
 
 def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
@@ -24,10 +73,32 @@ def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
     return tuple((t.data_ptr(), t._version, t.shape, t.stride(), t.dtype, t.device) for t in tensors)
 
 
+def _own(p: Packed) -> Packed:
+    """``p`` with every buffer that views a larger one copied into its own, so the larger one's memory can go."""
+    bufs = tuple(b if b.untyped_storage().nbytes() == b.nbytes else b.clone() for b in p.buffers)
+    return Packed(bufs if isinstance(p.data, tuple) else bufs[0], p.meta)
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Unsized:
+    """A snapshot saved with its sizes still on the device (NOTE [ Snapshot sizes ] Rule 1)."""
+
+    n: int | None  # None: freed or saved again, kept only to count its packed bytes (NOTE [ Snapshot sizes ] Rule 5)
+    defs: list[Deferred]
+    row: torch.Tensor | None  # the pinned row its sizes come back in (None: nothing deferred)
+    sized: Any  # the event of that copy (None on the CPU)
+    saved: Any  # the compute stream's event at the save: the compression is queued before it
+    slot: int | None  # its slot (None: a Tier.GPU snapshot)
+    fill: Any  # the slot's fill event at the save (a prefetch into it may still be running)
+    flushed: Any  # the slot's flush event at the save (a flush of what it held may still read it)
+    flush: bool
+
+
 class CodecSide:
     """The codec methods of ``SnapshotStore``, over the store's state (declared here, set by the store)."""
 
     device: torch.device
+    cuda: bool
     codec: Codec | None
     slot_margin: float
     _c: dict[str, Any]
@@ -35,9 +106,111 @@ class CodecSide:
     _layout: Layout | None
     _slots: Slots
     _blobs: dict[int, Blob]
+    _packs: dict[int, list[Packed]]
     _save_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]]
     _first: tuple[tuple[tuple[Any, ...], ...], list[Packed]] | None
     _warned_grow: bool
+    _unsized: dict[int, _Unsized]
+    _sizing: collections.deque[_Unsized]
+    _rows: list[torch.Tensor]
+    _fill_ev: list[Any]
+    _flush_ev: list[Any]
+    _fill_of: list[int | None]
+    _dirty: set[int]
+
+    def _flush(self, n: int, s: int, after: Any = None) -> None:  # SnapshotStore's
+        raise NotImplementedError
+
+    # -- sizes on the device (NOTE [ Snapshot sizes ]) ----------------------------------------------------------------
+    def _save_deferred(self, n: int, tensors: Sequence[torch.Tensor], s: int | None, flush: bool) -> None:
+        """Compress snapshot ``n`` with its sizes left on the device, for slot ``s`` (``None``: ``Tier.GPU``)
+        (NOTE [ Snapshot sizes ] Rules 1, 3-4)."""
+        assert self.codec is not None
+        first, self._first = self._first, None
+        if first is not None and first[0] == _identity(tensors):
+            defs = [Deferred(p) for p in first[1]]  # the first snapshot, compressed once by calibrate
+        else:
+            defs = [self.codec.compress_deferred(t.detach()) for t in tensors]
+        self._c["raw_bytes"] += sum(d.packed.orig_nbytes for d in defs)
+        sizes = [d.sizes for d in defs if d.sizes is not None]
+        row, sized = None, None
+        if sizes:
+            vals = sizes[0] if len(sizes) == 1 else torch.cat(sizes)
+            row = self._rows.pop() if self._rows and self._rows[-1].numel() == vals.numel() else (
+                torch.empty(vals.numel(), dtype=torch.int64, pin_memory=self.cuda))
+            sized = self._mover.read_back(row, vals)
+        if s is None:
+            self._packs[n] = [d.packed for d in defs]
+        rec = _Unsized(n, defs, row, sized, self._mover.record(), s, None if s is None else self._fill_ev[s],
+                       None if s is None else self._flush_ev[s], flush)
+        self._unsized[n] = rec
+        self._sizing.append(rec)
+        if not sizes:
+            self._settle(rec)
+        while len(self._sizing) > _MAX_UNSIZED:
+            self._settle(self._sizing[0])
+
+    def _sized(self, rec: _Unsized) -> bool:
+        """Whether ``rec``'s sizes are on the host (the CPU tests replace it to keep snapshots unsized longer)."""
+        return rec.sized is None or bool(rec.sized.query())
+
+    def _settle_ready(self) -> None:
+        """Settle the unsized snapshots whose sizes are on the host, oldest first (NOTE [ Snapshot sizes ] Rule 2)."""
+        while self._sizing and self._sized(self._sizing[0]):
+            self._settle(self._sizing[0])
+
+    def _settle_all(self) -> None:
+        while self._sizing:
+            self._settle(self._sizing[0])
+
+    def _settle(self, rec: _Unsized) -> None:
+        """Read ``rec``'s sizes (waiting only if they are not on the host yet) and keep its snapshot's exact form:
+        trimmed copies (``Tier.GPU``), or its slot written and flushed (NOTE [ Snapshot sizes ] Rules 2-3)."""
+        assert self.codec is not None
+        if self._sizing[0] is rec:
+            self._sizing.popleft()
+        else:
+            self._sizing.remove(rec)
+        n = rec.n
+        if n is not None:
+            del self._unsized[n]
+        if rec.row is not None and not self._sized(rec):
+            self._c["size_waits"] += 1
+            if rec.sized is not None:
+                rec.sized.synchronize()  # an event of an earlier save (NOTE [ Snapshot sizes ] Rule 3)
+        vals: list[int] = []
+        if rec.row is not None:
+            vals = rec.row.tolist()
+            self._rows.append(rec.row)
+        packs, i = [], 0
+        for d in rec.defs:
+            k = 0 if d.sizes is None else d.sizes.numel()
+            packs.append(self.codec.settle(d, vals[i:i + k]))
+            i += k
+        self._c["packed_bytes"] += sum(p.nbytes for p in packs)
+        s = rec.slot
+        if n is None:
+            return
+        if s is None:
+            self._packs[n] = [_own(p) for p in packs]
+            return
+        blob = Blob(packs)
+        self._blobs[n] = blob
+        grown = self._ensure_room(s, blob.nbytes)  # a new buffer is allocated on the compute stream: after it
+        ev = self._mover.place(self._slots[s], blob, packs, (rec.saved, rec.fill, rec.flushed), after_all=grown)
+        self._fill_ev[s] = self._flush_ev[s] = ev
+        self._fill_of[s] = None
+        if rec.flush:
+            self._flush(n, s, after=ev)
+        else:
+            self._dirty.add(n)
+
+    def _drop_unsized(self, n: int) -> None:
+        """Forget unsized snapshot ``n`` (freed, or saved again): it is settled in its turn only to count its packed
+        bytes (NOTE [ Snapshot sizes ] Rule 5)."""
+        rec = self._unsized.pop(n, None)
+        if rec is not None:
+            rec.n = None
 
     def _first_blob(self, tensors: Sequence[torch.Tensor], packs: Sequence[Packed] | None) -> int:
         """Compress the first snapshot once (or take ``packs``, its compression), kept for its save; the slot size it
@@ -68,8 +241,12 @@ class CodecSide:
 
     def _views(self, n: int, flat: torch.Tensor, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed
-        (NOTE [ Snapshot store ] Rule 8); written into ``outs`` when given (NOTE [ Snapshot store ] Rule 11)."""
+        (NOTE [ Snapshot store ] Rule 8), from its deferred buffers while it is unsized (NOTE [ Snapshot sizes ]
+        Rule 1); written into ``outs`` when given (NOTE [ Snapshot store ] Rule 11)."""
         if self.codec is not None:
+            rec = self._unsized.get(n)
+            if rec is not None:
+                return self._decompress([d.packed for d in rec.defs], outs)
             return self._decompress(self._blobs[n].read(flat), outs)
         assert self._layout is not None
         views = self._layout.views(flat)
@@ -96,11 +273,11 @@ class CodecSide:
         for dst, src in zip(kept[1], tensors):
             dst.copy_(src)
 
-    def _ensure_room(self, s: int, nbytes: int) -> None:
-        """Grow slot ``s`` to ``nbytes`` when a blob does not fit (NOTE [ Snapshot store ] Rule 9)."""
+    def _ensure_room(self, s: int, nbytes: int) -> bool:
+        """Grow slot ``s`` to ``nbytes`` when a blob does not fit (NOTE [ Snapshot store ] Rule 9); whether it grew."""
         old = self._slots[s]
         if nbytes <= old.numel():
-            return
+            return False
         self._mover.keep_alive(old)  # the old buffer may still be read by a flush or written by a fill
         self._slots[s] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         self._c["slot_grows"] += 1
@@ -112,4 +289,5 @@ class CodecSide:
                 "larger slot_margin, or a codec setting with a steadier ratio.",
                 RuntimeWarning, stacklevel=4,
             )
+        return True
 

@@ -164,7 +164,7 @@ class PeerSide:
     def _size(self, n: int) -> int:  # DiskSide's: bytes of off-GPU snapshot n
         raise NotImplementedError
 
-    def _ensure_room(self, s: int, nbytes: int) -> None:  # SnapshotStore's (NOTE [ Snapshot store ] Rule 9)
+    def _ensure_room(self, s: int, nbytes: int) -> bool:  # CodecSide's (NOTE [ Snapshot store ] Rule 9)
         raise NotImplementedError
 
     def _views(self, n: int, flat: torch.Tensor) -> list[torch.Tensor]:  # SnapshotStore's (NOTE [ Snapshot store ] Rule 8)

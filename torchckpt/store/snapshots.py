@@ -16,8 +16,10 @@
 # 3. Every slot remembers three events: its last flush (device-to-host), its last fill
 #    (host-to-device) and its last use on the compute stream. Overwriting a slot waits on
 #    the events of whatever may still read or write it: a save waits (GPU-side) for the
-#    slot's flush, as GPUZIP's SAVE does; a prefetch on the prefetch stream waits for the
-#    slot's flush and last use, and for the snapshot's own flush to host.
+#    slot's flush, as GPUZIP's SAVE does (with a codec the slot is written later, on a side
+#    stream after that flush: NOTE [ Snapshot sizes ] Rule 2); a prefetch on the
+#    prefetch stream waits for the slot's flush and last use, and for the snapshot's own flush
+#    to host.
 # 4. A restore waits on the slot's fill event (compute stream), never on the device. A
 #    restore that misses fills a slot on demand; with no slot available (every slot pinned:
 #    the runtime left the plan) it copies straight from host into fresh tensors.
@@ -32,8 +34,9 @@
 #    is its ``Packed`` buffers; an off-GPU one is a *blob* (the packed buffers of its tensors
 #    laid end to end, ``Blob``) in a slot and in a host block of the blob's size. Compression
 #    runs on the compute stream at save (after what produced the state, NOTE [ Codec
-#    streams ]); decompression at restore, on the compute stream after the slot's fill event,
-#    into fresh tensors. The copies move only compressed bytes.
+#    streams ]), its sizes left on the device until later (NOTE [ Snapshot sizes ]);
+#    decompression at restore, on the compute stream after the slot's fill event, into fresh
+#    tensors. The copies move only compressed bytes.
 # 9. Slots then hold ``slot_bytes`` each: given, or calibrated on the first snapshot as its
 #    blob size times ``1 + slot_margin`` (a variable-rate codec's later snapshots may be
 #    larger). ``gpu_bytes`` (instead of ``slots``) makes the slot count follow: as many slots
@@ -55,6 +58,7 @@
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import itertools
 import os
@@ -186,6 +190,9 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self._warned_grow = False
         self._save_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # slot -> (its buffer, save's views)
         self._first: tuple[tuple[tuple[Any, ...], ...], list[Packed]] | None = None  # calibrate's compression
+        self._unsized = {}  # saved, sizes still on the device (NOTE [ Snapshot sizes ])
+        self._sizing = collections.deque()  # those and the ones dropped since, oldest first
+        self._rows = []  # pinned rows the sizes come back in, free
         self._slots = Slots()
         self._arena: DeviceArena | None = None
         self._slot_of: dict[int, int] = {}
@@ -223,18 +230,32 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         c = self._c
         c["saves"] += 1
         with nvtx_range("torchckpt.save", n):
-            packs = self._compress(tensors) if self.codec is not None else None
+            if self._sizing:
+                self._drop_unsized(n)  # a save of n again replaces it
+                self._settle_ready()  # NOTE [ Snapshot sizes ] Rule 2
+            deferred = self.codec is not None and self.peers is None  # NOTE [ Snapshot sizes ] Rule 4
             if tier is Tier.GPU:
-                if packs is not None:
-                    self._packs[n] = packs
-                else:
+                if self.codec is None:
                     self._gpu[n] = [t.detach().clone() for t in tensors]
+                elif deferred:
+                    self._save_deferred(n, tensors, None, True)
+                else:
+                    self._packs[n] = self._compress(tensors)
                 return
             c["host_saves"] += 1
             self._poll()
             self._drop_disk(n)  # a save of n again replaces its file
             if tier is Tier.DISK and self.disk is not None:
                 self._disk_ns.add(n)
+            if deferred and self._rank.can_take():  # NOTE [ Snapshot sizes ] Rules 1-2: the slot is written when settled
+                self._blobs.pop(n, None)
+                s = self._take_slot(n)
+                old_host = self._on_host.pop(n, None)
+                if old_host is not None:
+                    self.host.free(old_host[0], old_host[1])
+                self._save_deferred(n, tensors, s, flush)
+                return
+            packs = self._compress(tensors) if self.codec is not None else None
             lay = self._layout
             assert lay is not None
             blob = Blob(packs) if packs is not None else None
@@ -281,6 +302,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
                 self._rank.pin(n)
             return
         self._poll()
+        if self._sizing:
+            self._settle_ready()  # NOTE [ Snapshot sizes ] Rule 2
         fetched = self._peer_take("prefetch", n, src)  # NOTE [ Snapshot peer tier ] Rules 1, 5
         if n in self._slot_of:
             self._rank.pin(n)
@@ -340,6 +363,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         c = self._c
         c["restores"] += 1
         with nvtx_range("torchckpt.restore", n):
+            if self._sizing:
+                self._settle_ready()  # NOTE [ Snapshot sizes ] Rule 2
             if tier is Tier.GPU:
                 if n in self._packs:
                     return self._decompress(self._packs[n], outs)
@@ -401,10 +426,14 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         """Release snapshot ``n`` of ``tier`` (a disk snapshot's file too, NOTE [ Snapshot disk tier ] Rule 3)."""
         if tier is not Tier.GPU:
             self._poll()
+        if self._sizing:
+            self._drop_unsized(n)
+            self._settle_ready()  # NOTE [ Snapshot sizes ] Rule 2
         self._peer_free(n, tier)  # NOTE [ Snapshot peer tier ] Rules 1, 6
         self._free(n, tier)
 
     def _free(self, n: int, tier: Tier) -> None:
+        self._drop_unsized(n)
         if tier is Tier.GPU:
             self._gpu.pop(n, None)
             self._packs.pop(n, None)
@@ -430,8 +459,9 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
             self._pending_use = None
 
     def stats(self) -> SnapshotStats:
-        """Counters so far (waits for pending timing events, and for the disk tier's jobs:
-        NOTE [ Snapshot disk tier ] Rule 3)."""
+        """Counters so far (waits for the sizes still on the device, NOTE [ Snapshot sizes ] Rule 3, for pending
+        timing events, and for the disk tier's jobs: NOTE [ Snapshot disk tier ] Rule 3)."""
+        self._settle_all()
         if self.disk is not None:
             self.disk.wait()
             self._poll()
@@ -459,6 +489,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
             self._free(n, Tier.HOST)
         self._gpu.clear()
         self._packs.clear()
+        self._unsized.clear()
+        self._sizing.clear()
         self._mover.drain()
         self._save_views.clear()  # they hold the slots' memory
         self._slots.release()
@@ -568,13 +600,15 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
                              "the state's own tensors in that order (e.g. out=[u, u_prev]), or out=None for views to copy.")
         return outs
 
-    def _flush(self, n: int, s: int) -> None:
-        """Copy the snapshot in slot ``s`` (step ``n``) to a host block on the offload stream."""
+    def _flush(self, n: int, s: int, after: Any = None) -> None:
+        """Copy the snapshot in slot ``s`` (step ``n``) to a host block on the offload stream, after the compute
+        stream's work so far and the slot's last write off it (its fill event: NOTE [ Snapshot sizes ] Rule 2), or
+        with ``after`` (the event of that write) after that only."""
         lay = self._layout
         assert lay is not None
         size = self._blobs[n].nbytes if self.codec is not None else lay.nbytes
         block = self.host.alloc(size)
-        ev = self._to_host(block.tensor, self._slots[s])
+        ev = self._to_host(block.tensor, self._slots[s], after, self._fill_ev[s])
         self._flush_ev[s] = ev
         self._on_host[n] = (block, ev)
         self._dirty.discard(n)
@@ -586,6 +620,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
             return self._slot_of[n]
         if evicted:
             (old,) = evicted
+            if old in self._unsized:
+                self._settle(self._unsized[old])  # its flush needs its size (NOTE [ Snapshot sizes ] Rule 3)
             if old in self._dirty:  # written back only now: the new content waits for it (NOTE [ Snapshot store ] Rule 3)
                 self._flush(old, self._slot_of[old])
             s = self._slot_of.pop(old)
@@ -609,9 +645,12 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self._fill_of[s] = n
         return ev
 
-    def _to_host(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def _to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, written: Any = None) -> Any:
+        """``src``'s first bytes to host ``dst``: after ``after`` only, or after the compute stream and ``written``."""
         self._c["bytes_to_host"] += dst.numel()
-        return self._mover.to_host(dst, src[: dst.numel()])
+        if after is None:
+            return self._mover.to_host(dst, src[: dst.numel()], written)
+        return self._mover.to_host(dst, src[: dst.numel()], after, after_compute=False)
 
     def _record(self) -> Any:
         return self._mover.record()

@@ -15,16 +15,23 @@
 #    Systems); ranges are pushed only when CUDA is available.
 # 5. On the CPU (the simulated two-tier store) copies are synchronous, events are ``None``,
 #    and ``wait`` does nothing.
+# 6. A third stream, ``sizes``, carries the few bytes of compressed sizes the snapshot store reads
+#    back (``read_back``, NOTE [ Snapshot sizes ] Rule 1), behind the compute stream's current
+#    work and never behind a flush, so a size is on the host as soon as its compression has run;
+#    and ``place``, which writes a settled snapshot's buffers into its slot (a device-to-device
+#    copy) after the events it is given only, not after the compute stream's later work nor
+#    behind the flushes (NOTE [ Snapshot sizes ] Rule 2). ``to_host(..., after=place's event,
+#    after_compute=False)`` then flushes the slot.
 """
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 
-from torchckpt.codecs.base import Codec
+from torchckpt.codecs.base import Codec, Packed
 from torchckpt.codecs.blob import Blob
 
 __all__ = ["Mover", "nvtx_range", "timed_wait"]
@@ -99,6 +106,7 @@ class Mover:
         self.delay: Callable[[str, Any], None] | None = None  # test hook: runs on the copy stream before each copy
         self.offload: Any = torch.cuda.Stream(device) if self.cuda else None
         self.prefetch: Any = torch.cuda.Stream(device) if self.cuda else None
+        self.sizes: Any = torch.cuda.Stream(device) if self.cuda else None  # NOTE [ Mover ] Rule 6
 
     # -- the compute stream ---------------------------------------------------------------
     def current(self) -> Any:
@@ -126,10 +134,11 @@ class Mover:
             cur.wait_stream(self.prefetch)
 
     def keep_alive(self, t: torch.Tensor) -> None:
-        """Keep ``t``'s memory from reuse until the copies issued so far on both streams are done."""
+        """Keep ``t``'s memory from reuse until the copies issued so far on the copy streams are done."""
         if self.cuda:
             t.record_stream(self.offload)
             t.record_stream(self.prefetch)
+            t.record_stream(self.sizes)
 
     # -- copies --------------------------------------------------------------------------
     def _event(self, stream: Any) -> Any:
@@ -152,13 +161,15 @@ class Mover:
         self._heard(s)
         return ev
 
-    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
-        """Copy ``src`` into host memory ``dst`` on the offload stream, after ``after``; returns its event."""
+    def to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, after_compute: bool = True) -> Any:
+        """Copy ``src`` into host memory ``dst`` on the offload stream, after ``after`` (and, unless
+        ``after_compute`` is False, the compute stream's work so far); returns its event."""
         if not self.cuda:
             dst.copy_(src)
             return None
         s = self.offload
-        s.wait_stream(self.current())
+        if after_compute:
+            s.wait_stream(self.current())
         if after is not None:
             s.wait_event(after)
         return self._copy(s, "d2h", dst, src)
@@ -195,6 +206,46 @@ class Mover:
         if after_all:
             p.wait_stream(self.current())
         return self._copy(p, "h2d", dst, src)
+
+    def read_back(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        """Copy the few device bytes ``src`` into pinned ``dst`` on the sizes stream, after the compute stream's
+        work so far; returns its event (NOTE [ Mover ] Rule 6)."""
+        if not self.cuda:
+            dst.copy_(src)
+            return None
+        s = self.sizes
+        s.wait_stream(self.current())
+        with torch.cuda.stream(s):
+            if self.delay is not None:
+                self.delay("sizes", s)
+            dst.copy_(src, non_blocking=True)
+            src.record_stream(s)
+            ev = torch.cuda.Event()
+            ev.record(s)
+        return ev
+
+    def place(self, dst: torch.Tensor, blob: Blob, packs: Sequence[Packed], after: Iterable[Any] = (),
+              after_all: bool = False) -> Any:
+        """Write ``packs`` into the device buffer ``dst`` at ``blob``'s offsets on the sizes stream, after the
+        events ``after`` (``None`` entries skipped) and, with ``after_all``, the compute stream's work so far;
+        returns its event (NOTE [ Mover ] Rule 6)."""
+        if not self.cuda:
+            blob.write(dst, packs)
+            return None
+        s = self.sizes
+        for ev in after:
+            if ev is not None:
+                s.wait_event(ev)
+        if after_all:
+            s.wait_stream(self.current())
+        with torch.cuda.stream(s), nvtx_range("torchckpt.place"):
+            if self.delay is not None:
+                self.delay("place", s)
+            blob.write(dst, packs, non_blocking=True)
+            for p in packs:
+                for b in p.buffers:
+                    b.record_stream(s)  # allocated on the compute stream, read here
+            return self._event(s)
 
     def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], Any]) -> tuple[Any, Blob, Any]:
         """Compress ``x`` on the offload stream and copy the result into a new host block from ``alloc``.
