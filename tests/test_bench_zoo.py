@@ -1,4 +1,4 @@
-"""``benchmarks/zoo.py``, ``benchmarks/plan_time.py`` and ``benchmarks/fsdp_frontier.py`` end to end on their tiny
+"""``benchmarks/zoo.py``, ``benchmarks/plan_time.py``, ``benchmarks/plan_stability.py`` and ``benchmarks/fsdp_frontier.py`` end to end on their
 models (CPU; fsdp_frontier on 2 gloo ranks), and the summary's choice of the eager method a plan is compared with.
 
 transformers, timm and torchvision are not torchckpt dependencies: without them these tests skip.
@@ -167,3 +167,20 @@ def test_summary_compares_with_the_fastest_eager_method_within_the_budget() -> N
     assert s4["recompute_peak_GiB"] is None and s4["floor_le_recompute"] is None  # recompute ran out of memory
     assert zoo.budgets_between(100, 1000, 3) == [103, 536, 970]
     assert zoo.budgets_between(100, 90, 5) == [103]
+
+
+def test_plan_stability_tiny_measures_every_process_plan_in_turns(tmp_path: pathlib.Path) -> None:
+    """``benchmarks/plan_stability.py``: two processes plan, a third measures both processes' plans of each budget in
+    turns; the JSON holds each process's own figures and the turns'."""
+    res = _run("plan_stability.py", "--tiny", "--model", "llama", "--procs", "2", "--turns", "2", "--reps", "1",
+               "--out", str(tmp_path))
+    assert res.returncode == 0, res.stderr[-2000:]
+    with open(tmp_path / "plan_stability_llama.json") as f:
+        got = json.load(f)
+    assert got["procs"] == 2 and len(got["budgets"]) == 2
+    for b in got["budgets"]:
+        assert len(b["runs"]) == 2 and all("plan" not in r and len(r["blocks"]) == 4 for r in b["runs"])
+        assert [len(t) for t in b["turns"]] == [2, 2] and all(m > 0 for m in b["turn_medians_s"])
+        assert b["turn_spread"] == max(b["turn_medians_s"]) / min(b["turn_medians_s"]) - 1
+        assert isinstance(b["same_decisions"], bool)
+    assert "measured in turns in one process" in res.stdout
