@@ -1,5 +1,6 @@
 """``benchmarks/zoo.py``, ``benchmarks/plan_time.py``, ``benchmarks/plan_stability.py`` and
-``benchmarks/fsdp_frontier.py`` end to end on their models (CPU; fsdp_frontier on 2 gloo ranks), and the summary's choice of the eager method a plan is compared with.
+``benchmarks/fsdp_frontier.py`` end to end on their tiny models (CPU; fsdp_frontier on 2 gloo ranks), and the
+summary's choice of the eager method a plan is compared with.
 
 transformers, timm and torchvision are not torchckpt dependencies: without them these tests skip.
 """
