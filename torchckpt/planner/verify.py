@@ -298,8 +298,8 @@ class _Profiled:
 
     def _faster(self, budget: int, best: Plan, p: Plan) -> Plan:
         """NOTE [ Applying a plan ] Rule 6: ``best`` (this budget's, measured) or ``p`` (verified for another budget,
-        measured faster, its peak within this one's), whichever measures faster; figures within Rule 8's 3% are
-        measured again, as Rule 8 does (``best`` first), and within its 1% the model decides."""
+        measured faster, its peak within this one's), whichever measures faster; figures within 3% of each other are
+        measured again (``best`` first), and within 1% the model decides, as NOTE [ Applying a plan ] Rule 8 does."""
         ours, theirs = best.measured_step_time, p.measured_step_time
         assert ours is not None and theirs is not None
         took = True

@@ -100,7 +100,7 @@ class BufferGuard:
         fn: the block's function.
         buffers: the module's buffers cloned at the call (NOTE [ Buffers written in a forward ] Rule 1).
         norms: the running statistics of torch's own norms in training, as ``(the norm's _buffers, name)``: each
-            recomputation runs with fresh tensors in their place (Rule 2).
+            recomputation runs with fresh tensors in their place (NOTE [ Buffers written in a forward ] Rule 2).
         unseen: ids of ``buffers`` written without moving their version: the running statistics of other norms
             (subclasses with their own ``forward``) in training.
     """
