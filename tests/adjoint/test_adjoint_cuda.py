@@ -46,10 +46,10 @@ def slow_copies(monkeypatch: pytest.MonkeyPatch) -> Iterator[random.Random]:
             torch.cuda._sleep(rng.randrange(MAX_SLEEP))
         return fill(self, s, n)
 
-    def slow_to_host(self: SnapshotStore, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def slow_to_host(self: SnapshotStore, dst: torch.Tensor, src: torch.Tensor, *args: Any) -> Any:
         with torch.cuda.stream(self._mover.offload):
             torch.cuda._sleep(rng.randrange(MAX_SLEEP))
-        return to_host(self, dst, src)
+        return to_host(self, dst, src, *args)
 
     monkeypatch.setattr(SnapshotStore, "_fill", slow_fill)
     monkeypatch.setattr(SnapshotStore, "_to_host", slow_to_host)
