@@ -1,5 +1,6 @@
-"""CUDA: a save with a codec issues no host synchronisation, and every restore is what it was before (issue 26,
-Deliver 1; NOTE [ Snapshot sizes ], NOTE [ Codec streams ] Rule 3).
+"""CUDA: with ``SnapshotStore(defer_sizes=True)`` a save with a codec issues no host synchronisation, and every restore
+is what the default (exact) save path gives (issue 26, Deliver 1; NOTE [ Snapshot sizes ], NOTE [ Codec streams ]
+Rule 3).
 
 How "no host synchronisation" is checked (``no_host_sync``), in torch 2.11:
 - ``torch.cuda.set_sync_debug_mode("error")`` raises on torch's own synchronising calls (``.item()``, ``nonzero``,
@@ -21,7 +22,6 @@ How "no host synchronisation" is checked (``no_host_sync``), in torch 2.11:
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
 import os
 import random
@@ -34,7 +34,7 @@ import torch
 from ckpt_models import assert_bits_equal
 from test_snapshot_sizes import never_sized, replay, wild
 from torchckpt.adjoint import run_schedule
-from torchckpt.codecs import Bitcomp, Codec, Deferred, Identity, TritonQuant
+from torchckpt.codecs import Bitcomp, Codec, Identity, TritonQuant
 from torchckpt.memory import HostPool
 from torchckpt.schedules import Multistage, Revolve, Save, Tier, Uniform, ZCut, plan_flushes, plan_prefetch
 from torchckpt.store import SnapshotStore
@@ -61,14 +61,6 @@ def codecs(reference: bool = False) -> list[Any]:
     for c in (Bitcomp(), Bitcomp(delta=1e-3)):
         out.append(c if c.is_available() else pytest.param(c, marks=pytest.mark.skip(reason=c.unavailable_reason() or "")))
     return out
-
-
-def exact(codec: Codec) -> Codec:
-    """``codec`` on the old save path: ``compress_deferred`` is ``compress`` (sizes read back at once, then settled at
-    the save: NOTE [ Snapshot sizes ] Rule 4)."""
-    c = copy.copy(codec)
-    c.compress_deferred = lambda x, stream=None: Deferred(codec.compress(x, stream))  # type: ignore[method-assign]
-    return c
 
 
 def cuda_state(n: int) -> list[torch.Tensor]:
@@ -189,7 +181,7 @@ def test_compress_deferred_is_bit_identical_and_never_syncs(codec: Codec, dtype:
 def test_a_save_issues_no_host_sync(codec: Codec, tier: Tier) -> None:
     """After a warm-up, each save (with the settling, slot writes and flushes of the saves before it) runs with no
     host synchronisation; every snapshot then restores to the old behaviour's bits."""
-    store = SnapshotStore("cuda", slots=3, host=pool(), codec=codec)
+    store = SnapshotStore("cuda", defer_sizes=True, slots=3, host=pool(), codec=codec)
     x = torch.randn(1 << 16, device="cuda")
     for n in range(6):  # warm-up: kernels compiled, pinned rows, host chunks, cached device blocks
         store.save(n, tier, cuda_state(n))
@@ -240,10 +232,10 @@ def test_a_loop_syncs_only_for_late_sizes(codec: Codec, sched: Any) -> None:
         out.update(seen)
         return st
 
-    old = SnapshotStore("cuda", slots=3, host=pool(), codec=exact(codec), timing=False)
-    run(old, states)  # the old save path (and the warm-up)
+    old = SnapshotStore("cuda", slots=3, host=pool(), codec=codec, timing=False)
+    run(old, states)  # the default, exact save path (NOTE [ Snapshot sizes ] Rule 4), and the warm-up
     old.close()
-    store = SnapshotStore("cuda", slots=3, host=pool(), codec=codec, timing=False)
+    store = SnapshotStore("cuda", defer_sizes=True, slots=3, host=pool(), codec=codec, timing=False)
     store.calibrate([u])  # the first snapshot's exact compression sizes the slots: once, before the window
     found: list[str] = []
     with counting(found):
@@ -265,7 +257,7 @@ def test_every_restore_is_the_old_behaviour_under_delays(codec: Codec, sched: An
     caller's tensors) gives the old exact path's bits, NaN payloads, infinities and subnormals included."""
     for into in (False, True):
         actions = list(plan_prefetch(sched, 2))
-        store = SnapshotStore("cuda", slots=2, host=pool(), codec=codec)
+        store = SnapshotStore("cuda", defer_sizes=True, slots=2, host=pool(), codec=codec)
         rng = random.Random(7)
         store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
         if lag == "forced":

@@ -1,4 +1,5 @@
-"""A ``SnapshotStore`` with a codec keeps compressed sizes on the device at save (NOTE [ Snapshot sizes ]), on the CPU.
+"""A ``SnapshotStore(defer_sizes=True)`` with a codec keeps compressed sizes on the device at save (NOTE [ Snapshot
+sizes ]), on the CPU; without ``defer_sizes`` (the default) every save compresses exactly (Rules 4, 7).
 
 Every restore gives ``decompress(compress(x))`` of the saved state bit for bit, whether it decodes a snapshot that
 is still unsized (its deferred buffers), a slot or a host block; the tests keep snapshots unsized for as long as the
@@ -92,7 +93,7 @@ def test_every_restore_is_the_codecs_round_trip(codec: Codec, sched: Any, lag: s
     slots = 3
     actions = list(plan_prefetch(sched, slots))
     flushes = plan_flushes(actions, slots)
-    store = SnapshotStore("cpu", slots=slots, host=small_pool(), codec=codec, disk=tmp_path)
+    store = SnapshotStore("cpu", defer_sizes=True, slots=slots, host=small_pool(), codec=codec, disk=tmp_path)
     if lag == "forced":
         never_sized(store)
     memo: dict[int, list[torch.Tensor]] = {}
@@ -113,7 +114,7 @@ def test_every_restore_is_the_codecs_round_trip(codec: Codec, sched: Any, lag: s
 def test_restore_into_the_callers_tensors(codec: Codec) -> None:
     sched = Revolve(25, 3, tier=Tier.HOST)
     for lag in ("next action", "forced"):
-        store = SnapshotStore("cpu", slots=2, host=small_pool(), codec=codec)
+        store = SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=codec)
         if lag == "forced":
             never_sized(store)
         assert replay(store, list(plan_prefetch(sched, 2)), lambda n: expected(codec, n), into=True) > 0
@@ -124,7 +125,7 @@ def test_an_unsized_snapshot_lives_beside_its_slot_and_decodes_as_it_is() -> Non
     """Saved, a snapshot is unsized: the slot is not written, the host holds nothing; a restore decodes the deferred
     buffers; the next action settles it (the slot written, flushed to a block of the exact blob size)."""
     c = TritonQuant(8, "abs", 1e-6)
-    store = SnapshotStore("cpu", slots=2, host=small_pool(), codec=c)
+    store = SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=c)
     store.save(0, Tier.HOST, wild(0))  # calibrate's compression: settled at once
     assert not store._unsized and 0 in store._on_host
     store.save(1, Tier.HOST, wild(1))
@@ -144,7 +145,7 @@ def test_an_unsized_snapshot_lives_beside_its_slot_and_decodes_as_it_is() -> Non
 
 def test_forced_settles_bound_eviction_free_and_save_again() -> None:
     c = TritonQuant(4, "abs", 1e-4)
-    store = never_sized(SnapshotStore("cpu", slots=3, host=small_pool(), codec=c))
+    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=3, host=small_pool(), codec=c))
     store.save(0, Tier.HOST, wild(0))
     for n in (1, 2):
         store.save(n, Tier.HOST, wild(n))
@@ -174,7 +175,7 @@ def test_forced_settles_bound_eviction_free_and_save_again() -> None:
 @pytest.mark.parametrize("flush", [True, False])
 def test_an_evicted_unsized_snapshot_is_settled_and_flushed_first(flush: bool) -> None:
     c = TritonQuant(8, "abs", 1e-5)
-    store = never_sized(SnapshotStore("cpu", slots=2, host=small_pool(), codec=c))
+    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=c))
     store.save(0, Tier.HOST, wild(0))
     store.save(1, Tier.HOST, wild(1), flush=flush)
     store.save(2, Tier.HOST, wild(2), flush=flush)  # evicts 0 (settled at its save)
@@ -190,7 +191,8 @@ def test_an_evicted_unsized_snapshot_is_settled_and_flushed_first(flush: bool) -
 
 
 def test_close_with_unsized_snapshots() -> None:
-    store = never_sized(SnapshotStore("cpu", slots=2, host=small_pool(), codec=TritonQuant(8, "abs", 1e-3)))
+    c = TritonQuant(8, "abs", 1e-3)
+    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=c))
     store.save(0, Tier.HOST, wild(0))
     store.save(1, Tier.HOST, wild(1))
     store.save(2, Tier.GPU, wild(2))
@@ -200,7 +202,7 @@ def test_close_with_unsized_snapshots() -> None:
 
 
 def test_a_codec_that_defers_nothing_settles_at_save() -> None:
-    store = SnapshotStore("cpu", slots=2, host=small_pool(), codec=Identity())
+    store = SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=Identity())
     for n in range(4):
         store.save(n, Tier.HOST if n % 2 else Tier.GPU, wild(n))
         assert not store._unsized
@@ -211,7 +213,7 @@ def test_a_codec_that_defers_nothing_settles_at_save() -> None:
 def test_unsized_gpu_snapshots_keep_trimmed_copies_once_settled() -> None:
     """A settled GPU-tier snapshot holds buffers of compress's sizes, none viewing the deferred ones."""
     c = TritonQuant(8, "abs", 1e-9)  # most blocks raw: the deferred raw buffer is as large as the tensor
-    store = SnapshotStore("cpu", slots=1, host=small_pool(), codec=c)
+    store = SnapshotStore("cpu", defer_sizes=True, slots=1, host=small_pool(), codec=c)
     store.save(0, Tier.GPU, wild(0))
     store.save(1, Tier.GPU, wild(1))
     assert 1 in store._unsized
@@ -225,3 +227,70 @@ def test_unsized_gpu_snapshots_keep_trimmed_copies_once_settled() -> None:
 
 def test_bound_is_small() -> None:
     assert 1 <= snapshot_codec._MAX_UNSIZED <= 4  # each unsized snapshot holds about its own size in deferred buffers
+
+
+# -- the default: the exact compress (NOTE [ Snapshot sizes ] Rules 4, 7) --------------------------------------------
+class _NoDeferral(TritonQuant):
+    """TritonQuant whose ``compress_deferred`` must not be called."""
+
+    def compress_deferred(self, x: torch.Tensor, stream: Any = None) -> Any:
+        raise AssertionError("torchckpt test: compress_deferred called without defer_sizes")
+
+
+def test_defer_sizes_is_off_by_default_and_a_bool() -> None:
+    assert SnapshotStore("cpu").defer_sizes is False
+    for bad in (1, "yes", None):
+        with pytest.raises(TypeError, match=r"^torchckpt: SnapshotStore\(defer_sizes=\.\.\.\) expects True or False"):
+            SnapshotStore("cpu", defer_sizes=bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("sched", SCHEDULES, ids=repr)
+def test_the_default_compresses_exactly_at_every_save(sched: Any, tmp_path: Path) -> None:
+    """Without ``defer_sizes`` no save defers a size: ``compress_deferred`` is never called, no snapshot is unsized,
+    and every restore is decompress(compress(x)) bit for bit."""
+    c = _NoDeferral(8, "abs", 1e-4)
+    actions = list(plan_prefetch(sched, 3))
+    store = SnapshotStore("cpu", slots=3, host=small_pool(), codec=c, disk=tmp_path)
+    assert replay(store, actions, lambda n: expected(c, n), plan_flushes(actions, 3)) > 0
+    assert not store._unsized and not store._sizing
+    st = store.stats()
+    assert st.size_waits == 0
+    assert st.packed_bytes == sum(c.compress(t).nbytes for a in actions if isinstance(a, Save) for t in wild(a.n))
+    store.close()
+
+
+@pytest.mark.parametrize("codec", codecs(), ids=repr)
+@pytest.mark.parametrize("sched", SCHEDULES[:4], ids=repr)
+def test_both_settings_give_the_same_bits(codec: Codec, sched: Any) -> None:
+    """An adjoint loop (run_schedule, each state a function of the restored one) sees the same bits with and without
+    ``defer_sizes``, forced settles included, and the stores count the same packed bytes."""
+    from torchckpt.adjoint import run_schedule
+
+    def run(store: SnapshotStore) -> tuple[dict[int, list[torch.Tensor]], Any]:
+        state = wild(0)
+        seen: dict[int, list[torch.Tensor]] = {}
+
+        def forward(n0: int, n1: int) -> None:
+            for k in range(n0, n1):
+                nxt = wild(k + 1)
+                for t, u in zip(state, nxt):  # state k+1 depends on state k (its round trip included)
+                    t.copy_(u + torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0).to(t.dtype) * 1e-3)
+
+        st = run_schedule(sched, forward=forward, save=lambda n: state, restore_into=lambda n: state,
+                          backward=lambda n: seen.__setitem__(n, [t.clone() for t in state]), store=store)
+        return seen, st
+
+    got = {}
+    for key in ("exact", "deferred", "forced"):
+        store = SnapshotStore("cpu", slots=2, host=small_pool(), codec=codec, defer_sizes=key != "exact")
+        if key == "forced":
+            never_sized(store)
+        got[key] = run(store)
+        store.close()
+    for key in ("deferred", "forced"):
+        assert sorted(got[key][0]) == sorted(got["exact"][0])
+        for n in got["exact"][0]:
+            assert_bits_equal(got[key][0][n], got["exact"][0][n])
+        assert got[key][1].packed_bytes == got["exact"][1].packed_bytes
+    deferring = codec.compress_deferred(wild(0)[0]).sizes is not None
+    assert got["exact"][1].size_waits == 0 and (got["forced"][1].size_waits > 0) == deferring

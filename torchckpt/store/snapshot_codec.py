@@ -5,8 +5,9 @@ compressing a snapshot at save, decoding it at restore (into fresh tensors or th
 Rule 11), writing it into a slot, and sizing or growing the slots from the blobs.
 
 # NOTE [ Snapshot sizes ]
-# A save with a codec reads no size back to the host: the host does not wait for the device at
-# a save, so the device keeps the work queued behind it (issue 26).
+# With ``SnapshotStore(defer_sizes=True)`` a save with a codec reads no size back to the host: the
+# host does not wait for the device at a save, so the device keeps the work queued behind it
+# (issue 26). Off by default (Rule 7): each save then compresses exactly (Rule 4).
 # 1. The save compresses with ``Codec.compress_deferred`` on the compute stream (NOTE [ Codec
 #    streams ] Rule 3) and copies the sizes of all the snapshot's tensors, in one copy, to a
 #    pinned row on the mover's sizes stream (NOTE [ Mover ] Rule 6), with an event. Until it is
@@ -30,12 +31,14 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    whose slot is taken by another (eviction flushes it), and in ``stats``. Each such event was
 #    recorded at an earlier save, and the device still holds the work queued after it, so its
 #    queue does not empty; ``stats().size_waits`` counts the waits that found an event not done.
-# 4. ``compress`` (exact sizes, read back at once) keeps the cases that need the size at the
-#    save: ``peers=`` (its plan splits snapshots by size, collectively, at the save) and a save
-#    that finds every slot pinned (straight to host), as well as the first snapshot (compressed
-#    once by ``calibrate`` to size the slots). A codec that defers nothing (Identity, ZFP) is
-#    settled at its save. On the CPU sizes are on the host at once: the same bookkeeping runs
-#    and a snapshot is settled at the next action (``_sized`` is the tests' seam to delay it).
+# 4. ``compress`` (exact sizes, read back at once) is every save's without ``defer_sizes``, and
+#    with it keeps the cases that need the size at the save: ``peers=`` (its plan splits
+#    snapshots by size, collectively, at the save) and a save that finds every slot pinned
+#    (straight to host), as well as the first snapshot (compressed once by ``calibrate`` to size
+#    the slots). Then no snapshot is unsized and Rules 1-3 do not apply. With ``defer_sizes``, a
+#    codec that defers nothing (Identity, ZFP) is settled at its save. On the CPU sizes are on
+#    the host at once: the same bookkeeping runs and a snapshot is settled at the next action
+#    (``_sized`` is the tests' seam to delay it).
 # 5. Whether a restore decodes the deferred buffers, the slot or a host block, it gets the same
 #    bits: ``decompress`` of ``compress``'s Packed (the codecs' tests and the store's compare).
 #    Stats count a snapshot's packed bytes when it is settled; one freed or saved again while
@@ -48,6 +51,15 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    the host. Reading the sizes back late pays the worst case only for the few snapshots in
 #    flight (Rule 3's bound, in PyTorch's caching allocator, outside ``gpu_bytes``), while slots,
 #    host blocks and the link carry compressed bytes only, as before.
+# 7. Why ``defer_sizes`` is off by default: it trades a host wait per save for more host work
+#    per save (``compress_deferred``'s raw-block buffers and ranks, the sizes' copy, the settle,
+#    the slot write on the sizes stream), and on an H100 the trade lost. In
+#    ``benchmarks/adjoint_codecs.py`` (256^3 RTM, quant4a), measured at the parent of 2ffed5d
+#    (docs/results/adjoint_codecs_deferred_h100/): the host synchronisations fell from about
+#    1960 to 15 (Revolve) and 54 (zCut), but the runs took 2.408 s (Revolve) and 1.438 s (zCut),
+#    the device idle 79% and 72% of the traced runs, bound by the host; the exact path had
+#    measured 0.936 s and 0.948 s, in another run at an older commit (docs/benchmarks.md).
+#    ``adjoint_codecs.py --sizes exact,deferred`` measures both in one run.
 """
 from __future__ import annotations
 

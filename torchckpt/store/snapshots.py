@@ -16,8 +16,8 @@
 # 3. Every slot remembers three events: its last flush (device-to-host), its last fill
 #    (host-to-device) and its last use on the compute stream. Overwriting a slot waits on
 #    the events of whatever may still read or write it: a save waits (GPU-side) for the
-#    slot's flush, as GPUZIP's SAVE does (with a codec the slot is written later, on a side
-#    stream after that flush: NOTE [ Snapshot sizes ] Rule 2); a prefetch on the
+#    slot's flush, as GPUZIP's SAVE does (with a codec and ``defer_sizes`` the slot is written
+#    later, on a side stream after that flush: NOTE [ Snapshot sizes ] Rule 2); a prefetch on the
 #    prefetch stream waits for the slot's flush and last use, and for the snapshot's own flush
 #    to host.
 # 4. A restore waits on the slot's fill event (compute stream), never on the device. A
@@ -34,9 +34,9 @@
 #    is its ``Packed`` buffers; an off-GPU one is a *blob* (the packed buffers of its tensors
 #    laid end to end, ``Blob``) in a slot and in a host block of the blob's size. Compression
 #    runs on the compute stream at save (after what produced the state, NOTE [ Codec
-#    streams ]), its sizes left on the device until later (NOTE [ Snapshot sizes ]);
-#    decompression at restore, on the compute stream after the slot's fill event, into fresh
-#    tensors. The copies move only compressed bytes.
+#    streams ]), its sizes read back there, or with ``defer_sizes`` left on the device
+#    until later (NOTE [ Snapshot sizes ]); decompression at restore, on the compute stream
+#    after the slot's fill event, into fresh tensors. The copies move only compressed bytes.
 # 9. Slots then hold ``slot_bytes`` each: given, or calibrated on the first snapshot as its
 #    blob size times ``1 + slot_margin`` (a variable-rate codec's later snapshots may be
 #    larger). ``gpu_bytes`` (instead of ``slots``) makes the slot count follow: as many slots
@@ -133,6 +133,9 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         peers: a ``PeerSpill`` (store/snapshot_peer.py): ``Tier.HOST`` snapshots split between host memory and
             other ranks' spare memory by the group's plan, every rank calling the store's actions in the same
             order (NOTE [ Snapshot peer tier ] Rules 1-6). ``None``: host memory only.
+        defer_sizes: with a codec, leave each save's compressed sizes on the device and read them back at a
+            later action, so that no save makes the host wait for the device (NOTE [ Snapshot sizes ]). Off by
+            default: each save reads its sizes back at once, which measured faster (NOTE [ Snapshot sizes ] Rule 7).
 
     The store is a context manager: leaving the ``with`` block (also by an exception) calls ``close()``.
 
@@ -148,7 +151,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
     def __init__(self, device: str | torch.device | None = None, slots: int | None = None,
                  host: HostPoolBase | None = None, timing: bool = True, codec: Codec | None = None,
                  gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25,
-                 disk: str | os.PathLike[str] | DiskTier | None = None, peers: PeerSpill | None = None) -> None:
+                 disk: str | os.PathLike[str] | DiskTier | None = None, peers: PeerSpill | None = None,
+                 defer_sizes: bool = False) -> None:
         device = _check_device(device)
         if slots is not None and gpu_bytes is not None:
             raise ValueError("torchckpt: SnapshotStore takes slots= or gpu_bytes=, not both; pass one of them.")
@@ -165,6 +169,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
                              "pass e.g. slot_margin=0.25.")
         check_host("SnapshotStore", host)
         check_flag("SnapshotStore", "timing", timing)
+        check_flag("SnapshotStore", "defer_sizes", defer_sizes)
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(
                 f"torchckpt: SnapshotStore(codec=...) expects a torchckpt.codecs.Codec, got {type(codec).__name__}; "
@@ -179,6 +184,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self.timing = timing and self.cuda
         self.host = host if host is not None else make_host_pool(pin=self.cuda)
         self.codec = codec
+        self.defer_sizes = defer_sizes  # NOTE [ Snapshot sizes ] Rules 4, 7
         self.gpu_bytes = gpu_bytes
         self.slot_margin = float(slot_margin)
         self._slot_bytes = slot_bytes
@@ -233,7 +239,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
             if self._sizing:
                 self._drop_unsized(n)  # a save of n again replaces it
                 self._settle_ready()  # NOTE [ Snapshot sizes ] Rule 2
-            deferred = self.codec is not None and self.peers is None  # NOTE [ Snapshot sizes ] Rule 4
+            # NOTE [ Snapshot sizes ] Rule 4: the exact compress unless sizes may stay on the device
+            deferred = self.defer_sizes and self.codec is not None and self.peers is None
             if tier is Tier.GPU:
                 if self.codec is None:
                     self._gpu[n] = [t.detach().clone() for t in tensors]

@@ -137,7 +137,7 @@ class SnapshotStats:
         raw_bytes / packed_bytes: with a codec, the bytes of the snapshots saved and of their
             compressed form (both 0 without one); slot_grows: slots grown past ``slot_bytes``
             (NOTE [ Snapshot store ] Rule 9); size_waits: times the host waited for a compressed size that
-            was not on the host yet (NOTE [ Snapshot sizes ] Rule 3; a save never does).
+            was not on the host yet (``defer_sizes``, NOTE [ Snapshot sizes ] Rule 3; a save never does).
         peer_saves / peer_bytes_sent: snapshots (and their bytes) this rank sent to peers instead of host
             (``SnapshotStore(peers=...)``, NOTE [ Snapshot peer tier ] Rules 1-6; all peer counters 0 without);
             peer_fetches / peer_bytes_fetched: of them, taken back (at a prefetch, or on demand at a restore,
