@@ -12,7 +12,12 @@ image's PSNR reported. Same RTM, schedules and baseline as ``benchmarks/adjoint.
     (``run_schedule(restore_into=...)``, NOTE [ Snapshot store ] Rule 11). The GPU budget B is the same
     for every codec (``--budget-slots`` uncompressed snapshots, 6 by default = 768 MiB at 256^3),
     so a codec's ratio becomes more slots. ``none`` is the uncompressed store with the same budget
-    (= (c) of adjoint.py at k = budget slots).
+    (= (c) of adjoint.py at k = budget slots). ``--sizes exact,deferred`` runs each codec's (d) with
+    ``SnapshotStore(defer_sizes=False)`` (``exact``, the default: each save reads its compressed sizes back)
+    and ``defer_sizes=True`` (``deferred``: sizes left on the device, NOTE [ Snapshot sizes ]), in turns in
+    this process; a deferred row is labelled ``(d) <codec> deferred`` (JSON key ``<codec>+deferred``), its
+    image compared bit for bit with the exact row's (``image_equal_exact``: the restores decode the same
+    bits either way). ``none`` has no sizes to defer and runs once.
 
 Codecs: ``quant8`` = TritonQuant(bits=8, mode="rel", bound=1e-2), ``quant4`` = TritonQuant(bits=4,
 mode="rel", bound=0.1) (lossy; per element |x - x'| <= bound * max|x| of its 256-element block),
@@ -23,7 +28,7 @@ otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s imag
 
     python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
                                         [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
-                                        [--profile [--trace-dir DIR]]
+                                        [--sizes exact,deferred] [--profile [--trace-dir DIR]]
 Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
 """
 from __future__ import annotations
@@ -150,10 +155,16 @@ def main() -> int:
                         "traced window's wall time, the device's busy time (union of kernels, memcpys, memsets), its "
                         "idle fraction and the host's synchronisations (table and JSON); write "
                         "profile_<schedule>_<run>.txt (where the time goes: kernels, synchronizations)")
+    p.add_argument("--sizes", default="exact",
+                   help="comma-separated SnapshotStore size settings to run each codec's (d) with: exact "
+                        "(defer_sizes=False, the default) and/or deferred (defer_sizes=True), in turns")
     p.add_argument("--trace-dir", help="with --profile: also write each traced run's raw trace (Chrome trace JSON, "
                                        "trace_<schedule>_<run>.json) to this directory")
     p.add_argument("--out")
     args = p.parse_args()
+    sizes = [z for z in args.sizes.split(",") if z]
+    if not sizes or any(z not in ("exact", "deferred") for z in sizes) or len(set(sizes)) != len(sizes):
+        p.error(f"--sizes takes exact and/or deferred, comma-separated, got {args.sizes!r}")
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: pass --profile too, or leave --trace-dir out")
     if args.trace_dir:
@@ -186,7 +197,12 @@ def main() -> int:
         else:
             codecs[name] = c
     res: dict = dict(device=device, torch=torch.__version__, grid=n, steps=N, snapshots=args.snapshots, peak_u=peak,
-                     budget_slots=args.budget_slots, codecs={k: repr(v) for k, v in codecs.items()}, skipped=skipped)
+                     budget_slots=args.budget_slots, codecs={k: repr(v) for k, v in codecs.items()}, skipped=skipped,
+                     sizes=sizes)
+    # the (d) runs: (JSON key, label, codec's name, codec, defer_sizes); exact rows (and none's) keep the codec's name
+    runs = [(name, name, name, c, False) if z == "exact" or c is None else
+            (f"{name}+deferred", f"{name} deferred", name, c, True)
+            for name, c in codecs.items() for z in (sizes if c is not None else sizes[:1])]
     if cuda:
         d2h, h2d = pinned_bandwidth(GiB)
         res["bandwidth_GBps"] = dict(d2h=d2h / 1e9, h2d=h2d / 1e9)
@@ -198,8 +214,9 @@ def main() -> int:
     peak = max(simulate(h, snapshot_bytes=sb).peak_snapshots[Tier.HOST] for _, h in scheds.values())
     bench.alloc_host(peak, args.budget_slots)
 
-    def run_codec(sched, codec):
-        store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05)
+    def run_codec(sched, codec, defer=False):
+        store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05,
+                              defer_sizes=defer)
         try:
             t, st = bench.timed(lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
                                                      restore_into=lambda n: (bench.rtm.u.cur, bench.rtm.u.prev),
@@ -214,13 +231,13 @@ def main() -> int:
     bench.rtm = RTM(main_rtm.vel2, main_rtm.survey, main_rtm.wavelet, main_rtm.residual[: warm.n_steps + 1])
     bench.run_gpu(Revolve(warm.n_steps, 4))
     bench.run_sync(warm)
-    for c in codecs.values():
-        run_codec(warm, c)
+    for _, _, _, c, defer in runs:
+        run_codec(warm, c, defer)
     bench.rtm = main_rtm
 
     def traced(s: str, key: str, run: str, fn, untraced_s: float) -> dict:
         """``profile_run`` of one run, its figures printed and tabled; ``key`` names it in the files."""
-        tag = f"{s}_{key}".replace(":", "_")
+        tag = f"{s}_{key}".replace(":", "_").replace("+", "_")
         fig = profile_run(os.path.join(out, f"profile_{tag}.txt"), fn, untraced_s,
                           os.path.join(args.trace_dir, f"trace_{tag}.json") if args.trace_dir else None)
         if fig["idle_fraction"] is None:
@@ -249,22 +266,32 @@ def main() -> int:
         rows.append([s, "(a) GPU tier", fmt(ta, ".3f"), fmt(tb / ta, ".2f") + "x", "-", "-", "-", "-", "ref"])
         rows.append([s, "(b) sync host", fmt(tb, ".3f"), "1.00x", "-", "-", "-", "-", "inf" if exact_b else "DIFF"])
         r["d"] = {}
-        for name, c in codecs.items():
-            t, st, slots = run_codec(sh, c)
+        images: dict = {}  # codec -> its exact row's image
+        for name, label, codec_name, c, defer in runs:
+            t, st, slots = run_codec(sh, c, defer)
             q = psnr(bench.rtm.image, ref)
-            fig = traced(s, name, f"(d) {name}", lambda: run_codec(sh, c), t) if args.profile else None
+            same = None
+            if not defer:
+                images[codec_name] = bench.rtm.image.clone()
+            elif codec_name in images:  # the same restores, bit for bit (NOTE [ Snapshot sizes ] Rule 5)
+                same = torch.equal(bench.rtm.image, images[codec_name])
+                ok &= same
+            fig = traced(s, name, f"(d) {label}", lambda: run_codec(sh, c, defer), t) if args.profile else None
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,
-                     stats=stats_dict(st))
+                     defer_sizes=defer, stats=stats_dict(st))
+            if same is not None:
+                d["image_equal_exact"] = same
             if fig is not None:
                 d["profile"] = fig
             r["d"][name] = d
-            print(f"[{s} (d) {name}] {t:.3f} s = {tb / t:.2f}x faster than (b), {t / ta:.2f}x (a); {slots} slots, "
+            print(f"[{s} (d) {label}] {t:.3f} s = {tb / t:.2f}x faster than (b), {t / ta:.2f}x (a); {slots} slots, "
                   f"ratio {st.ratio:.2f}x, hit rate {st.hit_rate:.3f}, {st.misses} misses, late "
                   f"{st.late_prefetches} ({st.late_wait_s * 1e3:.1f} ms), slot grows {st.slot_grows}; "
-                  f"{st.bytes_to_host / GiB:.3g} GiB to host; image PSNR {q:.1f} dB", flush=True)
-            rows.append([s, f"(d) {name}", fmt(t, ".3f"), f"{tb / t:.2f}x", str(slots), f"{st.ratio:.2f}x",
+                  f"{st.bytes_to_host / GiB:.3g} GiB to host; image PSNR {q:.1f} dB"
+                  + ("" if same is None else f", image {'==' if same else '!='} exact's"), flush=True)
+            rows.append([s, f"(d) {label}", fmt(t, ".3f"), f"{tb / t:.2f}x", str(slots), f"{st.ratio:.2f}x",
                          f"{st.hit_rate:.3f}", fmt(st.bytes_to_host / GiB, ".3g"), "inf" if q == math.inf else f"{q:.1f}"])
         if r["d"]:
             best = max(r["d"], key=lambda k: r["d"][k]["speedup_over_b"])
@@ -288,8 +315,8 @@ def main() -> int:
             print(f"target {s}: >= {t['want']:.0f}x faster than (b): {t['verdict']} ({t['got']:.2f}x with {t['codec']}, "
                   f"image PSNR {t['psnr_db']:.1f} dB)")
     write_json(os.path.join(out, "adjoint_codecs.json"), res)
-    labels = ["(a) GPU tier", "(b) sync host"] + [f"(d) {k}" for k in codecs]
-    panels = {f"{s}: time (s)": [r["a"]["time_s"], r["b"]["time_s"]] + [r["d"][k]["time_s"] for k in codecs]
+    labels = ["(a) GPU tier", "(b) sync host"] + [f"(d) {label}" for _, label, _, _, _ in runs]
+    panels = {f"{s}: time (s)": [r["a"]["time_s"], r["b"]["time_s"]] + [r["d"][k]["time_s"] for k, *_ in runs]
               for s, r in results.items()}
     plot_bars(os.path.join(out, "adjoint_codecs.png"), labels, panels,
               f"{device}, RTM {n}^3 fp32, {N} steps, GPU budget {budget / GiB:.2f} GiB")

@@ -139,3 +139,33 @@ def test_adjoint_codecs_profile_on_the_cpu_measures_no_idle_fraction(tmp_path: p
         assert fig["busy_s"] is None and fig["idle_fraction"] is None and fig["sync_calls"] is None
     assert sorted(os.listdir(tmp_path / "traces")) == ["trace_zcut_a_gpu.json", "trace_zcut_b_sync.json",
                                                        "trace_zcut_none.json", "trace_zcut_quant4.json"]
+
+
+def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathlib.Path) -> None:
+    """``--sizes exact,deferred``: each codec's (d) runs with ``defer_sizes`` off and on, in one process, traced too;
+    the deferred row's image is the exact row's bit for bit (lossless and lossy: the restores decode the same bits);
+    ``none`` runs once. A GPU budget of one uncompressed snapshot (7 compressed) for 16 sends some to host memory."""
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--schedules", "revolve", "--codecs",
+                          "none,quant4", "--sizes", "exact,deferred", "--budget-slots", "1", "--snapshots", "16",
+                          "--profile", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "(d) quant4 deferred" in res.stdout and "image == exact's" in res.stdout
+    with open(tmp_path / "adjoint_codecs.json") as f:
+        z = json.load(f)
+    assert z["sizes"] == ["exact", "deferred"]
+    d = z["schedules"]["revolve"]["d"]
+    assert sorted(d) == ["none", "quant4", "quant4+deferred"]
+    assert [d[k]["defer_sizes"] for k in ("none", "quant4", "quant4+deferred")] == [False, False, True]
+    assert d["quant4+deferred"]["image_equal_exact"] is True
+    assert d["quant4+deferred"]["psnr_db"] == d["quant4"]["psnr_db"] < float("inf")
+    assert d["none"]["psnr_db"] == "inf" and "image_equal_exact" not in d["quant4"]  # write_json: inf as "inf"
+    for k in ("quant4", "quant4+deferred"):
+        st = d[k]["stats"]
+        assert st["bytes_to_host"] > 0 and st["packed_bytes"] == d["quant4"]["stats"]["packed_bytes"]
+        assert d[k]["profile"]["run_s"] > 0
+    assert (tmp_path / "profile_revolve_quant4_deferred.txt").exists()
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--sizes", "late"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=240)
+    assert bad.returncode == 2 and "--sizes takes exact and/or deferred" in bad.stderr
