@@ -143,32 +143,39 @@ def test_default_deferred_is_compress() -> None:
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs triton")
 def test_raw_block_kernels_match_reference_in_interpreter() -> None:
-    """The deferred path's Triton kernels (gather and scatter of the raw blocks with the count on the device), run
-    by triton's CPU interpreter, give the PyTorch reference's bytes and ``_gather_raw``/``_scatter_raw``'s."""
+    """The deferred path's Triton side, run by triton's CPU interpreter: the quantizer counting into ``sizes[0]``'s low
+    word, the raw rows copied by their markers (``sizes[1]`` written) and put back, give the PyTorch reference's
+    bytes and sizes, and ranked as ``settle`` ranks them, ``_gather_raw``'s; put back, ``_scatter_raw``'s bits."""
     script = textwrap.dedent("""
         import torch
         from tests.codecs.test_deferred import adversarial, ity
+        from torchckpt.codecs import TritonQuant
         from torchckpt.codecs import quant as Q
         seen = 0
         for dt in (torch.float32, torch.float16, torch.bfloat16):
             for B in (64, 256, 4096):
                 for n in (1, B - 1, B, 3000, 10_001):
                     for bound in (1e-3, 1e-12):
-                        x = adversarial(n, dt)
-                        _, params = Q._quant_ref(x, 8, B, False, bound, "int")
-                        ids_r, raw_r, sz_r = Q._gather_raw_dev(x, params, B)
-                        ids_t, raw_t, sz_t = Q._gather_raw_triton(x, params, B)
-                        k, es = int(sz_r[0]), x.element_size()
-                        seen += k
                         key = (dt, B, n, bound)
-                        assert torch.equal(sz_r, sz_t), key
+                        x = adversarial(n, dt)
+                        nb = -(-n // B)
+                        sizes = torch.zeros(2, dtype=torch.int64)
+                        _, params, _ = TritonQuant(8, "abs", bound, block=B)._quantize(
+                            x, n, nb, count=sizes.view(torch.int32)[:1])
+                        raw_t = Q._raw_rows_triton(x, params, B, sizes)
+                        raw_r, sz_r = Q._raw_rows_dev(x, params, B)
+                        assert torch.equal(sizes, sz_r), (key, sizes, sz_r)
+                        k = int(sz_r[0])
+                        seen += k
                         ids, raw, tail = Q._gather_raw(x, params, B, -1)
-                        assert torch.equal(ids_t[: 4 * k], ids) and torch.equal(raw_t[: k * B * es], raw), key
-                        assert torch.equal(ids_r[: 4 * k], ids) and torch.equal(raw_r[: k * B * es], raw), key
-                        assert tail == (k > 0 and n % B != 0 and bool(sz_t[1])), key
+                        assert tail == (k > 0 and n % B != 0 and bool(sizes[1])), key
+                        if k:
+                            for rows in (raw_t, raw_r):
+                                got_ids, got = Q._rank_raw_rows(params, rows, B, k)
+                                assert torch.equal(got_ids, ids) and torch.equal(got, raw), key
                         o_t, o_r, o = (torch.zeros_like(x) for _ in range(3))
-                        Q._scatter_raw_triton(o_t, ids_t.view(torch.int32), raw_t, sz_t[:1], B)
-                        Q._scatter_raw_dev(o_r, ids_r.view(torch.int32), raw_r, sz_r[:1], B)
+                        Q._put_raw_rows_triton(o_t, params, raw_t, B)
+                        Q._put_raw_rows_dev(o_r, params, raw_r, B)
                         if k:
                             Q._scatter_raw(o, ids.view(torch.int32), raw.view(dt), B, tail)
                         assert torch.equal(o_t.view(ity(dt)), o.view(ity(dt))), key

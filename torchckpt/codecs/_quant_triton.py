@@ -7,8 +7,9 @@ IEEE division (``div_rn``) twice per block and none per element, no fused multip
 ``(v + 1.5 * 2**23) - 1.5 * 2**23``, fp32 -> e4m3 rounded to nearest even. Non-finite values
 take part in the unmasked kernels' min/max, which only changes blocks that are raw anyway.
 
-``gather_raw_kernel`` and ``scatter_raw_kernel`` move ``compress_deferred``'s raw blocks with their count on the
-device (NOTE [ Block quantization ] Rule 5): bits as integers of the element size, so NaN payloads survive.
+``raw_rows_kernel`` and ``put_raw_rows_kernel`` move ``compress_deferred``'s raw blocks to and from rows of their
+own index, by the params' markers, with no count or rank (NOTE [ Block quantization ] Rule 5): bits as integers of
+the element size, so NaN payloads survive.
 
 Layout (NOTE [ Block quantization ] Rule 4): a program handles ``ROWS`` blocks. 4-bit codes pair element ``j`` of a block
 with element ``j + BLOCK/2`` in one byte, so the kernels work on two contiguous half tiles and
@@ -223,35 +224,33 @@ def dequant_kernel(codes_ptr, params_ptr, out_ptr, n, nblocks, row0,
 
 
 @triton.jit
-def gather_raw_kernel(x_ptr, params_ptr, pos_ptr, ids_ptr, raw_ptr, sizes_ptr, n, nblocks,
-                      NPAR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Copies each raw block (params' marker < 0) to row ``pos - 1`` of ``raw`` and its index to ``ids`` (``pos``: the
-    inclusive count of raw blocks up to it, so the rows keep the blocks' order); a partial last block is padded with
-    its last element. The program holding the last block writes ``sizes = [count, whether it is raw]``."""
+def raw_rows_kernel(x_ptr, params_ptr, raw_ptr, sizes_ptr, n, nblocks,
+                    NPAR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Copies each raw block (params' marker < 0) to its own row of ``raw`` (row ``i``: block ``i``; a partial last
+    block padded with its last element); other rows are not written. The program holding the last block writes
+    ``sizes[1]`` = whether it is raw."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rmask = rows < nblocks
     step = tl.load(params_ptr + rows * NPAR + (NPAR - 1), mask=rmask, other=0.0)
     raw = (step < 0.0) & rmask
-    pos = tl.load(pos_ptr + rows, mask=rmask, other=1)
-    dst = pos - 1
-    tl.store(ids_ptr + dst, rows.to(tl.int32), mask=raw)
     cols = tl.arange(0, BLOCK)
-    src = tl.minimum(rows[:, None] * BLOCK + cols[None, :], n - 1)
-    v = tl.load(x_ptr + src, mask=raw[:, None])
-    tl.store(raw_ptr + dst[:, None] * BLOCK + cols[None, :], v, mask=raw[:, None])
+    offs = rows[:, None] * BLOCK + cols[None, :]
+    v = tl.load(x_ptr + tl.minimum(offs, n - 1), mask=raw[:, None])
+    tl.store(raw_ptr + offs, v, mask=raw[:, None])
     last = rows == nblocks - 1
-    tl.store(sizes_ptr + rows * 0, pos, mask=last)
     tl.store(sizes_ptr + 1 + rows * 0, raw.to(tl.int64), mask=last)
 
 
 @triton.jit
-def scatter_raw_kernel(raw_ptr, ids_ptr, count_ptr, out_ptr, n, BLOCK: tl.constexpr, ROWS: tl.constexpr):
-    """Writes rows ``j < count`` of ``raw`` back to their blocks ``ids[j]`` of ``out`` (the tail of a partial last
-    block left out); the programs past ``count`` read and write nothing but the count."""
-    j = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    m = j < tl.load(count_ptr)
-    bid = tl.load(ids_ptr + j, mask=m, other=0).to(tl.int64)
+def put_raw_rows_kernel(raw_ptr, params_ptr, out_ptr, n, nblocks,
+                        NPAR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """Writes each raw block's row of ``raw`` (row ``i``: block ``i``) back to its block of ``out`` (the padding of a
+    partial last block left out); rows of other blocks are neither read nor written."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < nblocks
+    step = tl.load(params_ptr + rows * NPAR + (NPAR - 1), mask=rmask, other=0.0)
+    raw = (step < 0.0) & rmask
     cols = tl.arange(0, BLOCK)
-    dst = bid[:, None] * BLOCK + cols[None, :]
-    v = tl.load(raw_ptr + j[:, None] * BLOCK + cols[None, :], mask=m[:, None])
-    tl.store(out_ptr + dst, v, mask=m[:, None] & (dst < n))
+    offs = rows[:, None] * BLOCK + cols[None, :]
+    v = tl.load(raw_ptr + offs, mask=raw[:, None])
+    tl.store(out_ptr + offs, v, mask=raw[:, None] & (offs < n))

@@ -15,7 +15,8 @@
 #    decodes as they are (reading the sizes on the device), and the sizes as a device tensor that
 #    the caller copies to the host when it likes (the snapshot store: off the critical path,
 #    NOTE [ Snapshot sizes ]); ``settle`` then gives the ``Packed`` that ``compress`` returns for
-#    the same input, as views of those buffers. Codecs whose sizes follow from the shape (Identity,
+#    the same input, from those buffers (views where it can; any device work it issues reads
+#    nothing back). Codecs whose sizes follow from the shape (Identity,
 #    ZFP) read nothing back in either.
 # 4. On the CPU streams are absent and ``stream`` must be ``None``.
 """
@@ -193,7 +194,7 @@ class Codec(abc.ABC):
 
     def settle(self, d: Deferred, values: Sequence[int]) -> Packed:
         """The ``Packed`` that ``compress`` returns, from ``d`` and ``values`` (``d.sizes`` read back to the host):
-        views of ``d.packed``'s buffers, which must stay unmodified."""
+        views of ``d.packed``'s buffers where it can (they must stay unmodified), made on the current stream."""
         if d.sizes is None:
             return d.packed
         raise internal_error(f"{type(self).__name__} deferred its sizes but does not settle them")

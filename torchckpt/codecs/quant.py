@@ -37,15 +37,19 @@
 #    blocks to a device counter. ``compress`` sizes its buffers exactly, so it reads that one
 #    int32 back (one D2H copy into pinned memory, then an event wait: NOTE [ Codec streams ]
 #    Rule 3); the compaction of raw blocks (``nonzero``, a gather) runs only when the count is
-#    non-zero. ``compress_deferred`` reads nothing back: the raw blocks' indices and bytes go
-#    to buffers with room for every block, each raw block at its rank among the raw blocks
-#    (an inclusive ``cumsum`` of the markers on the device, so in ``compress``'s order, padded
-#    as ``compress`` pads), and ``meta.params["raw_blocks"]`` is the count as an int64 tensor on
-#    the device, which ``decompress`` reads there (a Triton kernel that moves the first
-#    ``count`` rows only; the reference chooses every block between itself and its raw row).
-#    Its ``sizes`` are ``[count, whether the last block is raw]``; ``settle`` trims the two
-#    buffers to the count and gives ``compress``'s Packed, byte for byte. Until then the raw
-#    buffer takes as much memory as the tensor. Blocks whose range needs more than ``L``
+#    non-zero. ``compress_deferred`` reads nothing back and ranks nothing: each raw block's
+#    bytes go to its own row (row ``i`` for block ``i``, a partial last block padded as
+#    ``compress`` pads it) of a buffer with room for every block, the other rows unwritten,
+#    and the params' markers say which rows hold a block (one Triton kernel after the
+#    quantizer, which copies the raw blocks only; the reference copies every block). Its
+#    ``sizes`` are ``[count, whether the last block is raw]`` (int64 on the device: the
+#    quantizer's counter adds into the low word of ``sizes[0]``, the copy writes ``sizes[1]``),
+#    and ``meta.params["raw_blocks"]`` is ``sizes[:1]``, a tensor: the mark of this form, which
+#    ``decompress`` decodes as it is (the raw rows put back by their markers, on the device).
+#    ``settle`` gives ``compress``'s Packed byte for byte: with no raw block, empty views and no
+#    device work; otherwise the raw rows gathered in block order (a ``cumsum`` of the markers
+#    and two index copies on the device, none read back). Until then the raw buffer takes as
+#    much memory as the tensor. Blocks whose range needs more than ``L``
 #    steps of ``2 * bound`` (or, in e4m3, whose elements' rounding errors exceed it) end up
 #    raw: on such data the ratio falls towards 1, the bound never breaks.
 # 6. The Triton kernels (_quant_triton.py) and the PyTorch reference (``_quant_ref``,
@@ -317,15 +321,18 @@ class TritonQuant(Codec):
             "raw_blocks": raw_blocks, "blocks": nb, "fmt": self.fmt, "tail_raw": tail_raw,
         }))
 
-    def _quantize(self, flat: torch.Tensor, n: int, nb: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The Triton kernel's codes, params (fp32, (nb, 1 or 2)) and raw-block count (int32 on the device)."""
+    def _quantize(self, flat: torch.Tensor, n: int, nb: int,
+                  count: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The Triton kernel's codes, params (fp32, (nb, 1 or 2)) and raw-block count (int32 on the device, added to
+        ``count`` when given: zeros, int32)."""
         from torchckpt.codecs import _quant_triton as k
 
         B = self.block
         rows, warps, _, _ = self._config(flat.dtype)
         codes = torch.empty(nb * B * self.bits // 8, dtype=torch.uint8, device=flat.device)
         params = torch.empty(nb, 1 if self.fmt == "e4m3" else 2, dtype=torch.float32, device=flat.device)
-        count = torch.zeros(1, dtype=torch.int32, device=flat.device)
+        if count is None:
+            count = torch.zeros(1, dtype=torch.int32, device=flat.device)
         _launch(k.quant_kernel, n, nb, B, rows,
                 (flat, codes, params, count, n, nb, self._b32, float(2**self.bits - 1)),
                 REL=self.mode == "rel", BITS=self.bits, FP8=self.fmt == "e4m3", BLOCK=B, ROWS=rows,
@@ -369,7 +376,8 @@ class TritonQuant(Codec):
     def compress_deferred(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Deferred:
         """``compress`` with the raw-block count left on the device (NOTE [ Block quantization ] Rule 5).
 
-        ``sizes`` is ``[raw blocks, whether the last block is raw]``; ``settle`` takes them back.
+        ``sizes`` is ``[raw blocks, whether the last block is raw]``; ``settle`` takes them back. The raw blocks sit
+        in rows of their own index (none ranked here).
         """
         self._check_input(x)
         B = self.block
@@ -381,16 +389,20 @@ class TritonQuant(Codec):
                 none = torch.empty(0, dtype=torch.uint8, device=x.device)
                 return Deferred(Packed((none, none, none, none), self._meta(x, 0, 0, False)))
             if self._triton(x.device):
-                codes, params, _ = self._quantize(flat, n, nb)
-                ids_u8, raw_u8, sizes = _gather_raw_triton(flat, params, B)
+                sizes = torch.zeros(2, dtype=torch.int64, device=x.device)
+                # the count in sizes[0]'s low word (little-endian; count < 2**31): no copy after the kernel
+                codes, params, _ = self._quantize(flat, n, nb, count=sizes.view(torch.int32)[:1])
+                raw_u8 = _raw_rows_triton(flat, params, B, sizes)
             else:
                 codes, params = _quant_ref(flat, self.bits, B, self.mode == "rel", self._b32, self.fmt)
-                ids_u8, raw_u8, sizes = _gather_raw_dev(flat, params, B)
+                raw_u8, sizes = _raw_rows_dev(flat, params, B)
         params_u8 = params.reshape(-1).view(torch.uint8)
-        return Deferred(Packed((codes, params_u8, ids_u8, raw_u8), self._meta(x, nb, sizes[:1], None)), sizes)
+        # ids: none in this form (empty, a view); raw_u8: row i holds block i when its marker says raw
+        return Deferred(Packed((codes, params_u8, raw_u8[:0], raw_u8), self._meta(x, nb, sizes[:1], None)), sizes)
 
     def settle(self, d: Deferred, values: Sequence[int]) -> Packed:
-        """``compress``'s ``Packed`` from ``compress_deferred``'s and its sizes read back (views of its buffers)."""
+        """``compress``'s ``Packed`` from ``compress_deferred``'s and its sizes read back: views of its buffers, and
+        with raw blocks their rows gathered in order on the device (NOTE [ Block quantization ] Rule 5)."""
         if d.sizes is None:
             return d.packed
         self._check_packed(d.packed)
@@ -400,9 +412,12 @@ class TritonQuant(Codec):
         if not 0 <= count <= nb or len(d.packed.buffers) != 4:
             raise internal_error(f"TritonQuant counted {count} raw blocks of {nb}")
         codes, params_u8, ids_u8, raw_u8 = d.packed.buffers
-        es = meta.dtype.itemsize
         tail_raw = count > 0 and meta.shape.numel() % B != 0 and bool(last)
-        return Packed((codes, params_u8, ids_u8[: count * 4], raw_u8[: count * B * es]),
+        if count:
+            ids_u8, raw_u8 = _rank_raw_rows(params_u8.view(torch.float32).view(nb, -1), raw_u8, B, count)
+        else:
+            ids_u8 = raw_u8 = raw_u8[:0]
+        return Packed((codes, params_u8, ids_u8, raw_u8),
                       dataclasses.replace(meta, params=types.MappingProxyType(
                           {**meta.params, "raw_blocks": count, "tail_raw": tail_raw})))
 
@@ -433,11 +448,12 @@ class TritonQuant(Codec):
             else:
                 _dequant_ref(codes, params, flat, bits, B, fmt)
             count = p.meta.params["raw_blocks"]
-            if isinstance(count, torch.Tensor):  # compress_deferred's: the count on the device (NOTE [ Block quantization ] Rule 5)
+            if isinstance(count, torch.Tensor):  # compress_deferred's form (NOTE [ Block quantization ] Rule 5):
+                # the raw blocks' rows put back by the markers
                 if self._triton(p.device):
-                    _scatter_raw_triton(flat, ids_u8.view(torch.int32), raw_u8, count, B)
+                    _put_raw_rows_triton(flat, params, raw_u8, B)
                 else:
-                    _scatter_raw_dev(flat, ids_u8.view(torch.int32), raw_u8, count, B)
+                    _put_raw_rows_dev(flat, params, raw_u8, B)
             elif ids_u8.numel():
                 _scatter_raw(flat, ids_u8.view(torch.int32), raw_u8.view(out.dtype), B,
                              bool(p.meta.params.get("tail_raw", False)))
@@ -486,74 +502,76 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def _gather_raw_dev(flat: torch.Tensor, params: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_gather_raw`` with the count left on the device (NOTE [ Block quantization ] Rule 5), in PyTorch:
-    ``(ids, bytes, sizes)``; ids and bytes have room for every block and their first ``count`` rows hold what
-    ``_gather_raw`` returns; ``sizes`` is ``[count, whether the last block is raw]`` (int64)."""
-    n, nb, dev = flat.numel(), params.shape[0], flat.device
-    raw = params[:, -1] < 0
-    pos = torch.cumsum(raw, 0)  # a raw block's rank among the raw blocks, plus one: _gather_raw's order
-    dst = torch.where(raw, pos - 1, nb)  # the other blocks go to a spare row
-    ids = torch.zeros(nb + 1, dtype=torch.int32, device=dev)
-    ids.index_copy_(0, dst, torch.arange(nb, dtype=torch.int32, device=dev))
+def _raw_rows_dev(flat: torch.Tensor, params: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``compress_deferred``'s raw rows in PyTorch (NOTE [ Block quantization ] Rule 5): ``(bytes, sizes)``; row ``i``
+    of the bytes is block ``i`` (every block copied; a partial last block padded with its last element, as
+    ``_gather_raw`` pads it), ``sizes`` is ``[count, whether the last block is raw]`` (int64)."""
+    n, nb = flat.numel(), params.shape[0]
     src = _bits(flat)
-    if nb * B > n:  # a partial last block, padded with its last element as _gather_raw pads it
+    if nb * B > n:
         src = torch.cat([src, src[-1:].expand(nb * B - n)])
-    rows = src.new_empty(nb + 1, B)
-    rows.index_copy_(0, dst, src.view(nb, B))
-    sizes = torch.stack([pos[-1], raw[-1].long()])
-    return ids[:nb].view(torch.uint8), rows[:nb].reshape(-1).view(torch.uint8), sizes
+    else:
+        src = src.clone()
+    raw = params[:, -1] < 0
+    sizes = torch.stack([raw.sum(), raw[-1].long()])
+    return src.view(torch.uint8), sizes
 
 
-def _scatter_raw_dev(flat: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor, count: torch.Tensor, B: int) -> None:
-    """Writes the first ``count`` (a device tensor) raw blocks of ``_gather_raw_dev``'s buffers back into ``flat``
-    (contiguous), in PyTorch, reading nothing on the host: every block is chosen between itself and its raw row."""
-    n, nb, dev = flat.numel(), ids.numel(), flat.device
-    j = torch.arange(nb, device=dev)
-    row = torch.full((nb + 1,), -1, dtype=torch.int64, device=dev)  # block -> its raw row, -1 for none
-    row.index_copy_(0, torch.where(j < count, ids.long(), nb), j)
-    row = row[:nb]
+def _rank_raw_rows(params: torch.Tensor, rows: torch.Tensor, B: int,
+                   count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``_gather_raw``'s ``(ids, bytes)`` from the raw rows (row ``i``: block ``i``) and the raw-block ``count`` (known
+    on the host, > 0): the raw blocks' indices and rows in block order, on the device, nothing read back."""
+    nb, dev = params.shape[0], params.device
+    raw = params[:, -1] < 0
+    dst = torch.where(raw, torch.cumsum(raw, 0) - 1, count)  # a raw block's rank; the others to a spare slot
+    ids = torch.empty(count + 1, dtype=torch.int32, device=dev)
+    ids.index_copy_(0, dst, torch.arange(nb, dtype=torch.int32, device=dev))
+    ids = ids[:count]
+    got = rows.view(nb, -1).index_select(0, ids.long())
+    return ids.view(torch.uint8), got.view(-1)
+
+
+def _put_raw_rows_dev(flat: torch.Tensor, params: torch.Tensor, raw: torch.Tensor, B: int) -> None:
+    """Writes the raw rows of ``_raw_rows_dev``'s layout back into their blocks of ``flat`` (contiguous), in PyTorch,
+    reading nothing on the host: every block is chosen between itself and its row by its marker."""
+    n, nb = flat.numel(), params.shape[0]
     bits = _bits(flat)
-    got = raw.view(bits.dtype).view(nb, B)[row.clamp(min=0)]
-    have = row >= 0
+    rows = raw.view(bits.dtype).view(nb, B)
+    have = params[:, -1] < 0
     full = n // B
     if full:
         blocks = bits[: full * B].view(full, B)
-        blocks.copy_(torch.where(have[:full, None], got[:full], blocks))
+        blocks.copy_(torch.where(have[:full, None], rows[:full], blocks))
     if n > full * B:
         tail = bits[full * B:]
-        tail.copy_(torch.where(have[full], got[full, : n - full * B], tail))
+        tail.copy_(torch.where(have[full], rows[full, : n - full * B], tail))
 
 
 def _small_rows(B: int) -> int:
     return max(1, 2048 // B)  # blocks per program of the raw-block kernels: tiles of about 2048 elements
 
 
-def _gather_raw_triton(flat: torch.Tensor, params: torch.Tensor,
-                       B: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``_gather_raw_dev`` by a Triton kernel that copies the raw blocks only (same bytes in the first ``count`` rows)."""
+def _raw_rows_triton(flat: torch.Tensor, params: torch.Tensor, B: int, sizes: torch.Tensor) -> torch.Tensor:
+    """``_raw_rows_dev``'s bytes by a Triton kernel that copies the raw blocks only (the other rows unwritten); it
+    writes ``sizes[1]``, the quantizer counted into ``sizes[0]``."""
     from torchckpt.codecs import _quant_triton as k
 
-    n, nb, dev = flat.numel(), params.shape[0], flat.device
-    pos = torch.cumsum(params[:, -1] < 0, 0)
-    ids = torch.empty(nb, dtype=torch.int32, device=dev)
+    n, nb = flat.numel(), params.shape[0]
     src = _bits(flat)
     rows = src.new_empty(nb * B)
-    sizes = torch.empty(2, dtype=torch.int64, device=dev)
     R = _small_rows(B)
-    k.gather_raw_kernel[(triton_cdiv(nb, R),)](src, params, pos, ids, rows, sizes, n, nb,
-                                                NPAR=params.shape[1], BLOCK=B, ROWS=R)
-    return ids.view(torch.uint8), rows.view(torch.uint8), sizes
+    k.raw_rows_kernel[(triton_cdiv(nb, R),)](src, params, rows, sizes, n, nb, NPAR=params.shape[1], BLOCK=B, ROWS=R)
+    return rows.view(torch.uint8)
 
 
-def _scatter_raw_triton(flat: torch.Tensor, ids: torch.Tensor, raw: torch.Tensor, count: torch.Tensor, B: int) -> None:
-    """``_scatter_raw_dev`` by a Triton kernel that reads and writes the first ``count`` raw blocks only."""
+def _put_raw_rows_triton(flat: torch.Tensor, params: torch.Tensor, raw: torch.Tensor, B: int) -> None:
+    """``_put_raw_rows_dev`` by a Triton kernel that reads and writes the raw blocks only."""
     from torchckpt.codecs import _quant_triton as k
 
     bits = _bits(flat)
-    nb, R = ids.numel(), _small_rows(B)
-    k.scatter_raw_kernel[(triton_cdiv(nb, R),)](raw.view(bits.dtype), ids, count, bits, bits.numel(),
-                                                 BLOCK=B, ROWS=R)
+    nb, R = params.shape[0], _small_rows(B)
+    k.put_raw_rows_kernel[(triton_cdiv(nb, R),)](raw.view(bits.dtype), params, bits, bits.numel(), nb,
+                                                  NPAR=params.shape[1], BLOCK=B, ROWS=R)
 
 
 def triton_cdiv(a: int, b: int) -> int:
