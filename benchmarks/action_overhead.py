@@ -4,14 +4,16 @@ The claim (issue 26, Deliver 2): the Python that ``run_schedule`` (and ``checkpo
 action (advance, save, restore, prefetch, free, adjoint) is small next to a step. A step here is one op on a tensor
 of a few elements, so the run is all host time: per schedule (zCut, Revolve, Uniform), tier (``Tier.HOST`` through a
 ``SnapshotStore``'s slots, ``Tier.GPU`` on the device) and codec (none; ``quant8`` = TritonQuant(bits=8) where it
-runs), the driver's time less that of the same step calls made in a bare loop, per action, and the driver's time
-over a bare loop of the same steps with no checkpointing (forward, then backward, every state kept). With
-``--profile``, a cProfile of one run per row split by where the time goes (executor, planned stream, store, mover,
-driver, the user's callbacks, torch).
+runs; ``identity`` = Identity()), the driver's time less that of the same step calls made in a bare loop, per
+action, and the driver's time over a bare loop of the same steps with no checkpointing (forward, then backward,
+every state kept). With ``--profile``, a cProfile of one run per row split by where the time goes (executor,
+planned stream, store, mover, driver, the user's callbacks, torch). ``--sizes exact,deferred`` runs each codec row
+with ``SnapshotStore(defer_sizes=False)`` and ``True`` (NOTE [ Snapshot sizes ]), labelled ``.../deferred``: the
+host cost of deferring the sizes.
 
     python benchmarks/action_overhead.py [--steps 4000] [--snapshots 10] [--reps 5] [--profile] [--out DIR]
                                          [--schedules zcut,revolve,uniform] [--tiers host,gpu] [--codecs none,quant8]
-                                         [--drivers run_schedule,loop]
+                                         [--drivers run_schedule,loop] [--sizes exact,deferred]
 Writes ``action_overhead.json`` and ``action_overhead.png``. Runs on the CPU (under a minute) and on a GPU.
 """
 from __future__ import annotations
@@ -92,7 +94,10 @@ def codec_of(name: str) -> Any:
     if name == "quant8":
         from torchckpt.codecs import TritonQuant
         return TritonQuant(bits=8, mode="abs", bound=1e-3)
-    raise ValueError(f"unknown codec {name!r}; pass none or quant8")
+    if name == "identity":
+        from torchckpt.codecs import Identity
+        return Identity()
+    raise ValueError(f"unknown codec {name!r}; pass none, quant8 or identity")
 
 
 def counts(sched: Any) -> tuple[int, int]:
@@ -160,10 +165,15 @@ def main() -> None:
     p.add_argument("--tiers", default="host,gpu")
     p.add_argument("--codecs", default="none,quant8")
     p.add_argument("--drivers", default="run_schedule,loop")
+    p.add_argument("--sizes", default="exact", help="codec rows with SnapshotStore(defer_sizes=False) (exact) and/or "
+                                                    "True (deferred), comma-separated")
     p.add_argument("--loop-steps", type=int, default=1000, help="steps of the checkpointed_loop rows (autograd)")
     p.add_argument("--profile", action="store_true", help="split each row's time by place (one cProfile'd run)")
     p.add_argument("--out", default=None)
     args = p.parse_args()
+    sizes = [z for z in args.sizes.split(",") if z]
+    if not sizes or any(z not in ("exact", "deferred") for z in sizes):
+        p.error(f"--sizes takes exact and/or deferred, got {args.sizes!r}")
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     cuda = dev.type == "cuda"
     out = out_dir(args.out)
@@ -188,9 +198,10 @@ def main() -> None:
                 tier = Tier.HOST if tname == "host" else Tier.GPU
                 sched = schedule(sname, N, args.snapshots, tier)
                 fsteps, nacts = counts(sched)
-                for cname in [c for c in args.codecs.split(",") if c]:
+                for cname, defer in [(c, z == "deferred") for c in args.codecs.split(",") if c
+                                     for z in (sizes if c != "none" else sizes[:1])]:
                     store = SnapshotStore(dev, slots=args.slots, host=HostPool(chunk_bytes=1 << 20, pin=cuda),
-                                          codec=codec_of(cname))
+                                          codec=codec_of(cname), defer_sizes=defer)
 
                     def drive(sched: Any = sched, store: SnapshotStore = store) -> None:
                         run_schedule(sched, forward=w.forward, save=w.save, restore=w.restore, backward=w.backward,
@@ -203,14 +214,14 @@ def main() -> None:
                     steps_s = fsteps * t_fwd + N * t_adj
                     us = (t - steps_s) / acts * 1e6
                     row: dict[str, Any] = dict(driver="run_schedule", schedule=repr(sched), name=sname, tier=tname,
-                                               codec=cname, actions=acts, forward_steps=fsteps, time_s=t,
-                                               steps_s=steps_s, us_per_action=us, x_bare=t / t_bare)
+                                               codec=cname, defer_sizes=defer, actions=acts, forward_steps=fsteps,
+                                               time_s=t, steps_s=steps_s, us_per_action=us, x_bare=t / t_bare)
                     if args.profile:
                         split = profile_split(drive)
                         row["profile_us_per_action"] = {k: v / acts * 1e6 for k, v in sorted(split.items())}
                     store.close()
                     rows.append(row)
-                    label = f"{sname}/{tname}/{cname}"
+                    label = f"{sname}/{tname}/{cname}" + ("/deferred" if defer else "")
                     table.append([label, str(acts), fmt(t * 1e3, ".2f"), fmt(us, ".2f"), fmt(t / t_bare, ".2f") + "x"]
                                  + ([" ".join(f"{k}={v:.2f}" for k, v in row["profile_us_per_action"].items())]
                                     if args.profile else []))
@@ -260,7 +271,8 @@ def main() -> None:
                dict(device=str(dev) if not cuda else torch.cuda.get_device_name(), torch=torch.__version__, steps=N,
                     elements=args.elements, snapshots=args.snapshots, slots=args.slots, reps=args.reps,
                     bare_s=t_bare, forward_step_s=t_fwd, adjoint_step_s=t_adj, rows=rows))
-    labels = [f"{r['driver'][:4]} {r['name']}/{r['tier']}/{r['codec']}" for r in rows]
+    labels = [f"{r['driver'][:4]} {r['name']}/{r['tier']}/{r['codec']}" + ("/deferred" if r.get("defer_sizes") else "")
+              for r in rows]
     plot_bars(os.path.join(out, "action_overhead.png"), labels,
               {"us per action (driver less its steps)": [r["us_per_action"] for r in rows],
                "time / bare loop": [r["x_bare"] for r in rows]},
