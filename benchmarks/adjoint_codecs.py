@@ -28,7 +28,7 @@ otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s imag
 
     python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
                                         [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
-                                        [--sizes exact,deferred] [--profile [--trace-dir DIR]]
+                                        [--sizes exact,deferred] [--profile [--trace-dir DIR]] [--pyprofile]
 Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
 """
 from __future__ import annotations
@@ -142,6 +142,28 @@ def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> d
     return fig
 
 
+def py_profile(path: str, fn, untraced_s: float) -> None:
+    """Run ``fn`` (a run: returns its time first) once more under cProfile; write the functions with the most own
+    time and the most cumulative time to ``path`` (the host's Python, which torch.profiler leaves as self time)."""
+    import cProfile
+    import io
+    import pstats
+
+    pr = cProfile.Profile()
+    pr.enable()
+    run_s = fn()[0]
+    pr.disable()
+    buf = io.StringIO()
+    st = pstats.Stats(pr, stream=buf)
+    buf.write(f"untraced run {untraced_s:.3f} s; this run under cProfile {run_s:.3f} s\n\n== by own time\n")
+    st.sort_stats("tottime").print_stats(40)
+    buf.write("\n== by cumulative time\n")
+    st.sort_stats("cumulative").print_stats(40)
+    with open(path, "w") as f:
+        f.write(buf.getvalue())
+    print(f"wrote {path}", flush=True)
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", type=int)
@@ -158,6 +180,10 @@ def main() -> int:
     p.add_argument("--sizes", default="exact",
                    help="comma-separated SnapshotStore size settings to run each codec's (d) with: exact "
                         "(defer_sizes=False, the default) and/or deferred (defer_sizes=True), in turns")
+    p.add_argument("--pyprofile", action="store_true",
+                   help="also run each (d) once more under cProfile and write pyprofile_<schedule>_<run>.txt: the "
+                        "host's Python time by function (own time and cumulative), where torch.profiler shows only "
+                        "the ops")
     p.add_argument("--trace-dir", help="with --profile: also write each traced run's raw trace (Chrome trace JSON, "
                                        "trace_<schedule>_<run>.json) to this directory")
     p.add_argument("--out")
@@ -277,6 +303,9 @@ def main() -> int:
                 same = torch.equal(bench.rtm.image, images[codec_name])
                 ok &= same
             fig = traced(s, name, f"(d) {label}", lambda: run_codec(sh, c, defer), t) if args.profile else None
+            if args.pyprofile:
+                py_profile(os.path.join(out, f"pyprofile_{s}_{name}.txt".replace(":", "_").replace("+", "_")),
+                           lambda: run_codec(sh, c, defer), t)
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,

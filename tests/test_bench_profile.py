@@ -148,7 +148,7 @@ def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathli
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--schedules", "revolve", "--codecs",
                           "none,quant4", "--sizes", "exact,deferred", "--budget-slots", "1", "--snapshots", "16",
-                          "--profile", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
+                          "--profile", "--pyprofile", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
                          timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "(d) quant4 deferred" in res.stdout and "image == exact's" in res.stdout
@@ -166,6 +166,8 @@ def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathli
         assert st["bytes_to_host"] > 0 and st["packed_bytes"] == d["quant4"]["stats"]["packed_bytes"]
         assert d[k]["profile"]["run_s"] > 0
     assert (tmp_path / "profile_revolve_quant4_deferred.txt").exists()
+    py = (tmp_path / "pyprofile_revolve_quant4_deferred.txt").read_text()  # --pyprofile: the host's Python by function
+    assert "== by own time" in py and "save" in py and (tmp_path / "pyprofile_revolve_quant4.txt").exists()
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--sizes", "late"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and "--sizes takes exact and/or deferred" in bad.stderr
