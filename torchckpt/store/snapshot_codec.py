@@ -97,12 +97,13 @@ class _Unsized:
 
     n: int | None  # None: freed or saved again, kept only to count its packed bytes (NOTE [ Snapshot sizes ] Rule 5)
     defs: list[Deferred]
-    row: torch.Tensor | None  # the pinned row its sizes come back in (None: nothing deferred)
+    row: torch.Tensor  # the pinned row its sizes come back in
     sized: Any  # the event of that copy (None on the CPU)
-    saved: Any  # the compute stream's event at the save: the compression is queued before it
+    # what its slot's write waits for: the compute stream's event at the save (the compression is queued before it),
+    # the slot's fill event (a prefetch into it may still be running) and flush event (a flush of what it held may
+    # still read it) as they were at the save; for a Tier.GPU snapshot the first only
+    after: tuple[Any, Any, Any]
     slot: int | None  # its slot (None: a Tier.GPU snapshot)
-    fill: Any  # the slot's fill event at the save (a prefetch into it may still be running)
-    flushed: Any  # the slot's flush event at the save (a flush of what it held may still read it)
     flush: bool
 
 
@@ -145,20 +146,23 @@ class CodecSide:
             defs = [self.codec.compress_deferred(t.detach()) for t in tensors]
         self._c["raw_bytes"] += sum(d.packed.orig_nbytes for d in defs)
         sizes = [d.sizes for d in defs if d.sizes is not None]
-        row, sized = None, None
-        if sizes:
-            vals = sizes[0] if len(sizes) == 1 else torch.cat(sizes)
-            row = self._rows.pop() if self._rows and self._rows[-1].numel() == vals.numel() else (
-                torch.empty(vals.numel(), dtype=torch.int64, pin_memory=self.cuda))
-            sized = self._mover.read_back(row, vals)
+        vals = (sizes[0] if len(sizes) == 1 else torch.cat(sizes)) if sizes else None
+        saved = self._mover.record()  # the compression (and the sizes' cat) are queued before it
+        after = (saved, None, None) if s is None else (saved, self._fill_ev[s], self._flush_ev[s])
+        if vals is None:  # nothing deferred: settled at its save (NOTE [ Snapshot sizes ] Rule 4)
+            packs = [d.packed for d in defs]
+            self._c["packed_bytes"] += sum(p.nbytes for p in packs)
+            self._keep(n, packs, s, after, flush)
+            return
+        last = self._rows[-1] if self._rows else None
+        row = self._rows.pop() if last is not None and last.numel() == vals.numel() and last.dtype == vals.dtype \
+            else torch.empty(vals.numel(), dtype=vals.dtype, pin_memory=self.cuda)
+        sized = self._mover.read_back(row, vals, after=saved)
         if s is None:
             self._packs[n] = [d.packed for d in defs]
-        rec = _Unsized(n, defs, row, sized, self._mover.record(), s, None if s is None else self._fill_ev[s],
-                       None if s is None else self._flush_ev[s], flush)
+        rec = _Unsized(n, defs, row, sized, after, s, flush)
         self._unsized[n] = rec
         self._sizing.append(rec)
-        if not sizes:
-            self._settle(rec)
         while len(self._sizing) > _MAX_UNSIZED:
             self._settle(self._sizing[0])
 
@@ -169,15 +173,16 @@ class CodecSide:
     def _settle_ready(self) -> None:
         """Settle the unsized snapshots whose sizes are on the host, oldest first (NOTE [ Snapshot sizes ] Rule 2)."""
         while self._sizing and self._sized(self._sizing[0]):
-            self._settle(self._sizing[0])
+            self._settle(self._sizing[0], ready=True)
 
     def _settle_all(self) -> None:
         while self._sizing:
             self._settle(self._sizing[0])
 
-    def _settle(self, rec: _Unsized) -> None:
-        """Read ``rec``'s sizes (waiting only if they are not on the host yet) and keep its snapshot's exact form:
-        trimmed copies (``Tier.GPU``), or its slot written and flushed (NOTE [ Snapshot sizes ] Rules 2-3)."""
+    def _settle(self, rec: _Unsized, ready: bool = False) -> None:
+        """Read ``rec``'s sizes (waiting only if they are not on the host yet; ``ready``: found there already) and keep
+        its snapshot's exact form: trimmed copies (``Tier.GPU``), or its slot written and flushed (NOTE [ Snapshot
+        sizes ] Rules 2-3)."""
         assert self.codec is not None
         if self._sizing[0] is rec:
             self._sizing.popleft()
@@ -186,33 +191,34 @@ class CodecSide:
         n = rec.n
         if n is not None:
             del self._unsized[n]
-        if rec.row is not None and not self._sized(rec):
+        if not ready and not self._sized(rec):
             self._c["size_waits"] += 1
             if rec.sized is not None:
                 rec.sized.synchronize()  # an event of an earlier save (NOTE [ Snapshot sizes ] Rule 3)
-        vals: list[int] = []
-        if rec.row is not None:
-            vals = rec.row.tolist()
-            self._rows.append(rec.row)
+        vals: list[int] = rec.row.tolist()
+        self._rows.append(rec.row)
         packs, i = [], 0
         for d in rec.defs:
             k = 0 if d.sizes is None else d.sizes.numel()
             packs.append(self.codec.settle(d, vals[i:i + k]))
             i += k
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
-        s = rec.slot
-        if n is None:
-            return
+        if n is not None:
+            self._keep(n, packs, rec.slot, rec.after, rec.flush)
+
+    def _keep(self, n: int, packs: list[Packed], s: int | None, after: tuple[Any, Any, Any], flush: bool) -> None:
+        """Keep snapshot ``n``'s exact form: trimmed copies (``s`` is ``None``: ``Tier.GPU``), or slot ``s`` written
+        after the events ``after`` and flushed (NOTE [ Snapshot sizes ] Rule 2)."""
         if s is None:
             self._packs[n] = [_own(p) for p in packs]
             return
         blob = Blob(packs)
         self._blobs[n] = blob
         grown = self._ensure_room(s, blob.nbytes)  # a new buffer is allocated on the compute stream: after it
-        ev = self._mover.place(self._slots[s], blob, packs, (rec.saved, rec.fill, rec.flushed), after_all=grown)
+        ev = self._mover.place(self._slots[s], blob, packs, after, after_all=grown)
         self._fill_ev[s] = self._flush_ev[s] = ev
         self._fill_of[s] = None
-        if rec.flush:
+        if flush:
             self._flush(n, s, after=ev)
         else:
             self._dirty.add(n)

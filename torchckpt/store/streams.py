@@ -207,14 +207,18 @@ class Mover:
             p.wait_stream(self.current())
         return self._copy(p, "h2d", dst, src)
 
-    def read_back(self, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def read_back(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
         """Copy the few device bytes ``src`` into pinned ``dst`` on the sizes stream, after the compute stream's
-        work so far; returns its event (NOTE [ Mover ] Rule 6)."""
+        work so far (``after``: an event recorded there after ``src`` was written, which saves recording another);
+        returns its event (NOTE [ Mover ] Rule 6)."""
         if not self.cuda:
             dst.copy_(src)
             return None
         s = self.sizes
-        s.wait_stream(self.current())
+        if after is None:
+            s.wait_stream(self.current())
+        else:
+            s.wait_event(after)
         with torch.cuda.stream(s):
             if self.delay is not None:
                 self.delay("sizes", s)
@@ -244,7 +248,8 @@ class Mover:
             blob.write(dst, packs, non_blocking=True)
             for p in packs:
                 for b in p.buffers:
-                    b.record_stream(s)  # allocated on the compute stream, read here
+                    if b.numel():  # an empty one is not read
+                        b.record_stream(s)  # allocated on the compute stream, read here
             return self._event(s)
 
     def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], Any]) -> tuple[Any, Blob, Any]:
