@@ -15,7 +15,7 @@ import json
 import time
 from collections import Counter
 
-from torchckpt.planner import CodecCost, Link, PlanError, Profile, search
+from torchckpt.planner import CodecCost, Link, PlanError, Profile, StepCosts, search
 from torchckpt.planner.calibrate import calibrate
 from torchckpt.planner.optimize import simple_policies, size
 
@@ -29,6 +29,19 @@ def summary(decisions: tuple) -> str:
     return ", ".join(f"{n} {k}" for k, n in names.most_common())
 
 
+def load(path: str) -> tuple[Profile, StepCosts]:
+    """The profile in ``path`` and its chain, calibrated on what the device measured of the simple policies where the
+    file has it (NOTE [ Mechanism costs ]; ``zoo.py`` writes it), as the planner had it."""
+    with open(path) as f:
+        d = json.load(f)
+    prof = Profile.from_json(json.dumps(d["profile"]))
+    codec = CodecCost(**d["codec"]) if d.get("codec") else None
+    chain = prof.chain(Link(*d["link"]), codec)
+    if d.get("measured"):
+        chain = calibrate(chain, simple_policies(chain), {k: tuple(v) for k, v in d["measured"].items()})
+    return prof, chain
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("profile")
@@ -36,13 +49,7 @@ def main() -> None:
     p.add_argument("--lookahead", type=int, default=1)
     p.add_argument("--explain", type=float, default=None, help="print every block's decision at this budget (GiB)")
     args = p.parse_args()
-    with open(args.profile) as f:
-        d = json.load(f)
-    prof = Profile.from_json(json.dumps(d["profile"]))
-    codec = CodecCost(**d["codec"]) if d.get("codec") else None
-    chain = prof.chain(Link(*d["link"]), codec)
-    if d.get("measured"):  # NOTE [ Mechanism costs ]: what the device measured of the simple policies (zoo.py writes it)
-        chain = calibrate(chain, simple_policies(chain), {k: tuple(v) for k, v in d["measured"].items()})
+    prof, chain = load(args.profile)
     t0 = time.perf_counter()
     found = search(chain, lookahead=args.lookahead)
     took = time.perf_counter() - t0

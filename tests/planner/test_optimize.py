@@ -192,6 +192,23 @@ def test_backward_calibrated_on_its_own_when_measured() -> None:
     assert rec_both.peak_bytes >= grads + 3 * 8 * MiB + 128 * MiB + 32 * MiB  # inputs, one block, its gradients
 
 
+def test_backward_fixed_bytes_are_each_blocks_own() -> None:
+    """NOTE [ Step model ] Rule 6: each block's backward allocates its parameters' gradients, which stay, so what no
+    decision changes grows as the backward goes. Each block's backward sees its own: keeping every block predicts the
+    measured peak (the most of them, the first block's, put every gradient at the last block's backward: 712 MiB
+    against 576), and a plan keeping only the last block peaks at the first block's backward, under the others'
+    gradients (the most of them said 352 MiB, at the last block's backward, where none is allocated yet)."""
+    n, grads = 4, 64 * MiB
+    blocks = [Block(f"b{i}", 1e-3, 2e-3, 8 * MiB, (64 * MiB,) * 2, bwd_bytes=8 * MiB) for i in range(n)]
+    bwd_start = [128 * MiB * (i + 1) + grads * (n - 1 - i) for i in range(n)]  # saved bytes of blocks 0..i, gradients
+    peak_none = n * 128 * MiB + 64 * MiB  # the loss's temporaries at the forward's end
+    chain = StepCosts.calibrated(blocks, peak_none, 0, 0.0, 0.0, Link(25e9, 25e9), bwd_start=bwd_start)
+    assert [chain.bwd_fixed(i) for i in range(n)] == [grads * (n - 1 - i) for i in range(n)]
+    assert predict(chain, [KEEP] * n).peak_bytes == peak_none
+    last = predict(chain, [RECOMPUTE] * (n - 1) + [KEEP])
+    assert (last.peak_bytes, last.at) == (3 * grads + 128 * MiB + 8 * MiB, "backward 0")
+
+
 def test_op_times_lose_the_timer_gap_not_a_share() -> None:
     """NOTE [ Profiling step ] Rule 5: each op timed alone carries the same launch gap; taking it off every op (none
     below zero) leaves a matmul's time nearly whole, where scaling by the forward would shrink it by the same share."""

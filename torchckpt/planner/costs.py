@@ -55,14 +55,23 @@ Pure Python (no torch): the optimiser and its tests run on synthetic costs.
 #    recomputed, so that recomputing every block predicts that step's measured peak
 #    (``StepCosts.calibrated_on``). What the forward's end holds besides saved tensors (the loss's
 #    temporaries) is gone by the blocks' backward, so when the profiling step measured what was
-#    allocated as each block's backward began, the backward gets its own ``bwd_fixed_bytes``: the
-#    most of those allocations less the saved bytes of the blocks not yet through backward, and
-#    ``fixed_bytes`` calibrates the forward's peak alone.
+#    allocated as each block's backward began, the backward gets its own fixed bytes: those
+#    allocations less the saved bytes of the blocks not yet through backward, each block's own
+#    (Rule 6), and ``fixed_bytes`` calibrates the forward's peak alone.
 # 5. A plan whose blocks carry ``Decision.revolve`` recomputes every block and keeps only the inputs
 #    Revolve over the chain keeps (NOTE [ Revolve over the chain ] in rebuild.py): those inputs are not
 #    in the blocks' kept bytes; the states it holds are added at every sample of both sweeps, and the
 #    blocks it runs again before a block's backward add their forward time there (and their inputs
 #    to the memory while they run).
+# 6. What no decision changes in the backward grows as the backward goes: each block's backward allocates
+#    its parameters' gradients (every step starts with them ``None``, NOTE [ Profiling step ] Rule 4) and
+#    they stay to the step's end, so the blocks that run backward last see the gradients of every block
+#    after them. So Rule 4's backward bytes are per block (``StepCosts.bwd_fixed_at``), each sampled at
+#    its own block's backward, not the most of them over the chain: that most is the first block's, and
+#    at the last block's backward, where a plan that keeps blocks peaks, it counted gradients not yet
+#    allocated there (on an H100, 0.53 GiB of ViT-L/16's and 0.61 GiB of T5's). The measured
+#    corrections of NOTE [ Mechanism costs ] Rules 3-5 and 8 had absorbed that excess on the plans they
+#    were measured on, and carried it, with the opposite sign, to every recomputed block of a mixed plan.
 """
 from __future__ import annotations
 
@@ -71,6 +80,7 @@ from collections.abc import Sequence
 
 from torchckpt._args import part_bytes
 from torchckpt.planner.rebuild import States, states
+from torchckpt.planner.shared import Ref, corrections, refs
 
 __all__ = ["Block", "StepCosts", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
            "chain_states",
@@ -147,6 +157,9 @@ class Block:
             costs ] Rule 9); may be negative.
         chained: whether its first positional tensor argument was the previous block's first output, unchanged
             (``checkpoint_chain`` may hand it on: NOTE [ Chain of blocks ] Rule 5; NOTE [ Plan search ] Rule 6).
+        shared: the storages it references that another block references too (NOTE [ Shared storages ]), each as
+            ``(storage, bytes, position)``: ``position`` among ``saved`` where it saved it (``saved`` holds its bytes
+            there only if it saved it first), ``-1`` where it took it as an input (its bytes are in ``input_bytes``).
     """
 
     name: str
@@ -166,6 +179,7 @@ class Block:
     host_rec_s: float = 0.0
     alone_s: float = 0.0
     chained: bool = True
+    shared: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def saved_bytes(self) -> int:
@@ -184,7 +198,9 @@ class StepCosts:
         link: the host link.
         codec: the codec offloads may use (``None``: offloads are uncompressed).
         bwd_fixed_bytes: device bytes that no decision changes during the backward, when measured
-            (NOTE [ Step model ] Rule 4); ``None``: ``fixed_bytes``.
+            (NOTE [ Step model ] Rule 4); ``None``: ``fixed_bytes``. With ``bwd_fixed_at``, the most of those.
+        bwd_fixed_at: the same for each block's backward, when measured (NOTE [ Step model ] Rule 6); ``()``:
+            ``bwd_fixed_bytes`` at every block.
         rec_bytes / keep_rec_bytes: measured bytes a block recomputed by ``Recompute()`` / ``Recompute(save=...)``
             holds in its backward beyond what the model counts (NOTE [ Mechanism costs ] Rules 3-4); may be negative.
         host_rec_bytes: the same for a recomputed block whose inputs went to host, added to those (NOTE [ Mechanism
@@ -212,6 +228,13 @@ class StepCosts:
     revolve_at: int = 0
     revolve_slope: float = 0.0
     revolve_scale: float = 0.0
+    bwd_fixed_at: tuple[int, ...] = ()
+
+    def bwd_fixed(self, i: int) -> int:
+        """Device bytes that no decision changes while block ``i``'s backward runs (NOTE [ Step model ] Rules 4, 6)."""
+        if self.bwd_fixed_at:
+            return self.bwd_fixed_at[i]
+        return self.fixed_bytes if self.bwd_fixed_bytes is None else self.bwd_fixed_bytes
 
     def revolve_offset(self, memory: int) -> int:
         """``revolve_bytes`` for a Revolve plan of ``memory`` bytes of snapshots (NOTE [ Mechanism costs ] Rules
@@ -233,11 +256,12 @@ class StepCosts:
         if len(bwd_start) != len(blocks) or not blocks:
             return StepCosts.calibrated_on(blocks, [KEEP] * len(blocks), peak_none, other_saved_bytes, other_fwd_s,
                                        other_bwd_s, link, codec)
-        held, bwd_fixed = 0, 0
-        for b, at in zip(blocks, bwd_start):
+        held, each = 0, []
+        for b, at in zip(blocks, bwd_start):  # NOTE [ Step model ] Rule 6: each block's own
             held += b.saved_bytes
-            bwd_fixed = max(bwd_fixed, at - held)
-        bare = StepCosts(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec, bwd_fixed)
+            each.append(max(0, at - held))
+        bare = StepCosts(tuple(blocks), 0, other_saved_bytes, other_fwd_s, other_bwd_s, link, codec, max(each),
+                         bwd_fixed_at=tuple(each))
         fixed = max(0, peak_none - predict(bare, [KEEP] * len(blocks)).fwd_peak_bytes)
         return dataclasses.replace(bare, fixed_bytes=fixed)
 
@@ -451,13 +475,14 @@ def chain_states(chain: StepCosts, memory: int) -> States:
     return states([b.fwd_s for b in chain.blocks], [b.input_bytes for b in chain.blocks], memory)
 
 
-Terms = tuple[int, int, int, float, float, int, bool, bool]
+Terms = tuple[int, int, int, float, float, int, bool, bool, tuple[Ref, ...]]
 
 
 def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
     """What ``predict`` needs of one block's decision: (bytes kept on the device, offloaded, over the link,
     compression time, decompression and recomputation time, bytes its backward materialises, recomputed, with
-    host). The search computes them once per option (NOTE [ Plan search ])."""
+    host, its references to storages other blocks reference too: NOTE [ Shared storages ]). The search computes
+    them once per option (NOTE [ Plan search ])."""
     codec = chain.codec
     kept, off = _split(b, d)
     wire, extra_f, extra_b = off, 0.0, 0.0
@@ -479,7 +504,8 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
         if d.parts:  # NOTE [ Mechanism costs ] Rule 3: measured on whole recomputations; in parts, never less
             extra = [max(0, e) for e in extra]
         held = max(materialised_bytes(b, d) + sum(extra), kept, 0)
-    return kept, off, wire, extra_f, extra_b, held, rec, d.host
+    shared = refs(b.shared, b.saved, d.mode, d.offload, d.host, bool(d.parts)) if b.shared and not d.revolve else ()
+    return kept, off, wire, extra_f, extra_b, held, rec, d.host, shared
 
 
 def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bool = True,
@@ -498,6 +524,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             extra_b[i] = max(0.0, extra_b[i] + blocks[i].alone_s)
     base = chain.fixed_bytes + chain.other_saved_bytes
     revolve_bytes = chain.revolve_offset(revolve.memory) if revolve else 0
+    once = corrections([t[8] for t in per]) if revolve is None else None  # NOTE [ Shared storages ] Rules 2-3
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
     # Forward (NOTE [ Step model ] Rule 1): d2h[i] is when block i's copy to host ends.
@@ -527,13 +554,14 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
                 t = queue[head][0]
             flying -= queue[head][1]
             head += 1
-        mem = base + resident + max(flying, min(room, offloaded)) + (revolve.fwd[i] if revolve else 0)
+        mem = base + resident + max(flying, min(room, offloaded)) + (revolve.fwd[i] if revolve else 0) + (
+            once[0][i] if once else 0)
         if mem > peak:
             peak, at = mem, i
     fwd_peak = peak
     # Backward (NOTE [ Step model ] Rule 2): the work outside the blocks (head, loss) runs first and frees what it saved.
-    base = chain.fixed_bytes if chain.bwd_fixed_bytes is None else chain.bwd_fixed_bytes
     t += chain.other_bwd_s
+    bases = [chain.bwd_fixed(i) for i in range(n)]  # NOTE [ Step model ] Rule 6: what each block's backward sees
     h2d_free = 0.0
     ready = [0.0] * n
     issued = [False] * n
@@ -553,6 +581,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             t = ready[i]
         pi = per[i]
         rec, host, materialised = pi[6], pi[7], pi[5]
+        base = bases[i]
         if rec:
             recompute += extra_b[i]
         if revolve is not None:  # NOTE [ Step model ] Rule 5: the blocks run again to rebuild this block's input, then the states held
@@ -566,6 +595,8 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             revolve.bwd[i] + revolve_bytes if revolve else 0)
         if rec and host:
             mem -= min(off[i], back)  # its inputs and kept outputs, back, are part of what it materialises
+        if once:
+            mem += once[1][i]
         if mem > peak:
             peak, at = mem, -1 - i
         t += blocks[i].bwd_s + extra_b[i]

@@ -15,7 +15,8 @@
 #    (the position ``Offload(tensors=...)`` counts), its storage and size; tensors saved outside the
 #    blocks count as ``other``. Parameters, views of them and leaves that require grad stay by
 #    reference under any plan and are left out of the bytes; a storage saved twice counts once, in
-#    the first block that saved it.
+#    the first block that saved it. Each saved tensor's storage and each block's inputs' are numbered, so
+#    that the step model counts a storage several blocks reference once (NOTE [ Shared storages ]).
 # 3. Times come from CUDA events on the device (``time.perf_counter`` on the CPU): a block's
 #    forward between its forward's start and end; its backward from the gradient's arrival at its
 #    output to its arrival at its input (the previous block's output). On the device, a block's
@@ -90,12 +91,14 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from torchckpt._errors import CheckpointError
 from torchckpt.planner.blocks import block_kind, find_blocks
 from torchckpt.planner.costs import RECOMPUTE, Block, StepCosts, CodecCost, Link
 from torchckpt.planner.measure import Clock
 from torchckpt.planner.op_timing import SAC_OPS, OpCost, OpTimer, less_gaps, median_ops
+from torchckpt.planner.shared import shared_of
 from torchckpt.planner.sharded import ParamStorages
 from torchckpt.planner.wrapping import first_output, follows, wrap_block, wrap_call, wrap_recomputed
 from torchckpt.recompute.mutation import CallState, module_state
@@ -112,6 +115,8 @@ class SavedTensor:
             plan (a parameter, a view of one) or its storage was counted before.
         shape / dtype: as saved.
         why_zero: ``""``, ``"parameter"`` or ``"shared"``.
+        storage: which storage it is, numbered in the step's order (NOTE [ Shared storages ] Rule 2); ``-1``: not
+            followed (a parameter's, or not recorded).
     """
 
     position: int
@@ -119,6 +124,7 @@ class SavedTensor:
     shape: tuple[int, ...]
     dtype: str
     why_zero: str = ""
+    storage: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +151,7 @@ class Profile:
     writes_buffers: tuple[bool, ...] = ()
     mutates: tuple[str, ...] = ()  # NOTE [ Profiling step ] Rule 7: what each block's forward changed besides its outputs ("": nothing)
     chained: tuple[bool, ...] = ()  # NOTE [ Profiling step ] Rule 10: each block called with the previous one's output
+    input_storages: tuple[tuple[tuple[int, int], ...], ...] = ()  # NOTE [ Shared storages ] Rule 2: (storage, bytes)
 
     def to_json(self) -> str:
         """The profile as JSON (``Profile.from_json`` reads it back): plan again offline, or inspect what was measured."""
@@ -156,12 +163,15 @@ class Profile:
         d["saved"] = tuple(tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b) for b in d["saved"])
         d["ops"] = tuple(tuple(OpCost(**o) for o in b) for b in d["ops"])
         d["saved_after"] = tuple(tuple(b) for b in d.get("saved_after", ()))
+        d["input_storages"] = tuple(tuple((s, nb) for s, nb in b) for b in d.get("input_storages", ()))
         fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in d.items()}
         return Profile(**fields)
 
     def blocks(self) -> list[Block]:
         out = []
         fwd_s, bwd_s, op_s = self._pooled()  # NOTE [ Profiling step ] Rule 9
+        shared = shared_of([[(t.storage, t.nbytes) for t in sv] for sv in self.saved], self.input_storages) if len(
+            self.input_storages) == len(self.names) else [()] * len(self.names)  # NOTE [ Shared storages ] Rule 2
         for i, name in enumerate(self.names):
             secs = less_gaps(op_s[i], fwd_s[i])  # NOTE [ Profiling step ] Rule 5
             ops = tuple((o.position, o.nbytes, t) for o, t in zip(self.ops[i], secs) if o.nbytes > 0)
@@ -181,7 +191,8 @@ class Profile:
             out.append(Block(name, fwd_s[i], bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
                              recomputable=not fixed, sac=sac,
-                             chained=self.chained[i] if len(self.chained) == len(self.names) else True))
+                             chained=self.chained[i] if len(self.chained) == len(self.names) else True,
+                             shared=shared[i]))
         return out
 
     def _pooled(self) -> tuple[list[float], list[float], list[list[float]]]:
@@ -246,6 +257,9 @@ class _Recorder:
         self.clock = clock
         self.current: int | None = None
         self.seen: set[int] = set()
+        self.storages: dict[int, tuple[int, StorageWeakRef]] = {}  # NOTE [ Shared storages ] Rule 2: by address
+        self.numbered = 0
+        self.input_storages: list[tuple[tuple[int, int], ...]] = [() for _ in blocks]
         self.saved: list[list[SavedTensor]] = [[] for _ in blocks]
         self.other = 0
         self.inputs = [0] * len(blocks)
@@ -275,6 +289,7 @@ class _Recorder:
             why, nbytes = "shared", 0
         else:
             self.seen.add(ptr)
+        storage = self.storage(st) if why != "parameter" else -1
         if i is None:
             self.other += nbytes
         else:
@@ -282,8 +297,17 @@ class _Recorder:
                     self.sample is None or t.numel() > self.sample.numel()):
                 self.sample = t.detach()
             self.saved[i].append(SavedTensor(len(self.saved[i]), nbytes, tuple(t.shape), str(t.dtype).replace("torch.", ""),
-                                             why))
+                                             why, storage))
         return t
+
+    def storage(self, st: torch.UntypedStorage) -> int:
+        """The storage's number (NOTE [ Shared storages ] Rule 2): one per storage alive at once; an address freed and
+        allocated again is a new storage."""
+        got = self.storages.get(st.data_ptr())
+        if got is None or got[1].expired():
+            got = self.storages[st.data_ptr()] = (self.numbered, StorageWeakRef(st))
+            self.numbered += 1
+        return got[0]
 
     @staticmethod
     def unpack(t: torch.Tensor) -> torch.Tensor:
@@ -301,8 +325,9 @@ class _Recorder:
             finally:
                 self.fwd[i] = (start, self.clock.mark())
             return
-        self.inputs[i] = sum(t.untyped_storage().nbytes() for t in _tensors((args, kwargs))
-                             if t.untyped_storage() not in self.params)
+        ins = [st for st in (t.untyped_storage() for t in _tensors((args, kwargs))) if st not in self.params]
+        self.inputs[i] = sum(st.nbytes() for st in ins)
+        self.input_storages[i] = tuple((self.storage(st), st.nbytes()) for st in ins if st.nbytes())
         self.chained[i] = i == 0 or follows(args, self.last)  # NOTE [ Profiling step ] Rule 10
         outer, self.current = self.current, i
         bufs = list(self.blocks[i][1].buffers()) if i < len(self.blocks) else []
@@ -471,7 +496,7 @@ def profile(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *,
         bwd_start_bytes=tuple(b - start_bytes for b in rec.bwd_start) if clock.cuda and all(
             s is not None for s in rec.grad_at_out) else (),
         saved_after=after, writes_buffers=tuple(rec.writes_buffers), mutates=tuple(rec.mutates),
-        chained=tuple(rec.chained),
+        chained=tuple(rec.chained), input_storages=tuple(rec.input_storages),
     )
 
 
@@ -578,7 +603,7 @@ def profile_blocks(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, An
     fwd = [clock.between(*r.fwd[0]) for r in per]
     bwd = [clock.between(r.grad_at_out[0], r.grad_at_in[0]) if r.grad_at_out[0] is not None
            and r.grad_at_in[0] is not None else 0.0 for r in per]
-    saved = [r.saved[0] for r in per]
+    saved = [[dataclasses.replace(t, storage=-1) for t in r.saved[0]] for r in per]  # NOTE [ Shared storages ] Rule 4
     if peak is None:  # the CPU: the gradients, the inputs kept, the largest block's saved tensors
         grads_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
         peak = grads_bytes + rec.other + sum(r.inputs[0] for r in per) + max(
