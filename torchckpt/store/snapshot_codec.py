@@ -52,8 +52,9 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    flight (Rule 3's bound, in PyTorch's caching allocator, outside ``gpu_bytes``), while slots,
 #    host blocks and the link carry compressed bytes only, as before.
 # 7. Why ``defer_sizes`` is off by default: it trades a host wait per save for more host work
-#    per save (``compress_deferred``'s raw-block buffers and ranks, the sizes' copy, the settle,
-#    the slot write on the sizes stream), and on an H100 the trade lost. In
+#    per save (``compress_deferred``'s raw-block buffers, the sizes' copy, the settle, the slot
+#    write on the sizes stream), and on an H100 the trade lost (before the raw blocks' ranking
+#    on the device was removed from ``compress_deferred``: not measured since). In
 #    ``benchmarks/adjoint_codecs.py`` (256^3 RTM, quant4a), measured at the parent of 2ffed5d
 #    (docs/results/adjoint_codecs_deferred_h100/): the host synchronisations fell from about
 #    1960 to 15 (Revolve) and 54 (zCut), but the runs took 2.408 s (Revolve) and 1.438 s (zCut),
