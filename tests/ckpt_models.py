@@ -161,19 +161,26 @@ def assert_bits_equal(got: list[torch.Tensor], want: list[torch.Tensor]) -> None
         assert torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
 
 
-def replay_snapshots(store: Any, actions: Any, state: Any, flushes: frozenset[int] | None = None) -> int:
+def replay_snapshots(store: Any, actions: Any, state: Any, flushes: frozenset[int] | None = None,
+                     want: Any = None, into: bool = False) -> int:
     """Run a schedule's Save/Restore/Prefetch/Free on a ``SnapshotStore`` with ``state(n)`` as snapshot n; every
-    restore must give it back bit for bit. ``flushes``: positions of the Saves that copy to host at once (``None``:
-    all; NOTE [ Write-back ]). Returns the number of restores."""
+    restore must give back ``want(n)`` (default ``state(n)``) bit for bit, as views or, with ``into``, written into
+    the caller's tensors (``restore(..., out=...)``). ``flushes``: positions of the Saves that copy to host at once
+    (``None``: all; NOTE [ Write-back ]). Returns the number of restores."""
     from torchckpt.schedules import Free, Prefetch, Restore, Save
 
+    want = want if want is not None else state
     restores = 0
     for i, a in enumerate(actions):
         if isinstance(a, Save):
             store.save(a.n, a.tier, state(a.n), flush=flushes is None or i in flushes)
         elif isinstance(a, Restore):
-            assert_bits_equal([t.clone() for t in store.restore(a.n, a.tier)], state(a.n))
-            store.after_use()
+            if into:
+                out = [torch.full_like(t, 7.0) for t in want(a.n)]
+                assert_bits_equal(store.restore(a.n, a.tier, out=out), want(a.n))
+            else:
+                assert_bits_equal([t.clone() for t in store.restore(a.n, a.tier)], want(a.n))
+                store.after_use()
             restores += 1
         elif isinstance(a, Prefetch):
             store.prefetch(a.n, a.src, a.dst)

@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckpt_models import assert_bits_equal, small_pool
+from ckpt_models import assert_bits_equal, replay_snapshots, small_pool
 from torchckpt.codecs import Bitcomp, Codec, Identity, TritonQuant
-from torchckpt.schedules import (Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, Uniform, ZCut, plan_flushes,
-                                 plan_prefetch)
+from torchckpt.schedules import Multistage, Revolve, Save, Tier, Uniform, ZCut, plan_flushes, plan_prefetch
 from torchckpt.store import SnapshotStore
 from torchckpt.store import snapshot_codec
 
@@ -60,23 +59,7 @@ def replay(store: SnapshotStore, actions: list[Any], want: Callable[[int], list[
            flushes: frozenset[int] | None = None, into: bool = False,
            state: Callable[[int], list[torch.Tensor]] = wild) -> int:
     """Run the actions; every restore (views, or into the caller's tensors) must give ``want(n)`` bit for bit."""
-    restores = 0
-    for i, a in enumerate(actions):
-        if isinstance(a, Save):
-            store.save(a.n, a.tier, state(a.n), flush=flushes is None or i in flushes)
-        elif isinstance(a, Restore):
-            if into:
-                out = [torch.full_like(t, 7.0) for t in want(a.n)]
-                assert_bits_equal(store.restore(a.n, a.tier, out=out), want(a.n))
-            else:
-                assert_bits_equal([t.clone() for t in store.restore(a.n, a.tier)], want(a.n))
-                store.after_use()
-            restores += 1
-        elif isinstance(a, Prefetch):
-            store.prefetch(a.n, a.src, a.dst)
-        elif isinstance(a, Free):
-            store.free(a.n, a.tier)
-    return restores
+    return replay_snapshots(store, actions, state, flushes, want=want, into=into)
 
 
 SCHEDULES = [Revolve(30, 4, tier=Tier.HOST), ZCut(30, tier=Tier.HOST), Uniform(30, 5, tier=Tier.HOST),

@@ -224,17 +224,24 @@ def dequant_kernel(codes_ptr, params_ptr, out_ptr, n, nblocks, row0,
 
 
 @triton.jit
+def _raw_rows_at(params_ptr, nblocks, NPAR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
+    """This program's block rows, which of them are raw (params' marker < 0) and their elements' offsets: what
+    ``raw_rows_kernel`` and ``put_raw_rows_kernel`` both walk."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rmask = rows < nblocks
+    step = tl.load(params_ptr + rows * NPAR + (NPAR - 1), mask=rmask, other=0.0)
+    raw = (step < 0.0) & rmask
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    return rows, raw, offs
+
+
+@triton.jit
 def raw_rows_kernel(x_ptr, params_ptr, raw_ptr, sizes_ptr, n, nblocks,
                     NPAR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """Copies each raw block (params' marker < 0) to its own row of ``raw`` (row ``i``: block ``i``; a partial last
     block padded with its last element); other rows are not written. The program holding the last block writes
     ``sizes[1]`` = whether it is raw."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < nblocks
-    step = tl.load(params_ptr + rows * NPAR + (NPAR - 1), mask=rmask, other=0.0)
-    raw = (step < 0.0) & rmask
-    cols = tl.arange(0, BLOCK)
-    offs = rows[:, None] * BLOCK + cols[None, :]
+    rows, raw, offs = _raw_rows_at(params_ptr, nblocks, NPAR, BLOCK, ROWS)
     v = tl.load(x_ptr + tl.minimum(offs, n - 1), mask=raw[:, None])
     tl.store(raw_ptr + offs, v, mask=raw[:, None])
     last = rows == nblocks - 1
@@ -246,11 +253,6 @@ def put_raw_rows_kernel(raw_ptr, params_ptr, out_ptr, n, nblocks,
                         NPAR: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr):
     """Writes each raw block's row of ``raw`` (row ``i``: block ``i``) back to its block of ``out`` (the padding of a
     partial last block left out); rows of other blocks are neither read nor written."""
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    rmask = rows < nblocks
-    step = tl.load(params_ptr + rows * NPAR + (NPAR - 1), mask=rmask, other=0.0)
-    raw = (step < 0.0) & rmask
-    cols = tl.arange(0, BLOCK)
-    offs = rows[:, None] * BLOCK + cols[None, :]
+    _, raw, offs = _raw_rows_at(params_ptr, nblocks, NPAR, BLOCK, ROWS)
     v = tl.load(raw_ptr + offs, mask=raw[:, None])
     tl.store(out_ptr + offs, v, mask=raw[:, None] & (offs < n))
