@@ -17,7 +17,7 @@ from ckpt_models import Block as TransformerBlock
 from torchckpt.planner import Link, Plan, predict
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Block, StepCosts
 from torchckpt.planner.calibrate import KEEP_TOP_ALL, calibrate
-from torchckpt.planner.optimize import _selective, search, simple_policies
+from torchckpt.planner.optimize import PlanError, _selective, search, simple_policies
 from torchckpt.planner.plan import Measurement
 from torchckpt.planner.verify import _make, _Profiled, _slack
 from torchckpt.planner.profiling import Profile, profile, profile_blocks
@@ -232,6 +232,53 @@ def test_a_simple_policy_taken_for_one_budget_keeps_larger_budgets_as_fast(prof:
     large = planner.plan(planner.found.plans[0][1].peak_bytes * 2)
     assert small.simple == EVERY and small.measured_step_time == 1.0
     assert large.measured_step_time == 1.0 and large.blocks == small.blocks and large.simple == EVERY
+
+
+def test_a_simple_policy_measured_while_planning_is_judged_by_its_measurements(prof: Profile) -> None:
+    """NOTE [ Applying a plan ] Rule 7: a simple policy measured while planning (the profile's mechanism costs) is
+    ranked by what it measured, not by its prediction: here one the model prices slower than Recompute() on every
+    block measured faster than any prediction within the budget, and it is taken with no further verification (the zoo's MoE on an H100:
+    every other block measured 116.9 ms, the odd blocks' variant, predicted faster, 151.8, and the plan 120.7 won)."""
+    calls: list[str] = []
+
+    def step(p: Plan) -> tuple[int, float]:
+        calls.append(p.simple)
+        return p.peak_bytes, 2.0
+
+    planner, budget = _planner(prof, step)
+    top = planner.found.best(budget)[0]
+    name, decisions, _ = next(s for s in planner.found.simple if s[0] not in (EVERY, planner.found.simple_name(top)))
+    fast = min(pred.step_s for _, _, pred in planner.found.simple) / 2  # faster than any prediction
+    planner.memo[decisions] = (budget - _slack(budget), fast)  # measured within the budget, whatever its prediction
+    p = planner.plan(budget)
+    assert EVERY not in calls and name not in calls  # measured already: taken from there
+    assert p.simple == name and p.measured_step_time == fast
+    assert p.measurements == (Measurement("plan", 2.0, p.measurements[0].peak_bytes),
+                              Measurement(name, fast, budget - _slack(budget)))
+    planner.memo[decisions] = (budget, fast)  # over the budget less the slack: not a candidate; Recompute() is
+    again = _Profiled(planner.prof, planner.link, None, step, planner.found.chain, dict(planner.memo))
+    assert again.plan(budget).measurements[1].what == EVERY
+
+
+@pytest.mark.parametrize("measured", [True, False])
+def test_no_plan_fits_when_measured_but_a_measured_simple_policy_does(prof: Profile, measured: bool) -> None:
+    """NOTE [ Applying a plan ] Rule 4: every plan of the search peaks over the budget when measured (ConvNeXt-B on an
+    H100 at 1.03x its floor: the search's plan at the floor peaked 3.5% over), but a simple policy measured while
+    planning peaked within it: that policy is returned; with none measured, PlanError as before."""
+    def step(p: Plan) -> tuple[int, float]:
+        return p.peak_bytes * 2, 2.0
+
+    planner = _Profiled(prof, Link(1e6, 1e6), None, step)
+    budget = planner.found.floor * 103 // 100
+    name, decisions, _ = planner.found.simple[1]
+    if measured:
+        planner.memo[decisions] = (budget - _slack(budget), 3.0)
+        p = planner.plan(budget)
+        assert p.simple == name and p.measured_step_time == 3.0 and p.measured_peak_bytes == budget - _slack(budget)
+        assert tuple(b.mode for b in p.blocks) == tuple(d.mode for d in decisions)
+    else:
+        with pytest.raises(PlanError, match="no plan fits a budget of .* when measured"):
+            planner.plan(budget)
 
 
 @pytest.mark.parametrize("again_s, took", [(2.2, False), (1.9, True), (2.01, False)])

@@ -49,8 +49,8 @@
 #    of whole blocks with each amount of Rule 6. A policy that would recompute a block that may not be
 #    (NOTE [ Profiling step ] Rule 7) is left out, and so is ``Recompute(save=...)`` where no block has an op
 #    to keep (it would be ``Recompute()``). ``Search.simple`` lists them by name, simplest first; ``best_simple``
-#    is the fastest whose predicted peak is within a budget (among equally fast ones, the simpler): the one
-#    verification measures beside the plan (NOTE [ Applying a plan ] Rule 7).
+#    is the fastest whose predicted peak is within a budget (among equally fast ones, the simpler); verification
+#    ranks those it measured by their measurements (NOTE [ Applying a plan ] Rule 7).
 """
 from __future__ import annotations
 

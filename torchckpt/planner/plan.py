@@ -27,7 +27,10 @@
 #    20 MiB): the allocator's peak varies a little with what ran before. Over that, the plan is made again for its prediction
 #    less the excess (for the floor's plan where that is below the floor: a plan nearer the floor may fit where its
 #    excess says it would not; on an H100 ViT-L's plan at 1.03x its floor had peaked 2.3% over its prediction and
-#    the floor's plan was never tried), up to ``_REPLANS`` times; then ``PlanError`` says what was measured. So a
+#    the floor's plan was never tried), up to ``_REPLANS`` times; then the fastest simple policy measured while
+#    planning (NOTE [ Mechanism costs ]) whose measured peak is within the budget less the slack is returned (on an
+#    H100 ConvNeXt-B's search plan at the floor peaked 3.5% over 1.03x the floor, where every block
+#    ``Recompute(store=...)`` had measured at the floor), and without one ``PlanError`` says what was measured. So a
 #    returned plan's measured peak is within its budget, whatever NOTE [ Step model ] left out.
 # 5. The step model is least sure of the copies (how the store's cache and the codec's kernels share
 #    the device with compute), so verification races the best plan of each family (``FAMILIES``:
@@ -43,10 +46,13 @@
 #    ms and measured 94.3, gave way to the 4.92 GiB plan measured 93.2 and predicted 104.5, which measured 102-105
 #    ms in turns after, where every other block measured 95).
 # 7. The policies a user writes in one line are measured too, not only predicted (NOTE [ Plan search ] Rule 7):
-#    beside the plan Rule 5 returns, verification runs the simple policy ``Search.best_simple`` names for the
-#    budget (the fastest whose predicted peak is within it), once, as in Rule 4 but never made again: at most
-#    one more verification per budget, none when that policy is the plan or Rule 5 measured it already for
-#    this budget (its figures are taken from there). The simple policy is returned instead of the plan when
+#    beside the plan Rule 5 returns, verification runs the fastest simple policy for the budget, once, as in Rule 4
+#    but never made again: one measured while planning (NOTE [ Mechanism costs ]) ranks by its measured step if its
+#    measured peak is within the budget less Rule 4's slack, the others by their predictions if their predicted peak
+#    is within the budget (on an H100 the zoo's MoE took a plan of 120.7 ms at 8.5 GiB: the policy ranked by its
+#    prediction, every other block from the second, measured 151.8 ms, where every other block from the first had
+#    measured 116.9 while planning and 101 ms in the zoo). At most one more verification per budget, none when that
+#    policy is the plan or was measured already (its figures are taken from there). The simple policy is returned instead of the plan when
 #    its measured peak is within the budget less Rule 4's slack and its measured step is no slower than the
 #    plan's (equal: the simpler, which it is). ``Plan.simple`` names the simple policy a plan is (``""``: none);
 #    ``Plan.measurements`` records what was measured for its budget (the plan, then the simple policy), which

@@ -268,7 +268,15 @@ class _Profiled:
             return self._plan(budget)
 
     def _plan(self, budget: int) -> Plan:
-        best, tried = self._verified(budget, "all")
+        try:
+            best, tried = self._verified(budget, "all")
+        except PlanError:  # NOTE [ Applying a plan ] Rule 4: a simple policy measured within the budget, if any
+            simple = self._measured_simple(budget)
+            if simple is None:
+                raise
+            self.say(f"budget {size(budget)}: no plan of the search fits when measured; {simple.simple} measured "
+                     f"{size(simple.measured_peak_bytes or 0)}, {(simple.measured_step_time or 0) * 1e3:.1f} ms: took it")
+            best, tried = simple, {}
         if best.measured_step_time is None:
             return best
         times = [f"all {best.measured_step_time * 1e3:.1f} ms"]
@@ -332,7 +340,7 @@ class _Profiled:
         measures faster (equal: the simple one), with what was measured; ``tried``: what this budget measured so far."""
         assert best.measured_step_time is not None and best.measured_peak_bytes is not None
         mine = Measurement("plan", best.measured_step_time, best.measured_peak_bytes)
-        found = self.found.best_simple(budget)
+        found = self._best_simple(budget)
         if found is None or found[0] == best.simple:
             return dataclasses.replace(best, measurements=(mine,))
         name, decisions, pred = found
@@ -359,6 +367,33 @@ class _Profiled:
         if took:
             best = dataclasses.replace(p, measured_peak_bytes=peak, measured_step_time=seconds)
         return dataclasses.replace(best, measurements=(mine, theirs))
+
+    def _best_simple(self, budget: int) -> tuple[str, tuple[Decision, ...], Prediction] | None:
+        """NOTE [ Applying a plan ] Rule 7: the simple policy to measure beside the plan: the fastest that fits
+        ``budget``, a policy measured while planning (``memo``) by its measured peak and step, one not measured by its
+        prediction (among equally fast ones, the simpler)."""
+        limit = budget - _slack(budget)
+        fit = []
+        for k, (_, decisions, pred) in enumerate(self.found.simple):
+            got = self.memo.get(decisions)
+            if got is not None and got[0] <= limit:
+                fit.append((got[1], k))
+            elif got is None and pred.peak_bytes <= budget:
+                fit.append((pred.step_s, k))
+        return self.found.simple[min(fit)[1]] if fit else None
+
+    def _measured_simple(self, budget: int) -> Plan | None:
+        """NOTE [ Applying a plan ] Rule 4: the fastest simple policy measured while planning whose measured peak is
+        within ``budget`` less the slack, as a measured plan, or ``None``."""
+        limit = budget - _slack(budget)
+        fit = [(got[1], k, got) for k, (_, d, _) in enumerate(self.found.simple)
+               if (got := self.memo.get(d)) is not None and got[0] <= limit]
+        if not fit:
+            return None
+        _, k, (peak, seconds) = min(fit)
+        name, decisions, pred = self.found.simple[k]
+        p = _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link, self.codec)
+        return dataclasses.replace(p, simple=name, measured_peak_bytes=peak, measured_step_time=seconds)
 
     def _verified(self, budget: int, family: str) -> tuple[Plan, dict[tuple[Decision, ...], tuple[int, float] | None]]:
         """The fastest plan of ``family`` whose measured peak is within ``budget`` (NOTE [ Applying a plan ] Rule 4),
