@@ -22,8 +22,11 @@ Methods, each measured the same way in this process:
   compile_b{F}   ``torch.compile`` with ``activation_memory_budget = F`` (``--compile``)
 
 Each: 2 warm-up steps, then the median of ``--reps`` steps (7); peak = max_memory_allocated over the timed
-steps minus memory_allocated before them (gradients of earlier steps included in that base, as in
-peers_train.py). For planned settings the plan's predicted peak and step time are recorded beside
+steps minus memory_allocated before them. A step ends with ``model.zero_grad(set_to_none=True)`` (and the GPT
+stack's input gradient set to None), as a training loop's ``optimizer.zero_grad()`` does, so every step allocates
+its gradients and its peak counts them, as the planner's budget does (NOTE [ Profiling step ] Rule 4);
+``--keep-grads`` leaves them in place between steps (gradient accumulation: the base then holds them, as in
+peers_train.py, and plans peak lower than their budgets by up to the gradients' bytes). For planned settings the plan's predicted peak and step time are recorded beside
 the measured ones. One profiling step serves every budget of a codec (as ``torchckpt.planner.plans``);
 its profile, link and codec costs go to ``profile[_llama][_q4].json`` (``benchmarks/replan.py`` plans
 from it offline).
@@ -99,6 +102,7 @@ class Bench:
             self.model = Stack(d, h, layers).to(self.dev, self.dtype)
             self.x = torch.randn(b, s, d, device=self.dev, dtype=self.dtype, requires_grad=True)
         self.reps = args.reps
+        self.keep_grads = args.keep_grads
 
     def sync(self) -> None:
         if self.cuda:
@@ -110,6 +114,14 @@ class Bench:
     def step(self) -> None:
         out = self.model(self.x, **self.kwargs)
         (out.loss if self.llama else out).backward()
+        self.clear()
+
+    def clear(self) -> None:
+        """The gradients set to None after a step, as ``optimizer.zero_grad()`` does (unless ``--keep-grads``)."""
+        if not self.keep_grads:
+            self.model.zero_grad(set_to_none=True)
+            if self.x.is_floating_point():
+                self.x.grad = None
 
     def clean(self) -> None:
         if not self.llama:
@@ -128,6 +140,7 @@ def main() -> None:
     p.add_argument("--local-budgets", default=None,
                    help="GiB, lossless plans with nothing over the host link (default 1.2,1.5,2.3 on CUDA)")
     p.add_argument("--reps", type=int, default=7)
+    p.add_argument("--keep-grads", action="store_true", help="leave gradients in place between steps")
     p.add_argument("--compile", action="store_true", help="also torch.compile with activation_memory_budget")
     p.add_argument("--only", default="", help="run only methods whose name starts with one of these")
     p.add_argument("--out", default=None)
@@ -147,7 +160,7 @@ def main() -> None:
           flush=True)
     rows: list[dict[str, Any]] = []
     result: dict[str, Any] = {"model": args.model, "device": gpu, "torch": torch.__version__, "shape": args.shape,
-                              "rows": rows}
+                              "grads": "kept" if args.keep_grads else "none", "rows": rows}
     tag = "" if args.model == "gpt" else f"_{args.model}"
 
     def save() -> None:
@@ -278,7 +291,7 @@ def main() -> None:
                 fconf.activation_memory_budget = frac
                 compiled = torch.compile(bench.model)
                 old = bench.step
-                bench.step = lambda: compiled(bench.x).backward()  # type: ignore[method-assign]
+                bench.step = lambda: (compiled(bench.x).backward(), bench.clear())  # type: ignore[method-assign]
 
                 def undo() -> None:
                     bench.step = old  # type: ignore[method-assign]
