@@ -272,3 +272,25 @@ def test_every_restore_is_the_old_behaviour_under_delays(codec: Codec, sched: An
             saves = [a.n for a in actions if isinstance(a, Save)]
             assert st.packed_bytes == sum(codec.compress(t).nbytes for n in saves for t in cuda_state(n))
         store.close()
+
+
+@pytest.mark.parametrize("codec", [TritonQuant(8, "abs", 1e-9, block=64), TritonQuant(4, "abs", 1e-2)], ids=repr)
+@pytest.mark.parametrize("into", [False, True])
+def test_a_settle_that_gathers_raw_blocks_is_written_after_them(codec: Codec, into: bool) -> None:
+    """NOTE [ Mover ] Rule 6, NOTE [ Snapshot sizes ] Rule 2: the compute stream is busy when a snapshot with raw
+    blocks is settled; the slot's write must come after the settle's own gathering of the raw rows (on an H100 the
+    write, on the sizes stream, had run before that gathering, queued on the busy compute stream, and zCut's
+    restored image differed from the exact path's)."""
+    store = SnapshotStore("cuda", defer_sizes=True, slots=2, host=pool(), codec=codec)
+    store.save(0, Tier.HOST, cuda_state(0))  # the first sizes the slots (exact)
+    state = cuda_state(1)
+    want = expected(codec, 1)
+    assert codec.compress(state[0]).meta.params["raw_blocks"] > 0  # something for the settle to gather
+    store.save(1, Tier.HOST, state)
+    assert 1 in store._unsized
+    torch.cuda.synchronize()  # its sizes are on the host: the next action settles it without waiting
+    torch.cuda._sleep(200_000_000)  # the compute stream busy for a while (~0.1 s)
+    got = store.restore(1, Tier.HOST, out=[torch.empty_like(t) for t in state] if into else None)
+    assert 1 not in store._unsized  # settled by the restore, which then read its slot
+    assert_bits_equal(got, want)
+    store.close()

@@ -17,7 +17,8 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    the compute stream, with the sizes read on the device.
 # 2. Each action first settles the unsized snapshots whose sizes are on the host (their event
 #    has completed: ``query``, no wait), oldest first. ``Codec.settle`` gives the exact Packed
-#    (``compress``'s bytes); a GPU-tier snapshot keeps trimmed copies; an off-GPU one is written
+#    (``compress``'s bytes); a GPU-tier snapshot keeps trimmed copies; an off-GPU one is settled on
+#    the sizes stream after the save's event (``Mover.on_sizes``) and written
 #    into its slot (``Mover.place``, on the sizes stream: NOTE [ Mover ] Rule 6) after the save's
 #    event, the slot's fill and flush events as they were at the save, and flushed from there to a
 #    host block of its exact blob size on the offload stream after that write: neither waits for
@@ -65,6 +66,7 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import warnings
 from collections.abc import Sequence
@@ -199,10 +201,14 @@ class CodecSide:
         vals: list[int] = rec.row.tolist()
         self._rows.append(rec.row)
         packs, i = [], 0
-        for d in rec.defs:
-            k = 0 if d.sizes is None else d.sizes.numel()
-            packs.append(self.codec.settle(d, vals[i:i + k]))
-            i += k
+        # an off-GPU snapshot's settle runs where its place will (NOTE [ Mover ] Rule 6), a Tier.GPU one's here
+        where = self._mover.on_sizes(rec.after[0], [b for d in rec.defs for b in d.packed.buffers]) \
+            if n is not None and rec.slot is not None else contextlib.nullcontext()
+        with where:
+            for d in rec.defs:
+                k = 0 if d.sizes is None else d.sizes.numel()
+                packs.append(self.codec.settle(d, vals[i:i + k]))
+                i += k
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
         if n is not None:
             self._keep(n, packs, rec.slot, rec.after, rec.flush)

@@ -21,7 +21,11 @@
 #    and ``place``, which writes a settled snapshot's buffers into its slot (a device-to-device
 #    copy) after the events it is given only, not after the compute stream's later work nor
 #    behind the flushes (NOTE [ Snapshot sizes ] Rule 2). ``to_host(..., after=place's event,
-#    after_compute=False)`` then flushes the slot.
+#    after_compute=False)`` then flushes the slot. What ``Codec.settle`` queues on the device (TritonQuant
+#    gathers its raw blocks) runs on this stream too (``on_sizes``), before the ``place`` that reads it:
+#    queued on the compute stream, behind the steps queued since the save, ``place`` (waiting for the save's
+#    events only) had read its output before it was written (on an H100, zCut's image with deferred sizes
+#    differed from the exact path's, 84.7 against 116.9 dB).
 """
 from __future__ import annotations
 
@@ -227,6 +231,19 @@ class Mover:
             ev = torch.cuda.Event()
             ev.record(s)
         return ev
+
+    def on_sizes(self, after: Any, reads: Iterable[torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+        """Work queued inside runs on the sizes stream after the event ``after``; ``reads`` (allocated on the compute
+        stream) are kept for it (NOTE [ Mover ] Rule 6: a settle's own kernels, which ``place`` then follows)."""
+        if not self.cuda:
+            return contextlib.nullcontext()
+        s = self.sizes
+        if after is not None:
+            s.wait_event(after)
+        for t in reads:
+            if t.numel():
+                t.record_stream(s)
+        return torch.cuda.stream(s)
 
     def place(self, dst: torch.Tensor, blob: Blob, packs: Sequence[Packed], after: Iterable[Any] = (),
               after_all: bool = False) -> Any:
