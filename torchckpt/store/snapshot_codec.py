@@ -61,7 +61,10 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    1960 to 15 (Revolve) and 54 (zCut), but the runs took 2.408 s (Revolve) and 1.438 s (zCut),
 #    the device idle 79% and 72% of the traced runs, bound by the host; the exact path had
 #    measured 0.936 s and 0.948 s, in another run at an older commit (docs/benchmarks.md).
-#    ``adjoint_codecs.py --sizes exact,deferred`` measures both in one run.
+#    ``adjoint_codecs.py --sizes exact,deferred`` measures both in one run: on an H200 at commit a094d75
+#    (docs/results/adjoint_codecs_h200/) deferred sizes were faster with Bitcomp (zCut 0.849 s against 0.905,
+#    Revolve 0.944 against 1.083) and slower with quant4a (zCut 2.065 s against 0.932, Revolve 1.305 against
+#    1.268), so the default stays off.
 """
 from __future__ import annotations
 
