@@ -22,7 +22,7 @@ the peak is (``forward i`` / ``backward i``) and its terms there (NOTE [ Step mo
 
 Each model's calibrated terms are printed above its rows (GiB).
 
-    python benchmarks/peak_check.py [DIR ...]   (default: docs/results/zoo_h100 docs/results/zoo_h100_cnn)
+    python benchmarks/peak_check.py [DIR ...]   (default: docs/results/zoo_h100_run6)
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ from torchckpt.planner.optimize import Search, ladder, search
 from torchckpt.planner.shared import corrections
 
 GiB = 2**30
-DIRS = ("docs/results/zoo_h100", "docs/results/zoo_h100_cnn")
+DIRS = ("docs/results/zoo_h100_run6",)
 
 
 def words(plan: Sequence[Decision]) -> list[str]:
