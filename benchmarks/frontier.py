@@ -26,8 +26,8 @@ steps minus memory_allocated before them. A step ends with ``model.zero_grad(set
 stack's input gradient set to None), as a training loop's ``optimizer.zero_grad()`` does, so every step allocates
 its gradients and its peak counts them, as the planner's budget does (NOTE [ Profiling step ] Rule 4);
 ``--keep-grads`` leaves them in place between steps (gradient accumulation: the base then holds them, as in
-peers_train.py, and plans peak lower than their budgets by up to the gradients' bytes). For planned settings the plan's predicted peak and step time are recorded beside
-the measured ones. One profiling step serves every budget of a codec (as ``torchckpt.planner.plans``);
+peers_train.py, and plans peak lower than their budgets by up to the gradients' bytes). For planned settings the
+plan's predicted peak and step time are recorded beside the measured ones. One profiling step serves every budget of a codec (as ``torchckpt.planner.plans``);
 its profile, link and codec costs go to ``profile[_llama][_q4].json`` (``benchmarks/replan.py`` plans
 from it offline).
 ``none`` runs again last (``none_end``): the drift of the device over the run is printed and recorded.

@@ -247,7 +247,8 @@ def test_a_simple_policy_measured_while_planning_is_judged_by_its_measurements(p
 
     planner, budget = _planner(prof, step)
     top = planner.found.best(budget)[0]
-    name, decisions, _ = next(s for s in planner.found.simple if s[0] not in (EVERY, planner.found.simple_name(top)))
+    others = (EVERY, planner.found.simple_name(top))
+    name, decisions, _ = next(s for s in planner.found.simple if s[0] not in others)
     fast = min(pred.step_s for _, _, pred in planner.found.simple) / 2  # faster than any prediction
     planner.memo[decisions] = (budget - _slack(budget), fast)  # measured within the budget, whatever its prediction
     p = planner.plan(budget)

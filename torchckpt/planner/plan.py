@@ -52,12 +52,12 @@
 #    is within the budget (on an H100 the zoo's MoE took a plan of 120.7 ms at 8.5 GiB: the policy ranked by its
 #    prediction, every other block from the second, measured 151.8 ms, where every other block from the first had
 #    measured 116.9 while planning and 101 ms in the zoo). At most one more verification per budget, none when that
-#    policy is the plan or was measured already (its figures are taken from there). The simple policy is returned instead of the plan when
-#    its measured peak is within the budget less Rule 4's slack and its measured step is no slower than the
-#    plan's (equal: the simpler, which it is). ``Plan.simple`` names the simple policy a plan is (``""``: none);
-#    ``Plan.measurements`` records what was measured for its budget (the plan, then the simple policy), which
-#    ``explain()`` prints ("measured: plan 118.2 ms, every block Recompute() 119.0 ms: kept the plan"). Both
-#    survive ``to_json``; a plan written before them loads with none. Rule 6 then compares budgets on what
+#    policy is the plan or was measured already (its figures are taken from there). The simple policy is returned
+#    instead of the plan when its measured peak is within the budget less Rule 4's slack and its measured step is
+#    no slower than the plan's (equal: the simpler, which it is). ``Plan.simple`` names the simple policy a plan
+#    is (``""``: none); ``Plan.measurements`` records what was measured for its budget (the plan, then the simple
+#    policy), which ``explain()`` prints ("measured: plan 118.2 ms, every block Recompute() 119.0 ms: kept the
+#    plan"). Both survive ``to_json``; a plan written before them loads with none. Rule 6 then compares budgets on what
 #    this rule returned; a plan it takes from another budget keeps the record of the budget it was verified for.
 # 8. Medians of three steps differ by a few percent between runs of one plan, so Rule 7 alone let two processes
 #    planning one model return different plans (on an H100, a ViT-L: the plan in two processes, every other

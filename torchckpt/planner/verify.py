@@ -274,8 +274,9 @@ class _Profiled:
             simple = self._measured_simple(budget)
             if simple is None:
                 raise
+            peak, seconds = simple.measured_peak_bytes or 0, simple.measured_step_time or 0.0
             self.say(f"budget {size(budget)}: no plan of the search fits when measured; {simple.simple} measured "
-                     f"{size(simple.measured_peak_bytes or 0)}, {(simple.measured_step_time or 0) * 1e3:.1f} ms: took it")
+                     f"{size(peak)}, {seconds * 1e3:.1f} ms: took it")
             best, tried = simple, {}
         if best.measured_step_time is None:
             return best
