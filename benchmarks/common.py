@@ -83,6 +83,17 @@ def measure_steps(step: Any, reps: int, cuda: bool, warmup: int = 2) -> dict[str
     return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda else None}
 
 
+def more_turns(times: dict[str, list[float]], most: int, spread: float = 0.10) -> bool:
+    """Whether methods measured in turns (``times``: each side's turn figures, as many turns a side) need another
+    turn: fewer than ``most`` turns so far and some side's turns spread over ``spread`` (largest over smallest, less
+    1). On a host-bound model one policy's turns spread 20-40% on an H100 machine (ResNet-152's
+    ``torch.utils.checkpoint``: 137-197 ms in five turns), where five turns do not settle a ratio to 2%."""
+    turns = min((len(v) for v in times.values()), default=0)
+    if turns >= most:
+        return False
+    return any(v and max(v) > min(v) * (1.0 + spread) for v in times.values())
+
+
 def measured_under(setup: Callable[[], Any], measure: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     """``measure()``'s figures with ``setup()`` in force (its return value, if callable, undoes it after), and
     ``wall_s``; a method that raises (out of memory) gives ``error`` instead, with its traceback printed, so a run

@@ -23,7 +23,8 @@ steps minus memory_allocated before them (CUDA; on the CPU only times). A method
 recorded with its error and the run goes on. Each plan row keeps the planner's predicted peak and step, its own
 verification's figures, ``plan.simple``, ``plan.measurements`` and the decisions; eager rows get the planner's
 prediction for the simple policy they are (``pred_of``). Then (``--pair-rounds``, default 5) each plan and the
-fastest eager method within its budget are measured again in turns (eager, plan, eager, plan, ...): the ratio the
+fastest eager method within its budget are measured again in turns (eager, plan, eager, plan, ...), and again, a
+turn at a time up to ``--pair-max`` (default 15), while either side's turns spread over 10%: the ratio the
 summary gives is theirs, so that the drift of a run and the allocator's state between methods fall on both alike
 (the same policy measured 114-125 ms at three times of one ViT-L run on an H100; on host-bound models turns of
 one policy vary by 10-25%, ResNet-152's every block Recompute() 127-168 ms, so five turns of five steps a side);
@@ -38,7 +39,7 @@ the floor is that policy's, the planner measured it in a run of its own). On the
 eager methods' peaks are the planner's predictions for them (``peak_source``).
 
     python benchmarks/zoo.py [--models llama,qwen2,...] [--tiny] [--reps 7] [--budgets 5] [--methods none,plan]
-                             [--keep-grads] [--pair-rounds 5] [--progress] [--out DIR]
+                             [--keep-grads] [--pair-rounds 5] [--pair-max 15] [--progress] [--out DIR]
 """
 from __future__ import annotations
 
@@ -60,7 +61,8 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 
 import torchckpt
 from architectures import ARCHS, PACKAGE, Built, build, torch_checkpoint, wrap_blocks
-from common import GiB, block_decisions, fmt, measure_steps, measured_under, out_dir, plot_frontier, print_table
+from common import (GiB, block_decisions, fmt, measure_steps, measured_under, more_turns, out_dir, plot_frontier,
+                    print_table)
 from torchckpt.planner import PlanError
 from torchckpt.planner.op_timing import SAC_OPS
 from torchckpt.planner.verify import _Profiled
@@ -294,7 +296,7 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
 
         run(label, "plan", setup, extra)
         if args.pair_rounds and "step_s" in rows[-1]:
-            pair(rows[-1], rows, bench, setup, setups, args.pair_rounds)
+            pair(rows[-1], rows, bench, setup, setups, args.pair_rounds, args.pair_max)
 
 
 def best_eager(rows: list[dict[str, Any]], budget_GiB: float) -> dict[str, Any] | None:
@@ -305,15 +307,18 @@ def best_eager(rows: list[dict[str, Any]], budget_GiB: float) -> dict[str, Any] 
 
 
 def pair(row: dict[str, Any], rows: list[dict[str, Any]], bench: Bench, setup: Callable[[], Any],
-         setups: dict[str, Callable[[], Any]], rounds: int) -> None:
+         setups: dict[str, Callable[[], Any]], rounds: int, most: int = 0) -> None:
     """The plan and the fastest eager method within its budget measured in turns (eager, plan, eager, plan, ...;
     each turn set up afresh, a warm-up step and the median of ``_PAIR_STEPS``), so drift and the allocator's state fall on
-    both alike: ``row["paired"]`` gets both medians of the turns' medians and their ratio."""
+    both alike: ``row["paired"]`` gets both medians of the turns' medians and their ratio. ``rounds`` turns a side,
+    then more, one at a time up to ``most``, while a side's turns spread over 10% (``common.more_turns``)."""
     best = best_eager(rows, row["budget_GiB"])
     if best is None:
         return
     times: dict[str, list[float]] = {"eager": [], "plan": []}
-    for _ in range(rounds):
+    done = 0
+    while done < rounds or more_turns(times, most):
+        done += 1
         for side, how in (("eager", setups[best["method"]]), ("plan", setup)):
             undo = how()
             try:
@@ -420,6 +425,8 @@ def main() -> None:
     p.add_argument("--keep-grads", action="store_true", help="leave gradients in place between steps")
     p.add_argument("--pair-rounds", type=int, default=5,
                    help="turns of the plan and the fastest eager method within its budget, measured alternately (0: none)")
+    p.add_argument("--pair-max", type=int, default=15,
+                   help="more turns, one at a time up to this many, while a side's turns spread over 10%% (0: none)")
     p.add_argument("--progress", action="store_true", help="the planner prints its phases to stderr")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -171,3 +171,16 @@ def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathli
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--sizes", "late"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and "--sizes takes exact and/or deferred" in bad.stderr
+
+
+def test_more_turns_while_a_side_spreads_up_to_the_most() -> None:
+    """``common.more_turns`` (benchmarks/zoo.py's paired turns): another turn while a side's turns spread over 10% and
+    fewer than ``most`` turns were measured; none once the turns agree or ``most`` is reached."""
+    steady = {"eager": [1.00, 1.02, 1.05], "plan": [0.98, 1.00, 1.01]}
+    noisy = {"eager": [1.00, 1.37, 1.20], "plan": [0.98, 1.00, 1.01]}
+    assert not common.more_turns(steady, 15)
+    assert common.more_turns(noisy, 15)
+    assert not common.more_turns(noisy, 3)  # three turns a side already
+    assert not common.more_turns(noisy, 0)
+    assert common.more_turns({"eager": [1.0, 1.2], "plan": [1.0, 1.0]}, 3, spread=0.10)
+    assert not common.more_turns({"eager": [1.0, 1.2], "plan": [1.0, 1.0]}, 3, spread=0.25)

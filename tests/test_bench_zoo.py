@@ -35,7 +35,7 @@ def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> No
     pytest.importorskip("timm")
     pytest.importorskip("torchvision")
     res = _run("zoo.py", "--tiny", "--models", ",".join(MODELS), "--budgets", "3", "--pair-rounds", "2",
-               "--out", str(tmp_path))
+               "--pair-max", "2", "--out", str(tmp_path))
     for name in MODELS:
         with open(tmp_path / f"zoo_{name}.json") as f:
             result = json.load(f)
