@@ -251,10 +251,12 @@ def test_a_loop_syncs_only_for_late_sizes(codec: Codec, sched: Any) -> None:
 @pytest.mark.parametrize("codec", codecs(), ids=repr)
 @pytest.mark.parametrize("sched", [Revolve(30, 4, tier=Tier.HOST), ZCut(30, tier=Tier.HOST), Uniform(30, 5, tier=Tier.HOST),
                                    Revolve(20, 4, tier=Tier.GPU), Multistage(30, gpu_slots=1, host_slots=2)], ids=repr)
-@pytest.mark.parametrize("lag", ["as it comes", "forced"])
+@pytest.mark.parametrize("lag", ["as it comes", "forced", "compute busy"])
 def test_every_restore_is_the_old_behaviour_under_delays(codec: Codec, sched: Any, lag: str) -> None:
-    """Prefetched and written back, copies and size reads delayed at random: each restore (views, and into the
-    caller's tensors) gives the old exact path's bits, NaN payloads, infinities and subnormals included."""
+    """Prefetched and written back, copies and size reads delayed at random (``compute busy``: the compute stream
+    instead, before each action, so what a settle queues there runs late; NOTE [ Mover ] Rule 6): each restore
+    (views, and into the caller's tensors) gives the old exact path's bits, NaN payloads, infinities and subnormals
+    included."""
     for into in (False, True):
         actions = list(plan_prefetch(sched, 2))
         store = SnapshotStore("cuda", defer_sizes=True, slots=2, host=pool(), codec=codec)
@@ -262,6 +264,13 @@ def test_every_restore_is_the_old_behaviour_under_delays(codec: Codec, sched: An
         store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
         if lag == "forced":
             never_sized(store)
+        if lag == "compute busy":
+            store._mover.delay = None
+            for name in ("save", "restore", "prefetch", "free"):
+                def busy(*a: Any, _act: Any = getattr(store, name), **k: Any) -> Any:
+                    torch.cuda._sleep(rng.randint(0, 4_000_000))  # on the compute stream
+                    return _act(*a, **k)
+                setattr(store, name, busy)
         memo: dict[int, list[torch.Tensor]] = {}
         assert replay(store, actions, lambda n: memo.setdefault(n, expected(codec, n)), plan_flushes(actions, 2),
                       into=into, state=cuda_state) > 0
