@@ -239,7 +239,7 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
             with open(os.path.join(out, f"profile_{name}.json"), "w") as f:  # benchmarks/replan.py plans from it
                 json.dump({"link": [planned.link.d2h, planned.link.h2d], "codec": None,
                            "profile": json.loads(planned.prof.to_json()),
-                           "measured": {n: planned.memo[d] for n, d, _ in planned.found.simple if d in planned.memo}}, f)
+                           "measured": planned.measured}, f)  # NOTE [ Mechanism costs ]: by policy name
             none = next((r for r in rows if r["name"] == "none" and r.get("peak_GiB") is not None), None)
             top = none["peak_GiB"] * GiB if none else planned.prof.peak_none
             budgets = budgets_between(planned.found.floor, top, args.budgets)

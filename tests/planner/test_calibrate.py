@@ -10,7 +10,8 @@ import torch
 from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
-    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, RECOMPUTE_ALL, calibrate, floor_policy, measure_policies, revolve_policy,
+    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, PARTS_FLOOR, RECOMPUTE_ALL, calibrate, floor_policy,
+    measure_policies, parts_floor, revolve_policy,
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts, chain_states
 from torchckpt.planner.optimize import search, simple_policies
@@ -302,3 +303,42 @@ def test_sending_inputs_to_host_measured_faster_than_recompute_predicts_what_it_
     cal = calibrate(chain, policies, measured)
     assert predict(cal, plans[HOST_ALL]).step_s == pytest.approx(rec * 1.4, rel=1e-6)
     assert predict(cal, plans[RECOMPUTE_ALL]).step_s == pytest.approx(rec * 1.5, rel=1e-6)
+
+
+@pytest.mark.parametrize("excess_mib", [96, -48])
+def test_the_floor_in_parts_measured_predicts_what_it_measured(excess_mib: int) -> None:
+    """NOTE [ Mechanism costs ] Rule 12: the search's floor recomputes blocks in parts; measured ``excess_mib`` over
+    (or under) its prediction, it predicts what it measured after calibration, every plan with a block in parts moves,
+    plans with none keep their peaks, and the search's floor moves with it."""
+    from test_optimize import _chain as parts_chain
+
+    chain = parts_chain(6, parts=True)
+    policies = simple_policies(chain)
+    plan = parts_floor(chain)
+    assert plan is not None and any(d.parts for d in plan)
+    before = predict(chain, plan).peak_bytes
+    measured = before + excess_mib * (1 << 20)
+    cal = calibrate(chain, policies, {PARTS_FLOOR: (measured, 0.0)})
+    assert cal.parts_bytes == excess_mib * (1 << 20)
+    assert predict(cal, plan).peak_bytes == measured
+    whole = [d for d, _ in search(chain).plans if not any(x.parts for x in d)]
+    assert whole and all(predict(cal, d).peak_bytes == predict(chain, d).peak_bytes for d in whole)
+    assert search(cal).floor <= measured and (search(cal).floor > search(chain).floor) == (excess_mib > 0)
+    assert calibrate(chain, policies, {}).parts_bytes == 0  # not measured: the model alone
+
+
+def test_the_parts_term_is_lowered_only_where_a_block_in_parts_holds_the_peak() -> None:
+    """NOTE [ Mechanism costs ] Rule 12: a floor whose predicted peak lies at a block recomputed whole (or in the
+    forward) and that measured under its prediction leaves the term at 0: lowering it would change no prediction of
+    that plan, only every other plan's in parts."""
+    from test_optimize import _chain as parts_chain
+
+    chain = parts_chain(6, parts=True)
+    plan = parts_floor(chain)
+    assert plan is not None
+    whole = tuple(dataclasses.replace(d, parts=()) if i == len(plan) - 1 else d for i, d in enumerate(plan))
+    p = predict(chain, whole)
+    assert p.at == f"backward {len(plan) - 1}"  # the last block, now whole, holds the peak
+    from torchckpt.planner.calibrate import _solve_parts
+
+    assert _solve_parts(chain, whole, p.peak_bytes - (64 << 20), 1).parts_bytes == 0

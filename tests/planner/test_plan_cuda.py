@@ -166,3 +166,26 @@ def test_recompute_in_parts_at_the_profiled_cuts_holds_one_part_and_is_exact() -
     assert len(meter.blocks) == len(m.blocks) and meter.recomputations == 2 * len(m.blocks)
     for st in meter.blocks:
         assert st.peak_bytes == max(st.part_bytes) < sum(st.part_bytes), (st.part_bytes, st.peak_bytes)
+
+
+@pytest.mark.parametrize("d, n", [(512, 8), (1024, 12)])
+def test_the_floor_in_parts_is_measured_and_predicts_what_it_measured(d: int, n: int) -> None:
+    """NOTE [ Mechanism costs ] Rule 12 on the device: where the search's floor (after Rules 2-11) recomputes blocks in
+    parts, planning measures it (``PARTS_FLOOR`` among the measurements) and the calibrated model predicts its peak
+    within 0.1%; a stack whose floor has no parts is skipped, saying so."""
+    from torchckpt.planner.calibrate import PARTS_FLOOR, calibrate, parts_floor
+    from torchckpt.planner.costs import predict
+    from torchckpt.planner.optimize import simple_policies
+
+    torch.manual_seed(0)
+    m = Stack(d, 8, n).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 1024, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None)
+    bare = planner.prof.chain(planner.link, planner.codec)
+    before = calibrate(bare, simple_policies(bare), {k: v for k, v in planner.measured.items() if k != PARTS_FLOOR})
+    plan = parts_floor(before)
+    if plan is None:
+        assert PARTS_FLOOR not in planner.measured
+        pytest.skip(f"the search's floor recomputes no block in parts on Stack({d}, 8, {n})")
+    peak = planner.measured[PARTS_FLOOR][0]
+    assert peak is not None and abs(predict(planner.found.chain, plan).peak_bytes / peak - 1) <= 1e-3

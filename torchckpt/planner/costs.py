@@ -211,6 +211,8 @@ class StepCosts:
             changes per byte of snapshot memory below that, down to the floor's (NOTE [ Mechanism costs ] Rule 10).
         revolve_scale: what Revolve's rebuilds (blocks run again without grad) cost beyond their blocks' forward
             times, as a fraction of those (NOTE [ Mechanism costs ] Rule 11); may be negative, not below -0.9.
+        parts_bytes: measured bytes a block recomputed in parts holds in its backward beyond what the model counts
+            (NOTE [ Mechanism costs ] Rule 12); may be negative.
     """
 
     blocks: tuple[Block, ...]
@@ -229,6 +231,7 @@ class StepCosts:
     revolve_slope: float = 0.0
     revolve_scale: float = 0.0
     bwd_fixed_at: tuple[int, ...] = ()
+    parts_bytes: int = 0
 
     def bwd_fixed(self, i: int) -> int:
         """Device bytes that no decision changes while block ``i``'s backward runs (NOTE [ Step model ] Rules 4, 6)."""
@@ -502,7 +505,7 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
     if rec:
         extra = [chain.keep_rec_bytes if d.keep else chain.rec_bytes, chain.host_rec_bytes if d.host else 0]
         if d.parts:  # NOTE [ Mechanism costs ] Rule 3: measured on whole recomputations; in parts, never less
-            extra = [max(0, e) for e in extra]
+            extra = [max(0, e) for e in extra] + [chain.parts_bytes]  # NOTE [ Mechanism costs ] Rule 12
         held = max(materialised_bytes(b, d) + sum(extra), kept, 0)
     shared = refs(b.shared, b.saved, d.mode, d.offload, d.host, bool(d.parts)) if b.shared and not d.revolve else ()
     return kept, off, wire, extra_f, extra_b, held, rec, d.host, shared

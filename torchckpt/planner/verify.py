@@ -20,7 +20,7 @@ from torchckpt._args import found, parse_bytes
 from torchckpt._errors import format_bytes_apart
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.blocks import find_blocks
-from torchckpt.planner.calibrate import calibrate, floor_policy, measure_policies
+from torchckpt.planner.calibrate import PARTS_FLOOR, calibrate, floor_policy, measure_policies, parts_floor
 from torchckpt.planner.checks import check_args, rejected
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, StepCosts, parts_seconds, predict
 from torchckpt.planner.measure import measure_codec, measure_link
@@ -149,6 +149,7 @@ class _Profiled:
         self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 6: plans measured, kept
         self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.say: Callable[[str], None] = _quiet
+        self.measured: dict[str, tuple[int | None, float]] = {}  # NOTE [ Mechanism costs ]: by policy name, as measured
         self._ranks: tuple[nn.Module | None, str] = (None, "plan")  # the model and call (NOTE [ One plan for all ranks ])
 
     @staticmethod
@@ -232,6 +233,7 @@ class _Profiled:
 
         chain = prof.chain(ln, ccost)
         memo: dict[tuple[Decision, ...], tuple[int, float]] = {}
+        measured: dict[str, tuple[int | None, float]] = {}
         if measuring:  # NOTE [ Mechanism costs ]: the mechanisms' own costs, measured
             policies = simple_policies(chain)
             keep_all = predict(chain, policies[0][1])
@@ -241,7 +243,8 @@ class _Profiled:
                 if prof.by_blocks and not any(d.mode == "recompute" for d in decisions):
                     return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
                 t1 = time.perf_counter()
-                reps[0] = 1 if name == floor else _VERIFY_STEPS
+                # NOTE [ Mechanism costs ] Rules 10 and 12: one step for these, measured for their peaks
+                reps[0] = 1 if name in (floor, PARTS_FLOOR) else _VERIFY_STEPS
                 try:
                     got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
                 except torch.cuda.OutOfMemoryError:
@@ -254,8 +257,15 @@ class _Profiled:
                     say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
                 return got
 
-            chain = calibrate(chain, policies, measure_policies(policies, policy_step, chain))
+            measured = measure_policies(policies, policy_step, chain)
+            bare, chain = chain, calibrate(chain, policies, measured)
+            parts = parts_floor(chain)  # NOTE [ Mechanism costs ] Rule 12: the search's floor, in parts, measured
+            got = policy_step(PARTS_FLOOR, parts) if parts is not None else None
+            if got is not None:
+                measured[PARTS_FLOOR] = got
+                chain = calibrate(bare, policies, measured)
         planned = _Profiled(prof, ln, ccost, step, chain, memo)
+        planned.measured = measured
         planned.say = say
         say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
         return planned
