@@ -27,6 +27,7 @@ Each model's calibrated terms are printed above its rows (GiB).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 from collections.abc import Sequence
@@ -59,7 +60,9 @@ def zoo_plan(chain: StepCosts, found: Search, row: dict[str, Any]) -> tuple[tupl
         return next(d for name, d, _ in found.simple if name == row["simple"]), note
     if any(w.endswith("+revolve") for w in row["decisions"]):
         return next(d for d, _ in found.plans if words(d) == row["decisions"]), note
-    ladders = [ladder(b, chain.codec is not None) for b in chain.blocks]
+    # a run before NOTE [ Plan search ] Rule 1 sent a storage's positions together offered its offloads without that
+    ladders = [ladder(b, chain.codec is not None) + ladder(dataclasses.replace(b, same=()), chain.codec is not None)
+               for b in chain.blocks]
     return tuple(next(d for d in opts if words([d]) == [w]) for opts, w in zip(ladders, row["decisions"])), note
 
 

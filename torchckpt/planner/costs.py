@@ -160,6 +160,9 @@ class Block:
         shared: the storages it references that another block references too (NOTE [ Shared storages ]), each as
             ``(storage, bytes, position)``: ``position`` among ``saved`` where it saved it (``saved`` holds its bytes
             there only if it saved it first), ``-1`` where it took it as an input (its bytes are in ``input_bytes``).
+        same: for each saved tensor, the first of this block's positions that references its storage (its own where
+            none before it does); ``()`` where no two do or the profile did not record storages. An offload moves every
+            position of a storage or none (NOTE [ Plan search ] Rule 1).
     """
 
     name: str
@@ -180,6 +183,7 @@ class Block:
     alone_s: float = 0.0
     chained: bool = True
     shared: tuple[tuple[int, int, int], ...] = ()
+    same: tuple[int, ...] = ()
 
     @property
     def saved_bytes(self) -> int:

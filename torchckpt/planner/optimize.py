@@ -11,7 +11,11 @@
 #    the host: on an H200 such a plan found none of them prefetched, 131 ms of exposed copies a
 #    step where the model predicted none). Every option is simulated with the
 #    whole chain (``predict``), so the link's contention and the position of the block
-#    (offloading the last blocks cannot be hidden) are priced, not assumed.
+#    (offloading the last blocks cannot be hidden) are priced, not assumed. An offload rung takes every
+#    position of a storage it sends (``Block.same``): a storage another position still references stays on
+#    the device, so sending one of its views frees nothing (on an H100 the zoo's Mixtral plans that sent
+#    each block's largest saved tensor, one half of the experts' gate-and-up output whose other half the
+#    block saved too, peaked 0.4-1.2 GiB over their predictions).
 # 2. The search walks from "keep everything" down: at each step it takes the one move (one block
 #    to a lower rung) that lowers the predicted peak for the least added time per byte saved,
 #    until no move lowers it, then (a plateau: the peak sits at one block's backward and moves to the
@@ -56,6 +60,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections.abc import Sequence
 
 from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.planner.costs import (
@@ -68,6 +73,14 @@ __all__ = ["FAMILIES", "PlanError", "Search", "ladder", "search", "simple_polici
 
 class PlanError(CheckpointError, ValueError):
     """No plan meets the budget (the message names the lowest reachable peak)."""
+
+
+def _whole(block: Block, chosen: Sequence[int]) -> tuple[int, ...]:
+    """``chosen`` positions with every other position of their storages (NOTE [ Plan search ] Rule 1), in order."""
+    if not block.same:
+        return tuple(sorted(chosen))
+    roots = {block.same[k] for k in chosen}
+    return tuple(k for k in range(len(block.saved)) if block.same[k] in roots)
 
 
 def ladder(block: Block, compress: bool, rungs: int = 4, parts: int = 2) -> list[Decision]:
@@ -87,7 +100,7 @@ def ladder(block: Block, compress: bool, rungs: int = 4, parts: int = 2) -> list
         for j, k in enumerate(order):
             acc += block.saved[k]
             while level <= rungs and acc >= total * level / rungs - 1e-9:
-                p = tuple(sorted(order[: j + 1]))
+                p = _whole(block, order[: j + 1])
                 if not prefixes or prefixes[-1] != p:
                     prefixes.append(p)
                 level += 1

@@ -188,11 +188,13 @@ class Profile:
                 cuts = tuple(c for c in range(1, len(after)) if after[c] >= after[c - 1] + 2)
             fixed = i < len(self.mutates) and bool(self.mutates[i])  # NOTE [ Profiling step ] Rule 7: never recomputed
             sac = tuple(o.position for o in self.ops[i] if o.op in SAC_OPS and o.nbytes > 0)  # NOTE [ Plan search ] Rule 7
+            first: dict[int, int] = {}  # NOTE [ Plan search ] Rule 1: positions of one storage offload together
+            same = tuple(first.setdefault(t.storage, k) if t.storage >= 0 else k for k, t in enumerate(self.saved[i]))
             out.append(Block(name, fwd_s[i], bwd_s[i], self.input_bytes[i],
                              tuple(s.nbytes for s in self.saved[i]), self.kinds[i], self.bwd_bytes[i], ops, at, cuts,
                              recomputable=not fixed, sac=sac,
                              chained=self.chained[i] if len(self.chained) == len(self.names) else True,
-                             shared=shared[i]))
+                             shared=shared[i], same=same if any(r != k for k, r in enumerate(same)) else ()))
         return out
 
     def _pooled(self) -> tuple[list[float], list[float], list[list[float]]]:
