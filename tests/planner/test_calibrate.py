@@ -339,6 +339,6 @@ def test_the_parts_term_is_lowered_only_where_a_block_in_parts_holds_the_peak() 
     whole = tuple(dataclasses.replace(d, parts=()) if i == len(plan) - 1 else d for i, d in enumerate(plan))
     p = predict(chain, whole)
     assert p.at == f"backward {len(plan) - 1}"  # the last block, now whole, holds the peak
-    from torchckpt.planner.calibrate import _solve_parts
+    from torchckpt.planner.calibrate import calibrate_parts
 
-    assert _solve_parts(chain, whole, p.peak_bytes - (64 << 20), 1).parts_bytes == 0
+    assert calibrate_parts(chain, whole, p.peak_bytes - (64 << 20), 1).parts_bytes == 0

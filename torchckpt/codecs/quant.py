@@ -339,14 +339,18 @@ class TritonQuant(Codec):
                 OUT=_tl_dtype(flat.dtype), num_warps=warps, enable_fp_fusion=False)
         return codes, params, count
 
+    def _flat(self, x: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+        """``x`` as one contiguous row, its elements and its blocks (NOTE [ Block quantization ])."""
+        flat = x.detach().contiguous().reshape(-1)
+        n = flat.numel()
+        return flat, n, -(-n // self.block)
+
     def compress(self, x: torch.Tensor, stream: torch.cuda.Stream | None = None) -> Packed:
         """Quantize ``x`` (fp32, fp16 or bf16, any layout) on ``stream``; see NOTE [ Block quantization ]."""
         self._check_input(x)
         B = self.block
         with on_stream(stream, x.device, x):
-            flat = x.detach().contiguous().reshape(-1)
-            n = flat.numel()
-            nb = -(-n // B)
+            flat, n, nb = self._flat(x)
             if self._triton(x.device) and nb > 0:
                 codes, params, count = self._quantize(flat, n, nb)
                 # NOTE [ Block quantization ] Rule 5: one int32 to pinned memory, then wait for this stream only
@@ -382,9 +386,7 @@ class TritonQuant(Codec):
         self._check_input(x)
         B = self.block
         with on_stream(stream, x.device, x):
-            flat = x.detach().contiguous().reshape(-1)
-            n = flat.numel()
-            nb = -(-n // B)
+            flat, n, nb = self._flat(x)
             if nb == 0:
                 none = torch.empty(0, dtype=torch.uint8, device=x.device)
                 return Deferred(Packed((none, none, none, none), self._meta(x, 0, 0, False)))

@@ -209,7 +209,7 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
                                                         for b in chain.blocks))
     parts = parts_floor(chain) if measured.get(PARTS_FLOOR, (None, 0.0))[0] is not None else None
     if parts is not None:  # NOTE [ Mechanism costs ] Rule 12
-        chain = _solve_parts(chain, parts, int(measured[PARTS_FLOOR][0] or 0), lookahead)
+        chain = calibrate_parts(chain, parts, int(measured[PARTS_FLOOR][0] or 0), lookahead)
     return chain
 
 
@@ -221,17 +221,11 @@ def parts_floor(chain: StepCosts) -> tuple[Decision, ...] | None:
     return plan if any(d.parts for d in plan) else None
 
 
-def _solve_parts(chain: StepCosts, plan: tuple[Decision, ...], peak: int, lookahead: int) -> StepCosts:
-    """NOTE [ Mechanism costs ] Rule 12: the ``parts_bytes`` under which ``plan`` predicts its measured ``peak``,
-    while the predicted peak is in a backward, lowered only while it lies at a block recomputed in parts."""
-    for _ in range(4):
-        p = predict(chain, plan, lookahead)
-        miss = peak - p.peak_bytes
-        where, i = p.at.split()[0], int(p.at.split()[1])
-        if abs(miss) <= peak // _TOLERANCE or where != "backward" or (miss < 0 and not plan[i].parts):
-            break
-        chain = dataclasses.replace(chain, parts_bytes=chain.parts_bytes + miss)
-    return chain
+def calibrate_parts(chain: StepCosts, plan: tuple[Decision, ...], peak: int, lookahead: int = 1) -> StepCosts:
+    """NOTE [ Mechanism costs ] Rule 12 on ``chain`` (calibrated by NOTE [ Mechanism costs ] Rules 2-11): the
+    ``parts_bytes`` under which ``plan`` (``parts_floor``'s) predicts its measured ``peak``, lowered only while a block
+    in parts holds the peak."""
+    return _solve_bytes(chain, plan, peak, "parts_bytes", lookahead, lower_at=lambda i: bool(plan[i].parts))
 
 
 def _other_time(chain: StepCosts, extra: float) -> StepCosts:
@@ -263,13 +257,18 @@ def _ops(b: Block) -> float:
     return float(max(1, len(b.ops)))
 
 
-def _solve_bytes(chain: StepCosts, plan: tuple[Decision, ...], peak: int, field: str, lookahead: int) -> StepCosts:
+def _solve_bytes(chain: StepCosts, plan: tuple[Decision, ...], peak: int, field: str, lookahead: int,
+                 lower_at: Callable[[int], bool] | None = None) -> StepCosts:
     """NOTE [ Mechanism costs ] Rule 3: the ``field`` (``rec_bytes``, ``keep_rec_bytes``, ...) under which ``plan``
-    predicts its measured ``peak``, while the predicted peak lies in a backward (where the term acts)."""
+    predicts its measured ``peak``, while the predicted peak lies in a backward (where the term acts); with
+    ``lower_at``, lowered only while the backward of a block it accepts holds the peak (NOTE [ Mechanism costs ]
+    Rule 12)."""
     for _ in range(4):
         p = predict(chain, plan, lookahead)
         miss = peak - p.peak_bytes
         if abs(miss) <= peak // _TOLERANCE or not p.at.startswith("backward"):
+            break
+        if miss < 0 and lower_at is not None and not lower_at(int(p.at.split()[1])):
             break
         chain = dataclasses.replace(chain, **{field: getattr(chain, field) + miss})
     return chain

@@ -53,14 +53,14 @@
 #    of whole blocks with each amount of Rule 6. A policy that would recompute a block that may not be
 #    (NOTE [ Profiling step ] Rule 7) is left out, and so is ``Recompute(save=...)`` where no block has an op
 #    to keep (it would be ``Recompute()``). ``Search.simple`` lists them by name, simplest first; ``best_simple``
-#    is the fastest whose predicted peak is within a budget (among equally fast ones, the simpler); verification
-#    ranks those it measured by their measurements (NOTE [ Applying a plan ] Rule 7).
+#    is the fastest whose predicted peak is within a budget (among equally fast ones, the simpler), or, given
+#    what verification measured, ranks those by their measurements (NOTE [ Applying a plan ] Rule 7).
 """
 from __future__ import annotations
 
 import dataclasses
 import heapq
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.planner.costs import (
@@ -183,10 +183,22 @@ class Search:
             )
         return min(fit, key=lambda dp: (dp[1].step_s, dp[1].d2h_bytes, -dp[1].peak_bytes))
 
-    def best_simple(self, budget: int) -> tuple[str, tuple[Decision, ...], Prediction] | None:
+    def best_simple(self, budget: int, measured: Mapping[tuple[Decision, ...], tuple[int, float]] | None = None,
+                    limit: int | None = None, only_measured: bool = False
+                    ) -> tuple[str, tuple[Decision, ...], Prediction] | None:
         """The fastest simple policy whose predicted peak is at most ``budget`` (among equally fast ones, the simpler),
-        as (name, plan, prediction), or ``None`` if none fits (NOTE [ Plan search ] Rule 7)."""
-        fit = [(p.step_s, k) for k, (_, _, p) in enumerate(self.simple) if p.peak_bytes <= budget]
+        as (name, plan, prediction), or ``None`` if none fits (NOTE [ Plan search ] Rule 7). A policy in ``measured``
+        (its peak and step) is judged by those, its peak against ``limit`` (default ``budget``); with
+        ``only_measured`` the others are left out (NOTE [ Applying a plan ] Rules 4 and 7)."""
+        measured = measured or {}
+        top = budget if limit is None else limit
+        fit = []
+        for k, (_, plan, p) in enumerate(self.simple):
+            got = measured.get(plan)
+            if got is not None and got[0] <= top:
+                fit.append((got[1], k))
+            elif got is None and not only_measured and p.peak_bytes <= budget:
+                fit.append((p.step_s, k))
         return self.simple[min(fit)[1]] if fit else None
 
     def simple_name(self, plan: tuple[Decision, ...]) -> str:

@@ -20,7 +20,8 @@ from torchckpt._args import found, parse_bytes
 from torchckpt._errors import format_bytes_apart
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.blocks import find_blocks
-from torchckpt.planner.calibrate import PARTS_FLOOR, calibrate, floor_policy, measure_policies, parts_floor
+from torchckpt.planner.calibrate import (PARTS_FLOOR, calibrate, calibrate_parts, floor_policy, measure_policies,
+                                         parts_floor)
 from torchckpt.planner.checks import check_args, rejected
 from torchckpt.planner.costs import CodecCost, Decision, Link, Prediction, StepCosts, parts_seconds, predict
 from torchckpt.planner.measure import measure_codec, measure_link
@@ -258,12 +259,12 @@ class _Profiled:
                 return got
 
             measured = measure_policies(policies, policy_step, chain)
-            bare, chain = chain, calibrate(chain, policies, measured)
+            chain = calibrate(chain, policies, measured)
             parts = parts_floor(chain)  # NOTE [ Mechanism costs ] Rule 12: the search's floor, in parts, measured
             got = policy_step(PARTS_FLOOR, parts) if parts is not None else None
-            if got is not None:
+            if parts is not None and got is not None:
                 measured[PARTS_FLOOR] = got
-                chain = calibrate(bare, policies, measured)
+                chain = calibrate_parts(chain, parts, got[0])
         planned = _Profiled(prof, ln, ccost, step, chain, memo)
         planned.measured = measured
         planned.say = say
@@ -351,7 +352,7 @@ class _Profiled:
         measures faster (equal: the simple one), with what was measured; ``tried``: what this budget measured so far."""
         assert best.measured_step_time is not None and best.measured_peak_bytes is not None
         mine = Measurement("plan", best.measured_step_time, best.measured_peak_bytes)
-        found = self._best_simple(budget)
+        found = self.found.best_simple(budget, self.memo, budget - _slack(budget))
         if found is None or found[0] == best.simple:
             return dataclasses.replace(best, measurements=(mine,))
         name, decisions, pred = found
@@ -379,30 +380,14 @@ class _Profiled:
             best = dataclasses.replace(p, measured_peak_bytes=peak, measured_step_time=seconds)
         return dataclasses.replace(best, measurements=(mine, theirs))
 
-    def _best_simple(self, budget: int) -> tuple[str, tuple[Decision, ...], Prediction] | None:
-        """NOTE [ Applying a plan ] Rule 7: the simple policy to measure beside the plan: the fastest that fits
-        ``budget``, a policy measured while planning (``memo``) by its measured peak and step, one not measured by its
-        prediction (among equally fast ones, the simpler)."""
-        limit = budget - _slack(budget)
-        fit = []
-        for k, (_, decisions, pred) in enumerate(self.found.simple):
-            got = self.memo.get(decisions)
-            if got is not None and got[0] <= limit:
-                fit.append((got[1], k))
-            elif got is None and pred.peak_bytes <= budget:
-                fit.append((pred.step_s, k))
-        return self.found.simple[min(fit)[1]] if fit else None
-
     def _measured_simple(self, budget: int) -> Plan | None:
         """NOTE [ Applying a plan ] Rule 4: the fastest simple policy measured while planning whose measured peak is
         within ``budget`` less the slack, as a measured plan, or ``None``."""
-        limit = budget - _slack(budget)
-        fit = [(got[1], k, got) for k, (_, d, _) in enumerate(self.found.simple)
-               if (got := self.memo.get(d)) is not None and got[0] <= limit]
-        if not fit:
+        found = self.found.best_simple(budget, self.memo, budget - _slack(budget), only_measured=True)
+        if found is None:
             return None
-        _, k, (peak, seconds) = min(fit)
-        name, decisions, pred = self.found.simple[k]
+        name, decisions, pred = found
+        peak, seconds = self.memo[decisions]
         p = _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link, self.codec)
         return dataclasses.replace(p, simple=name, measured_peak_bytes=peak, measured_step_time=seconds)
 

@@ -205,7 +205,7 @@ class CodecSide:
         self._rows.append(rec.row)
         packs, i = [], 0
         # an off-GPU snapshot's settle runs where its place will (NOTE [ Mover ] Rule 6), a Tier.GPU one's here
-        where = self._mover.on_sizes(rec.after[0], [b for d in rec.defs for b in d.packed.buffers]) \
+        where = self._mover.on_sizes(rec.after[0], (b for d in rec.defs for b in d.packed.buffers)) \
             if n is not None and rec.slot is not None else contextlib.nullcontext()
         with where:
             for d in rec.defs:

@@ -75,6 +75,14 @@ def nvtx_range(name: str, n: int | None = None) -> contextlib.AbstractContextMan
     return _Range(name if n is None else f"{name} {n}")
 
 
+def _read_on(s: Any, tensors: Iterable[torch.Tensor]) -> None:
+    """``tensors`` (allocated on another stream) kept from reuse until ``s``'s work queued so far has read them (an
+    empty one is not read)."""
+    for t in tensors:
+        if t.numel():
+            t.record_stream(s)
+
+
 def timed_wait(stream: Any, done: Any, timing: bool) -> Any:
     """Make ``stream`` wait for the event ``done`` on the device; with ``timing``, return an event
     recorded on ``stream`` just before the wait (NOTE [ Mover ] Rule 2)."""
@@ -204,11 +212,7 @@ class Mover:
             dst.copy_(src)
             return None
         p = self.prefetch
-        for ev in after:
-            if ev is not None:
-                p.wait_event(ev)
-        if after_all:
-            p.wait_stream(self.current())
+        self._wait_for(p, after, after_all)
         return self._copy(p, "h2d", dst, src)
 
     def read_back(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None) -> Any:
@@ -238,11 +242,8 @@ class Mover:
         if not self.cuda:
             return contextlib.nullcontext()
         s = self.sizes
-        if after is not None:
-            s.wait_event(after)
-        for t in reads:
-            if t.numel():
-                t.record_stream(s)
+        self._wait_for(s, (after,))
+        _read_on(s, reads)
         return torch.cuda.stream(s)
 
     def place(self, dst: torch.Tensor, blob: Blob, packs: Sequence[Packed], after: Iterable[Any] = (),
@@ -254,20 +255,22 @@ class Mover:
             blob.write(dst, packs)
             return None
         s = self.sizes
+        self._wait_for(s, after, after_all)
+        with torch.cuda.stream(s), nvtx_range("torchckpt.place"):
+            if self.delay is not None:
+                self.delay("place", s)
+            blob.write(dst, packs, non_blocking=True)
+            _read_on(s, (b for p in packs for b in p.buffers))  # allocated on the compute stream, read here
+            return self._event(s)
+
+    def _wait_for(self, s: Any, after: Iterable[Any], after_all: bool = False) -> None:
+        """Stream ``s`` waits for the events ``after`` (``None`` entries skipped) and, with ``after_all``, for the
+        compute stream's work so far."""
         for ev in after:
             if ev is not None:
                 s.wait_event(ev)
         if after_all:
             s.wait_stream(self.current())
-        with torch.cuda.stream(s), nvtx_range("torchckpt.place"):
-            if self.delay is not None:
-                self.delay("place", s)
-            blob.write(dst, packs, non_blocking=True)
-            for p in packs:
-                for b in p.buffers:
-                    if b.numel():  # an empty one is not read
-                        b.record_stream(s)  # allocated on the compute stream, read here
-            return self._event(s)
 
     def to_host_packed(self, codec: Codec, x: torch.Tensor, alloc: Callable[[int], Any]) -> tuple[Any, Blob, Any]:
         """Compress ``x`` on the offload stream and copy the result into a new host block from ``alloc``.
