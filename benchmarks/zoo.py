@@ -21,8 +21,8 @@ A step: forward, loss, backward, then ``model.zero_grad(set_to_none=True)`` (eve
 do). Each method: 2 warm-up steps, the median of ``--reps`` timed ones; peak = max_memory_allocated over the timed
 steps minus memory_allocated before them (CUDA; on the CPU only times). A method that raises (out of memory) is
 recorded with its error and the run goes on. Each plan row keeps the planner's predicted peak and step, its own
-verification's figures, ``plan.simple``, ``plan.measurements`` and the decisions; eager rows get the planner's
-prediction for the simple policy they are (``pred_of``). Then (``--pair-rounds``, default 5) each plan and the
+verification's figures, ``plan.simple``, ``plan.measurements``, ``plan.turns`` and the decisions; eager rows get the
+planner's prediction for the simple policy they are (``pred_of``). Then (``--pair-rounds``, default 5) each plan and the
 fastest eager method within its budget are measured again in turns (eager, plan, eager, plan, ...), and again, a
 turn at a time up to ``--pair-max`` (default 15), while either side's turns spread over 10%: the ratio the
 summary gives is theirs, so that the drift of a run and the allocator's state between methods fall on both alike
@@ -282,6 +282,7 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
                  "verified_peak_GiB": pl.measured_peak_bytes / GiB if pl.measured_peak_bytes is not None else None,
                  "verified_step_s": pl.measured_step_time, "floor_GiB": pl.floor_bytes / GiB, "plan_s": plan_s,
                  "simple": pl.simple, "measurements": [dataclasses.asdict(x) for x in pl.measurements],
+                 "turns": [dataclasses.asdict(x) for x in pl.turns],
                  "decisions": block_decisions(pl)}
 
         def setup(pl: Any = pl, extra: dict[str, Any] = extra) -> Callable[[], None]:

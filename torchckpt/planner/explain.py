@@ -31,6 +31,10 @@ def summary(plan: Any, verbose: bool = False) -> str:
     ]
     if plan.measurements:
         lines.append(_measured(plan))
+    if plan.turns:  # NOTE [ Applying a plan ] Rule 9
+        a, b = plan.turns
+        lines.append(f"measured in turns: {a.what} {a.step_time * 1e3:.1f} ms, {b.what} {b.step_time * 1e3:.1f} ms"
+                     + ("" if b.fits else f" at {format_bytes(b.peak_bytes)}, over the budget") + f": took {a.what}")
     if plan.codec is not None:
         lines.append(f"codec {plan.codec}: " + (f"LOSSY, {plan.bound}" if plan.lossy else "lossless"))
     if plan.revolve:

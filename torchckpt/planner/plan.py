@@ -66,6 +66,17 @@
 #    mean of its two medians; still within 1%, the model decides: the simple policy if its predicted step is
 #    no slower than the plan's (the model's figures are the same in every process, NOTE [ Profiling step ]
 #    Rule 9, NOTE [ Mechanism costs ]). ``Plan.measurements`` records the means.
+# 9. Rules 6-8 compare figures measured at different times: a simple policy while planning, a plan for another
+#    budget, this budget's plan now. On a busy host one policy's medians moved 20-40% within a run (on an H100 the
+#    zoo's MoE took, at 8.5 and 10.1 GiB, the 6.88 GiB plan measured 107.4 ms for its own budget over every other
+#    block measured 133.2 ms while planning; in turns after, 114.7 against 109.7 ms). So last, the returned plan and
+#    the fastest other candidate measured within the budget (its measured peak within the budget less Rule 4's
+#    slack; any measured plan or simple policy), if its figure is within ``_RIVAL`` (30%) of the plan's and the two
+#    were not both measured for this budget, run in turns, ``_TURNS`` (3) each, the plan first, each turn as
+#    Rule 4; each is taken as the median of its turns' medians, and the faster returned (a rival whose peak went
+#    over the budget less the slack is not); within 1% the model decides, as in Rule 8. The medians replace the
+#    two's earlier figures for later budgets. ``Plan.turns`` records them, the one returned first; ``explain()``
+#    prints them. A rival taken has no Rule 7 record (``Plan.measurements`` is empty): it was not this budget's plan.
 """
 from __future__ import annotations
 
@@ -198,6 +209,8 @@ class Plan:
             ``""`` if none.
         measurements: what verification measured for the budget: the plan, then the best simple policy that fits
             (NOTE [ Applying a plan ] Rule 7); ``()`` when not measured.
+        turns: the plan and its rival measured in turns, each the median of its turns (NOTE [ Applying a plan ]
+            Rule 9): the one returned first; ``()`` when none ran.
     """
 
     budget: int
@@ -217,6 +230,7 @@ class Plan:
     measured_step_time: float | None = None
     simple: str = ""
     measurements: tuple[Measurement, ...] = ()
+    turns: tuple[Measurement, ...] = ()
 
     # -- reading ----------------------------------------------------------------------------
     def explain(self, file: Any = None, *, verbose: bool = False) -> None:
@@ -264,7 +278,8 @@ class Plan:
                                     "tensors": tuple(SavedTensor(**{**t, "shape": tuple(t["shape"])}) for t in b["tensors"])})
                        for b in d.pop("blocks"))
         measurements = tuple(Measurement(**m) for m in d.pop("measurements", ()))  # NOTE [ Applying a plan ] Rule 7
-        return Plan(blocks=blocks, measurements=measurements, **{**d, "link": tuple(d["link"])})
+        turns = tuple(Measurement(**m) for m in d.pop("turns", ()))  # NOTE [ Applying a plan ] Rule 9
+        return Plan(blocks=blocks, measurements=measurements, turns=turns, **{**d, "link": tuple(d["link"])})
 
     def save(self, path: str) -> None:
         with open(path, "w") as f:
