@@ -29,7 +29,13 @@ otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s imag
     python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
                                         [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
                                         [--sizes exact,deferred] [--profile [--trace-dir DIR]] [--pyprofile]
+                                        [--memstats]
 Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
+
+``--memstats``: each (d) run's caching-allocator figures over its timed run (``torch.cuda.memory_stats()`` after
+minus before: allocator retries, ``cudaMalloc``/``cudaFree`` calls, synchronisations of all streams, allocations,
+segments; the peak of inactive split blocks and of reserved memory), in its JSON record (``memstats``) and one line
+per run; without CUDA, not measured (``memstats`` is ``None``).
 """
 from __future__ import annotations
 
@@ -86,6 +92,46 @@ def make_codec(name: str, peak: float = 1.0):
         raise SystemExit(f"unknown codec {name!r}")
     why = c.unavailable_reason()
     return (c, None) if why is None else (None, why)
+
+
+# torch.cuda.memory_stats() counters reported by --memstats as the change over a run
+MEM_COUNTERS = ("num_alloc_retries", "num_device_alloc", "num_device_free", "num_sync_all_streams",
+                "allocation.all.allocated", "segment.all.allocated")
+MEM_PEAKS = ("inactive_split.all.peak",)  # peaks since the run's start (the peaks are reset before it)
+
+
+def memstats_delta(before: dict, after: dict, max_reserved: int | None) -> dict:
+    """``--memstats``'s record of a run from ``torch.cuda.memory_stats()`` before and after it (peaks reset before):
+    the change of each of ``MEM_COUNTERS``, each of ``MEM_PEAKS`` as it is after, and ``max_memory_reserved`` (bytes);
+    ``None`` for a figure this torch does not report."""
+    rec: dict = {k: after[k] - before.get(k, 0) if k in after else None for k in MEM_COUNTERS}
+    rec.update({k: after.get(k) for k in MEM_PEAKS})
+    rec["max_memory_reserved"] = max_reserved
+    return rec
+
+
+def memstats_line(rec: dict) -> str:
+    """One line of ``memstats_delta``'s figures."""
+    def num(k: str, sign: bool = True) -> str:
+        v = rec.get(k)
+        return "-" if v is None else (f"{v:+d}" if sign else str(v))
+    mr = rec.get("max_memory_reserved")
+    return (f"alloc retries {num('num_alloc_retries')}, cudaMalloc {num('num_device_alloc')}, cudaFree "
+            f"{num('num_device_free')}, sync all streams {num('num_sync_all_streams')}, allocations "
+            f"{num('allocation.all.allocated')}, segments {num('segment.all.allocated')}; peak inactive splits "
+            f"{num('inactive_split.all.peak', False)}, max reserved " + ("-" if mr is None else f"{mr / GiB:.3f} GiB"))
+
+
+def with_memstats(fn, into: dict | None):
+    """``fn()``; with ``into`` (a dict, CUDA only), ``memstats_delta`` over it is written into ``into``."""
+    if into is None:
+        return fn()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_stats()
+    try:
+        return fn()
+    finally:
+        into.update(memstats_delta(before, torch.cuda.memory_stats(), torch.cuda.max_memory_reserved()))
 
 
 def psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
@@ -186,6 +232,11 @@ def main() -> int:
                         "the ops")
     p.add_argument("--trace-dir", help="with --profile: also write each traced run's raw trace (Chrome trace JSON, "
                                        "trace_<schedule>_<run>.json) to this directory")
+    p.add_argument("--memstats", action="store_true",
+                   help="record each (d) run's torch.cuda.memory_stats() changes over its timed run (allocator "
+                        "retries, cudaMalloc/cudaFree calls, synchronisations of all streams, allocations, segments) "
+                        "and its peaks (inactive split blocks, reserved memory) in its JSON record and print one line "
+                        "per run; not measured without CUDA")
     p.add_argument("--out")
     args = p.parse_args()
     sizes = [z for z in args.sizes.split(",") if z]
@@ -240,13 +291,15 @@ def main() -> int:
     peak = max(simulate(h, snapshot_bytes=sb).peak_snapshots[Tier.HOST] for _, h in scheds.values())
     bench.alloc_host(peak, args.budget_slots)
 
-    def run_codec(sched, codec, defer=False):
+    def run_codec(sched, codec, defer=False, mem=None):
+        """One (d) run; with ``mem`` (a dict) its --memstats figures are written into it."""
         store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05,
                               defer_sizes=defer)
         try:
-            t, st = bench.timed(lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
-                                                     restore_into=lambda n: (bench.rtm.u.cur, bench.rtm.u.prev),
-                                                     backward=bench.rtm.backward, store=store))
+            t, st = bench.timed(lambda: with_memstats(
+                lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
+                                     restore_into=lambda n: (bench.rtm.u.cur, bench.rtm.u.prev),
+                                     backward=bench.rtm.backward, store=store), mem))
             return t, st, store.nslots
         finally:
             store.close()
@@ -276,6 +329,9 @@ def main() -> int:
                       "-" if fig["sync_calls"] is None else str(fig["sync_calls"])])
         return fig
 
+    memstats = args.memstats and cuda
+    if args.memstats and not cuda:
+        print("memstats: not measured (no CUDA device)", flush=True)
     rows, prows, results, ok = [], [], {}, True
     for s, (sg, sh) in scheds.items():
         r: dict = dict(schedule=repr(sh))
@@ -294,7 +350,8 @@ def main() -> int:
         r["d"] = {}
         images: dict = {}  # codec -> its exact row's image
         for name, label, codec_name, c, defer in runs:
-            t, st, slots = run_codec(sh, c, defer)
+            mem: dict | None = {} if memstats else None
+            t, st, slots = run_codec(sh, c, defer, mem)
             q = psnr(bench.rtm.image, ref)
             same = None
             if not defer:
@@ -314,12 +371,16 @@ def main() -> int:
                 d["image_equal_exact"] = same
             if fig is not None:
                 d["profile"] = fig
+            if args.memstats:
+                d["memstats"] = mem  # None: no CUDA, not measured
             r["d"][name] = d
             print(f"[{s} (d) {label}] {t:.3f} s = {tb / t:.2f}x faster than (b), {t / ta:.2f}x (a); {slots} slots, "
                   f"ratio {st.ratio:.2f}x, hit rate {st.hit_rate:.3f}, {st.misses} misses, late "
                   f"{st.late_prefetches} ({st.late_wait_s * 1e3:.1f} ms), slot grows {st.slot_grows}; "
                   f"{st.bytes_to_host / GiB:.3g} GiB to host; image PSNR {q:.1f} dB"
                   + ("" if same is None else f", image {'==' if same else '!='} exact's"), flush=True)
+            if mem is not None:
+                print(f"[{s} (d) {label} memstats] {memstats_line(mem)}", flush=True)
             rows.append([s, f"(d) {label}", fmt(t, ".3f"), f"{tb / t:.2f}x", str(slots), f"{st.ratio:.2f}x",
                          f"{st.hit_rate:.3f}", fmt(st.bytes_to_host / GiB, ".3g"), "inf" if q == math.inf else f"{q:.1f}"])
         if r["d"]:

@@ -10,6 +10,7 @@ import pathlib
 import random
 import subprocess
 import sys
+import textwrap
 from types import SimpleNamespace
 
 import pytest
@@ -144,14 +145,17 @@ def test_adjoint_codecs_profile_on_the_cpu_measures_no_idle_fraction(tmp_path: p
 def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathlib.Path) -> None:
     """``--sizes exact,deferred``: each codec's (d) runs with ``defer_sizes`` off and on, in one process, traced too;
     the deferred row's image is the exact row's bit for bit (lossless and lossy: the restores decode the same bits);
-    ``none`` runs once. A GPU budget of one uncompressed snapshot (7 compressed) for 16 sends some to host memory."""
+    ``none`` runs once. A GPU budget of one uncompressed snapshot (7 compressed) for 16 sends some to host memory.
+    ``--memstats`` without CUDA measures nothing and says so."""
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--schedules", "revolve", "--codecs",
                           "none,quant4", "--sizes", "exact,deferred", "--budget-slots", "1", "--snapshots", "16",
-                          "--profile", "--pyprofile", "--out", str(tmp_path)], cwd=ROOT, env=env, capture_output=True, text=True,
-                         timeout=240)
+                          "--profile", "--pyprofile", "--memstats", "--out", str(tmp_path)], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=240)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     assert "(d) quant4 deferred" in res.stdout and "image == exact's" in res.stdout
+    # --memstats without CUDA: said once, nothing measured, nothing invented
+    assert res.stdout.count("memstats: not measured (no CUDA device)") == 1 and "memstats]" not in res.stdout
     with open(tmp_path / "adjoint_codecs.json") as f:
         z = json.load(f)
     assert z["sizes"] == ["exact", "deferred"]
@@ -161,6 +165,7 @@ def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathli
     assert d["quant4+deferred"]["image_equal_exact"] is True
     assert d["quant4+deferred"]["psnr_db"] == d["quant4"]["psnr_db"] < float("inf")
     assert d["none"]["psnr_db"] == "inf" and "image_equal_exact" not in d["quant4"]  # write_json: inf as "inf"
+    assert all(d[k]["memstats"] is None for k in d)
     for k in ("quant4", "quant4+deferred"):
         st = d[k]["stats"]
         assert st["bytes_to_host"] > 0 and st["packed_bytes"] == d["quant4"]["stats"]["packed_bytes"]
@@ -171,6 +176,36 @@ def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathli
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--sizes", "late"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=240)
     assert bad.returncode == 2 and "--sizes takes exact and/or deferred" in bad.stderr
+
+
+def test_adjoint_codecs_memstats_figures() -> None:
+    """``--memstats``'s record of a run (``memstats_delta``) and its line, on synthetic ``torch.cuda.memory_stats()``
+    dicts: counters as changes over the run, peaks as they are after it, ``None`` (printed ``-``) for a figure this
+    torch does not report. In a subprocess: the script's imports (``adjoint``, ``wave``) stay out of this one."""
+    script = textwrap.dedent("""
+        import json, sys
+        sys.path.insert(0, sys.argv[1])
+        import adjoint_codecs as a
+        before = {"num_alloc_retries": 1, "num_device_alloc": 10, "num_device_free": 4, "num_sync_all_streams": 0,
+                  "allocation.all.allocated": 1000, "segment.all.allocated": 12, "inactive_split.all.peak": 9}
+        after = dict(before, num_device_alloc=25, num_device_free=7, **{"allocation.all.allocated": 1800,
+                     "inactive_split.all.peak": 3})
+        del after["num_sync_all_streams"]
+        rec = a.memstats_delta(before, after, 3 << 30)
+        print(json.dumps(rec))
+        print(a.memstats_line(rec))
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", script, BENCH], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0, res.stderr[-3000:]
+    rec_line, line = res.stdout.strip().splitlines()[-2:]
+    assert json.loads(rec_line) == {"num_alloc_retries": 0, "num_device_alloc": 15, "num_device_free": 3,
+                                    "num_sync_all_streams": None, "allocation.all.allocated": 800,
+                                    "segment.all.allocated": 0, "inactive_split.all.peak": 3,
+                                    "max_memory_reserved": 3 << 30}
+    assert line == ("alloc retries +0, cudaMalloc +15, cudaFree +3, sync all streams -, allocations +800, segments +0; "
+                    "peak inactive splits 3, max reserved 3.000 GiB")
 
 
 def test_more_turns_while_a_side_spreads_up_to_the_most() -> None:

@@ -55,6 +55,11 @@ def never_sized(store: SnapshotStore) -> SnapshotStore:
     return store
 
 
+def deferred(codec: Any, slots: int) -> SnapshotStore:
+    """A CPU ``SnapshotStore(defer_sizes=True)`` with ``codec`` and ``slots``, every settle forced (``never_sized``)."""
+    return never_sized(SnapshotStore("cpu", defer_sizes=True, slots=slots, host=small_pool(), codec=codec))
+
+
 def replay(store: SnapshotStore, actions: list[Any], want: Callable[[int], list[torch.Tensor]],
            flushes: frozenset[int] | None = None, into: bool = False,
            state: Callable[[int], list[torch.Tensor]] = wild) -> int:
@@ -128,7 +133,7 @@ def test_an_unsized_snapshot_lives_beside_its_slot_and_decodes_as_it_is() -> Non
 
 def test_forced_settles_bound_eviction_free_and_save_again() -> None:
     c = TritonQuant(4, "abs", 1e-4)
-    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=3, host=small_pool(), codec=c))
+    store = deferred(c, 3)
     store.save(0, Tier.HOST, wild(0))
     for n in (1, 2):
         store.save(n, Tier.HOST, wild(n))
@@ -158,7 +163,7 @@ def test_forced_settles_bound_eviction_free_and_save_again() -> None:
 @pytest.mark.parametrize("flush", [True, False])
 def test_an_evicted_unsized_snapshot_is_settled_and_flushed_first(flush: bool) -> None:
     c = TritonQuant(8, "abs", 1e-5)
-    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=c))
+    store = deferred(c, 2)
     store.save(0, Tier.HOST, wild(0))
     store.save(1, Tier.HOST, wild(1), flush=flush)
     store.save(2, Tier.HOST, wild(2), flush=flush)  # evicts 0 (settled at its save)
@@ -175,7 +180,7 @@ def test_an_evicted_unsized_snapshot_is_settled_and_flushed_first(flush: bool) -
 
 def test_close_with_unsized_snapshots() -> None:
     c = TritonQuant(8, "abs", 1e-3)
-    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=2, host=small_pool(), codec=c))
+    store = deferred(c, 2)
     store.save(0, Tier.HOST, wild(0))
     store.save(1, Tier.HOST, wild(1))
     store.save(2, Tier.GPU, wild(2))

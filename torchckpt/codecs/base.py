@@ -19,14 +19,36 @@
 #    nothing back). Codecs whose sizes follow from the shape (Identity,
 #    ZFP) read nothing back in either.
 # 4. On the CPU streams are absent and ``stream`` must be ``None``.
+# 5. ``compress_deferred``'s worst-case buffers may be lent by the codec's ``scratch`` (a ``Scratch``)
+#    instead of allocated per call. ``take`` lends a buffer of the size asked for, allocated on the
+#    stream it is asked on; ``give`` takes back, among a ``Deferred``'s buffers, those it lent, with
+#    the events after which nothing reads them (the caller's word: ``d`` is settled, ``d.packed`` is
+#    never decoded again, each stream that used the buffers has one of the events recorded after its
+#    last use, and ``settle``'s Packed views none of them). ``take`` lends a buffer again only on the
+#    stream it was allocated on, and only once each of its events has completed (``query``, never a
+#    wait); else it allocates. So a loop of saves cycles through a few buffers that stay allocated,
+#    instead of freeing one of the worst-case size per save under ``record_stream`` onto another
+#    stream (the snapshot store's sizes stream, NOTE [ Snapshot sizes ] Rule 8): each such free is
+#    deferred to an event that the caching allocator polls at every later allocation, and its block
+#    cannot be reused until then, so the next save's may need a fresh ``cudaMalloc``. That churn was
+#    suspected of a quant4a adjoint run with deferred sizes whose host calls all took about twice as
+#    long as with exact sizes, with 3.5x the ``cudaEventQuery`` calls (H200,
+#    docs/notes/2026-11-26-deferred-sizes-host-time.md); on an H100 (``adjoint_codecs.py --memstats``)
+#    a deferred run made 1 to 3 ``cudaMalloc`` calls and no allocator retry, with the scratch or
+#    without, which takes one allocation per tensor saved away. At most ``keep`` idle buffers are
+#    kept (the oldest beyond go back to the allocator, as do those ``clear`` drops: as safe as a
+#    fresh buffer's free, since other streams' uses were recorded by Rule 2); lent buffers are held
+#    weakly, so a caller that never gives back gets fresh buffers, as without a scratch.
 """
 from __future__ import annotations
 
 import abc
 import contextlib
 import dataclasses
+import threading
 import types
-from collections.abc import Iterator, Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -148,6 +170,97 @@ class Deferred:
     sizes: torch.Tensor | None = None
 
 
+class Scratch:
+    """Buffers lent to ``compress_deferred`` and taken back after events (NOTE [ Codec streams ] Rule 5).
+
+    Args:
+        keep: idle buffers kept at most (>= 0); beyond, the oldest go back to PyTorch's allocator.
+
+    ``made``, ``reused`` and ``dropped`` count the buffers allocated, lent again, and let go (beyond ``keep``, or
+    by ``clear``). Thread-safe. Pickles and copies as an empty pool.
+
+    Example::
+
+        >>> s = Scratch(keep=2)
+        >>> a = s.take(1024, torch.device("cpu"))
+        >>> s.give([a], after=[None])  # no event to wait for (on the CPU events are None)
+        1
+        >>> s.take(1024, torch.device("cpu")) is a, s.made, s.reused
+        (True, 1, 1)
+    """
+
+    def __init__(self, keep: int = 8) -> None:
+        if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+            raise ValueError(f"torchckpt: Scratch(keep=...) must be an int >= 0 (idle buffers kept), got {keep!r}.")
+        self.keep = keep
+        self.made = self.reused = self.dropped = 0
+        self._lock = threading.Lock()
+        # idle: [key, buffer, events not known to have completed], oldest first; key: (device, bytes, stream)
+        self._idle: list[list[Any]] = []
+        # lent: held weakly, by id (a tensor's == is elementwise), with the key each was lent under
+        self._lent: weakref.WeakValueDictionary[int, torch.Tensor] = weakref.WeakValueDictionary()
+        self._key_of: dict[int, tuple[torch.device, int, int | None]] = {}
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (Scratch, (self.keep,))
+
+    def __repr__(self) -> str:
+        return f"Scratch(keep={self.keep})"
+
+    @property
+    def idle(self) -> int:
+        """Buffers held for reuse now."""
+        return len(self._idle)
+
+    def take(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        """A uint8 buffer of ``nbytes`` on ``device`` for the current stream: an idle one allocated on that stream whose
+        events have all completed, else a new one (allocated there). Its contents are undefined."""
+        stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else None
+        key = (device, nbytes, stream)
+        with self._lock:
+            for i, entry in enumerate(self._idle):
+                if entry[0] != key:
+                    continue
+                entry[2] = [ev for ev in entry[2] if not ev.query()]  # NOTE [ Codec streams ] Rule 5: never a wait
+                if entry[2]:
+                    continue
+                del self._idle[i]
+                buf: torch.Tensor = entry[1]
+                self.reused += 1
+                break
+            else:
+                buf = torch.empty(nbytes, dtype=torch.uint8, device=device)
+                self.made += 1
+            self._lent[id(buf)] = buf
+            self._key_of[id(buf)] = key
+            if len(self._key_of) > 2 * len(self._lent) + 16:  # forget the buffers that died lent
+                self._key_of = {i: k for i, k in self._key_of.items() if i in self._lent}
+        return buf
+
+    def give(self, buffers: Iterable[torch.Tensor], after: Iterable[Any]) -> int:
+        """Take back, among ``buffers``, those this pool lent and has not taken back: reusable once each event of
+        ``after`` (``None`` entries skipped) has completed (NOTE [ Codec streams ] Rule 5). Returns how many."""
+        events = [ev for ev in after if ev is not None]
+        took = 0
+        with self._lock:
+            for b in buffers:
+                if self._lent.get(id(b)) is not b:
+                    continue
+                del self._lent[id(b)]
+                self._idle.append([self._key_of.pop(id(b)), b, list(events)])
+                took += 1
+            while len(self._idle) > self.keep:
+                del self._idle[0]
+                self.dropped += 1
+        return took
+
+    def clear(self) -> None:
+        """Let every idle buffer go back to PyTorch's allocator (lent ones come back, and are kept, as usual)."""
+        with self._lock:
+            self.dropped += len(self._idle)
+            self._idle.clear()
+
+
 class Codec(abc.ABC):
     """Compresses tensors on a given stream into a ``Packed`` and back (NOTE [ Codec streams ]).
 
@@ -158,6 +271,9 @@ class Codec(abc.ABC):
     name: str = "codec"
     #: dtypes ``compress`` accepts (``None``: any); the store sends other tensors uncompressed.
     dtypes: tuple[torch.dtype, ...] | None = None
+    #: where ``compress_deferred`` takes its worst-case buffers from (``None``: allocated per call); a caller done
+    #: with a settled ``Deferred`` gives them back (NOTE [ Codec streams ] Rule 5).
+    scratch: Scratch | None = None
 
     def supports(self, dtype: torch.dtype) -> bool:
         """Whether ``compress`` accepts tensors of ``dtype``."""

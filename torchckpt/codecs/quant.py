@@ -46,7 +46,7 @@
 #    quantizer's counter adds into the low word of ``sizes[0]``, the copy writes ``sizes[1]``),
 #    and ``meta.params["raw_blocks"]`` is ``sizes[:1]``, a tensor: the mark of this form, which
 #    ``decompress`` decodes as it is (the raw rows put back by their markers, on the device).
-#    ``settle`` gives ``compress``'s Packed byte for byte: with no raw block, empty views and no
+#    ``settle`` gives ``compress``'s Packed byte for byte: with no raw block, empty buffers and no
 #    device work; otherwise the raw rows gathered in block order (a ``cumsum`` of the markers
 #    and two index copies on the device, none read back). Until then the raw buffer takes as
 #    much memory as the tensor. Blocks whose range needs more than ``L``
@@ -58,6 +58,15 @@
 #    identical (a raw block's intermediates may differ, e.g. the kernel does not filter
 #    non-finite values out of min/max; its stored bytes are fixed: codes 0, marker -1).
 #    Raw blocks and everything after the kernel are shared PyTorch code.
+# 7. ``compress_deferred``'s raw-row buffer has room for every block: no bound below that follows
+#    from the parameters, since any block may be raw (a NaN or an Inf, or a range wider than ``L``
+#    steps of ``2 * bound``: data, not settings). So it is not allocated per call but lent by the
+#    codec's ``scratch`` (NOTE [ Codec streams ] Rule 5; the snapshot store gives it back once
+#    settled, NOTE [ Snapshot sizes ] Rule 8), and a buffer lent again still holds an earlier
+#    tensor's rows where this one's blocks are not raw. No result reads them: ``decompress`` and
+#    ``settle`` read a row only where its block's marker says raw (the Triton kernels mask by it, the
+#    reference chooses by it, ``settle`` gathers the marked rows), and the reference writes every
+#    row. So the bytes and bits are those of a fresh buffer's.
 """
 from __future__ import annotations
 
@@ -73,7 +82,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import internal_error
-from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, on_stream
+from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, Scratch, on_stream
 
 _log = logging.getLogger("torchckpt")
 
@@ -251,6 +260,7 @@ class TritonQuant(Codec):
 
     name = "triton_quant"
     dtypes = _DTYPES  # Codec.supports: the store sends other dtypes uncompressed
+    scratch: Scratch  # compress_deferred's raw rows, lent (NOTE [ Block quantization ] Rule 7)
 
     def __init__(self, bits: int = 8, mode: str = "abs", bound: float = 1e-3, block: int = 256,
                  use_triton: bool | None = None, fmt: str = "int") -> None:
@@ -278,6 +288,7 @@ class TritonQuant(Codec):
         self.use_triton = use_triton
         self.fmt = fmt
         self._b32 = b32
+        self.scratch = Scratch()
 
     def __repr__(self) -> str:
         f = f", fmt={self.fmt!r}" if self.fmt != "int" else ""
@@ -390,17 +401,20 @@ class TritonQuant(Codec):
             if nb == 0:
                 none = torch.empty(0, dtype=torch.uint8, device=x.device)
                 return Deferred(Packed((none, none, none, none), self._meta(x, 0, 0, False)))
+            # room for every block: any block may be raw (NOTE [ Block quantization ] Rule 7), lent on this stream
+            rows = self.scratch.take(nb * B * flat.element_size(), x.device)
             if self._triton(x.device):
                 sizes = torch.zeros(2, dtype=torch.int64, device=x.device)
                 # the count in sizes[0]'s low word (little-endian; count < 2**31): no copy after the kernel
                 codes, params, _ = self._quantize(flat, n, nb, count=sizes.view(torch.int32)[:1])
-                raw_u8 = _raw_rows_triton(flat, params, B, sizes)
+                _raw_rows_triton(flat, params, B, sizes, out=rows)
             else:
                 codes, params = _quant_ref(flat, self.bits, B, self.mode == "rel", self._b32, self.fmt)
-                raw_u8, sizes = _raw_rows_dev(flat, params, B)
+                _, sizes = _raw_rows_dev(flat, params, B, out=rows)
         params_u8 = params.reshape(-1).view(torch.uint8)
-        # ids: none in this form (empty, a view); raw_u8: row i holds block i when its marker says raw
-        return Deferred(Packed((codes, params_u8, raw_u8[:0], raw_u8), self._meta(x, nb, sizes[:1], None)), sizes)
+        # ids: none in this form (empty, a view); rows (the lent buffer itself, which the scratch knows): row i holds
+        # block i when its marker says raw
+        return Deferred(Packed((codes, params_u8, rows[:0], rows), self._meta(x, nb, sizes[:1], None)), sizes)
 
     def settle(self, d: Deferred, values: Sequence[int]) -> Packed:
         """``compress``'s ``Packed`` from ``compress_deferred``'s and its sizes read back: views of its buffers, and
@@ -417,8 +431,8 @@ class TritonQuant(Codec):
         tail_raw = count > 0 and meta.shape.numel() % B != 0 and bool(last)
         if count:
             ids_u8, raw_u8 = _rank_raw_rows(params_u8.view(torch.float32).view(nb, -1), raw_u8, B, count)
-        else:
-            ids_u8 = raw_u8 = raw_u8[:0]
+        else:  # buffers of their own: none views the raw rows, which go back to the scratch (NOTE [ Codec streams ] Rule 5)
+            ids_u8 = raw_u8 = torch.empty(0, dtype=torch.uint8, device=raw_u8.device)
         return Packed((codes, params_u8, ids_u8, raw_u8),
                       dataclasses.replace(meta, params=types.MappingProxyType(
                           {**meta.params, "raw_blocks": count, "tail_raw": tail_raw})))
@@ -504,19 +518,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int32 if t.element_size() == 4 else torch.int16)
 
 
-def _raw_rows_dev(flat: torch.Tensor, params: torch.Tensor, B: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _raw_rows_dev(flat: torch.Tensor, params: torch.Tensor, B: int,
+                  out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``compress_deferred``'s raw rows in PyTorch (NOTE [ Block quantization ] Rule 5): ``(bytes, sizes)``; row ``i``
     of the bytes is block ``i`` (every block copied; a partial last block padded with its last element, as
-    ``_gather_raw`` pads it), ``sizes`` is ``[count, whether the last block is raw]`` (int64)."""
+    ``_gather_raw`` pads it), ``sizes`` is ``[count, whether the last block is raw]`` (int64). The bytes are written
+    into ``out`` (uint8, ``nb * B`` elements' bytes) when given, else into a new buffer."""
     n, nb = flat.numel(), params.shape[0]
     src = _bits(flat)
+    rows = src.new_empty(nb * B) if out is None else out.view(src.dtype)
+    rows[:n].copy_(src)
     if nb * B > n:
-        src = torch.cat([src, src[-1:].expand(nb * B - n)])
-    else:
-        src = src.clone()
+        rows[n:].copy_(src[-1:].expand(nb * B - n))
     raw = params[:, -1] < 0
     sizes = torch.stack([raw.sum(), raw[-1].long()])
-    return src.view(torch.uint8), sizes
+    return rows.view(torch.uint8), sizes
 
 
 def _rank_raw_rows(params: torch.Tensor, rows: torch.Tensor, B: int,
@@ -553,14 +569,15 @@ def _small_rows(B: int) -> int:
     return max(1, 2048 // B)  # blocks per program of the raw-block kernels: tiles of about 2048 elements
 
 
-def _raw_rows_triton(flat: torch.Tensor, params: torch.Tensor, B: int, sizes: torch.Tensor) -> torch.Tensor:
-    """``_raw_rows_dev``'s bytes by a Triton kernel that copies the raw blocks only (the other rows unwritten); it
-    writes ``sizes[1]``, the quantizer counted into ``sizes[0]``."""
+def _raw_rows_triton(flat: torch.Tensor, params: torch.Tensor, B: int, sizes: torch.Tensor,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """``_raw_rows_dev``'s bytes by a Triton kernel that copies the raw blocks only (the other rows unwritten: in
+    ``out`` when given, whatever they held); it writes ``sizes[1]``, the quantizer counted into ``sizes[0]``."""
     from torchckpt.codecs import _quant_triton as k
 
     n, nb = flat.numel(), params.shape[0]
     src = _bits(flat)
-    rows = src.new_empty(nb * B)
+    rows = src.new_empty(nb * B) if out is None else out.view(src.dtype)
     R = _small_rows(B)
     k.raw_rows_kernel[(triton_cdiv(nb, R),)](src, params, rows, sizes, n, nb, NPAR=params.shape[1], BLOCK=B, ROWS=R)
     return rows.view(torch.uint8)

@@ -65,6 +65,15 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    (docs/results/adjoint_codecs_h200/) deferred sizes were faster with Bitcomp (zCut 0.849 s against 0.905,
 #    Revolve 0.944 against 1.083) and slower with quant4a (zCut 2.065 s against 0.932, Revolve 1.305 against
 #    1.268), so the default stays off.
+# 8. A settled snapshot's deferred buffers go back to the codec's ``scratch`` (NOTE [ Codec streams ]
+#    Rule 5; TritonQuant lends its raw rows, NOTE [ Block quantization ] Rule 7), so that a save takes
+#    one freed at an earlier save instead of allocating and freeing its worst case every time. They
+#    are given back with the events after their last uses: one recorded where ``settle`` ran, right
+#    after it (the sizes stream, which waited for the save's event, for an off-GPU snapshot; the
+#    compute stream for a ``Tier.GPU`` one or a dropped one), and, for an off-GPU snapshot that a
+#    restore decoded while unsized, one recorded on the compute stream after that decode. The
+#    settled Packed views none of them; the store never decodes the deferred form again. ``close``
+#    clears the scratch's idle buffers; an unsized snapshot dropped by ``close`` gives nothing back.
 """
 from __future__ import annotations
 
@@ -111,6 +120,7 @@ class _Unsized:
     after: tuple[Any, Any, Any]
     slot: int | None  # its slot (None: a Tier.GPU snapshot)
     flush: bool
+    used: Any = None  # an off-GPU one's: the compute stream's event after a restore decoded it (NOTE [ Snapshot sizes ] Rule 8)
 
 
 class CodecSide:
@@ -212,6 +222,10 @@ class CodecSide:
                 k = 0 if d.sizes is None else d.sizes.numel()
                 packs.append(self.codec.settle(d, vals[i:i + k]))
                 i += k
+            done = self._mover.record()  # where the settle ran: its last reads of the deferred buffers are before
+        scratch = self.codec.scratch
+        if scratch is not None:  # NOTE [ Snapshot sizes ] Rule 8
+            scratch.give((b for d in rec.defs for b in d.packed.buffers), (done, rec.used))
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
         if n is not None:
             self._keep(n, packs, rec.slot, rec.after, rec.flush)
@@ -274,7 +288,9 @@ class CodecSide:
         if self.codec is not None:
             rec = self._unsized.get(n)
             if rec is not None:
-                return self._decompress([d.packed for d in rec.defs], outs)
+                got = self._decompress([d.packed for d in rec.defs], outs)
+                rec.used = self._mover.record()  # after the deferred buffers' last read here (NOTE [ Snapshot sizes ] Rule 8)
+                return got
             return self._decompress(self._blobs[n].read(flat), outs)
         assert self._layout is not None
         views = self._layout.views(flat)

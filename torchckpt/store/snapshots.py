@@ -498,6 +498,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self._packs.clear()
         self._unsized.clear()
         self._sizing.clear()
+        if self.codec is not None and self.codec.scratch is not None:
+            self.codec.scratch.clear()  # NOTE [ Snapshot sizes ] Rule 8
         self._mover.drain()
         self._save_views.clear()  # they hold the slots' memory
         self._slots.release()
