@@ -321,7 +321,8 @@ class _Profiled:
         return best
 
     def _timed(self, p: Plan) -> tuple[int, float] | None:
-        """``p`` measured now (NOTE [ Applying a plan ] Rule 4), and marked as measured for this budget (Rule 9)."""
+        """``p`` measured now (NOTE [ Applying a plan ] Rule 4), marked as measured for this budget
+        (NOTE [ Applying a plan ] Rule 9)."""
         got = self._step(p)
         self.fresh.add(_decisions(p))
         return got
