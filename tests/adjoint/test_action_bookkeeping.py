@@ -70,3 +70,50 @@ def test_nvtx_range_formats_its_name_only_when_pushed(monkeypatch: pytest.Monkey
     with pytest.raises(ValueError), streams.nvtx_range("torchckpt.d2h"):
         raise ValueError
     assert pushed == ["torchckpt.save 3", "body", "pop", "torchckpt.d2h", "pop"]
+
+
+def test_returned_views_are_fresh_and_read_the_slot() -> None:
+    """A restore that returns views returns new view objects of the kept ones (NOTE [ Slot views ] Rule 2): what the
+    caller does to them stays off the views the store writes through."""
+    s = _store()
+    s.save(0, Tier.HOST, [torch.arange(4.0), torch.ones(2)])
+    a = s.restore(0, Tier.HOST)
+    s.after_use()
+    b = s.restore(0, Tier.HOST)
+    s.after_use()
+    assert a[0] is not b[0] and a[0].data_ptr() == b[0].data_ptr() and torch.equal(a[0], b[0])
+    assert a[0].shape == (4,) and a[0].dtype == torch.float32 and a[0].is_contiguous()
+    a[0].requires_grad_()  # the caller's view only
+    s.save(1, Tier.HOST, [torch.arange(4.0) + 7, torch.zeros(2)])  # into the same slot, through the kept views
+    got = s.restore(1, Tier.HOST)
+    assert torch.equal(got[0].detach(), torch.arange(4.0) + 7) and not got[0].requires_grad
+    s.after_use()
+    out = [torch.empty(4), torch.empty(2)]
+    assert s.restore(1, Tier.HOST, out=out) is not None and torch.equal(out[1], torch.zeros(2))
+    s.close()
+
+
+def test_one_tensor_state_checks_what_the_step_returns() -> None:
+    """A loop over one tensor skips the pytree walk (adjoint/step.py) but raises what the walk's checks raise."""
+    from torchckpt import CheckpointError
+    from torchckpt.adjoint import checkpointed_loop, checkpointed_scan
+    from torchckpt.schedules import Revolve as R
+
+    def loop(step: object) -> torch.Tensor:
+        x = torch.ones(3, requires_grad=True)
+        return checkpointed_loop(step, x, 4, schedule=R(4, 2), store=_store(2))  # type: ignore[arg-type]
+
+    with pytest.raises(CheckpointError, match="^torchckpt: step must return a state of the same structure"):
+        loop(lambda s: (s * 2,))
+    with pytest.raises(CheckpointError, match="^torchckpt: step must return a state of the same shapes"):
+        loop(lambda s: torch.cat([s, s]))
+    w = torch.nn.Parameter(torch.ones(3))
+    assert torch.equal(loop(lambda s: s * w), torch.ones(3))  # a Tensor subclass out of the step: the walk
+    x = torch.tensor([1.0, 2.0], requires_grad=True)
+    y = checkpointed_loop(lambda s: s * 1.5, x, 5, schedule=R(5, 2), store=_store(2))
+    y.sum().backward()
+    assert torch.allclose(x.grad, torch.full((2,), 1.5 ** 5))  # type: ignore[arg-type]
+    c, ys = checkpointed_scan(lambda s, _: (s + 1, s * 2), torch.zeros(2), None, length=3, store=_store(2))
+    assert torch.equal(c, torch.full((2,), 3.0)) and torch.equal(ys, torch.tensor([[0.0, 0.0], [2.0, 2.0], [4.0, 4.0]]))
+    with pytest.raises(CheckpointError, match="^torchckpt: the carry must keep its structure"):
+        checkpointed_scan(lambda s, _: ([s], None), torch.zeros(2), None, length=3, store=_store(2))

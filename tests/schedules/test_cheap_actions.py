@@ -175,3 +175,15 @@ def test_run_raises_on_what_is_not_an_action_and_on_a_missing_method() -> None:
 
     with pytest.raises(AttributeError, match="save"):
         run(enumerate([Advance(0, 1), Save(1)]), NoSave())
+
+
+@pytest.mark.parametrize("schedule", [Revolve(20, 4), ZCut(30), Uniform(33, 4)], ids=repr)
+def test_planned_stream_of_a_gpu_only_schedule_is_its_actions(schedule: object) -> None:
+    """NOTE [ Planned stream ] Rule 3: with every slot class on the GPU nothing is planned; the stream is what
+    ``PrefetchStream`` would give (the schedule's actions) and no Save flushes."""
+    for prefetch in (True, False):
+        p = Planned(schedule.pack(), prefetch)  # type: ignore[attr-defined]
+        planned_slots[id(p)] = 2
+        got = _executed(p)
+        assert got == _expected(schedule.pack(), 2) == list(enumerate(schedule.pack()))  # type: ignore[attr-defined]
+        assert not any(p.flush(i) for i, _ in got) and not p._flushes and not p._pf

@@ -69,8 +69,11 @@ def check_structure(took: Any, returned: Any) -> None:
 
 def flat_state(spec: Any, x: list[torch.Tensor], y: Any) -> list[torch.Tensor]:
     """The step's output ``y`` flattened, checked against its input ``x`` (structure, shapes, dtypes)."""
-    flat, out_spec = tree_flatten(y)
-    check_structure(spec, out_spec)
+    if type(y) is torch.Tensor and spec.is_leaf():  # a tensor is a leaf: tree_flatten's answer, without its walk
+        flat = [y]
+    else:
+        flat, out_spec = tree_flatten(y)
+        check_structure(spec, out_spec)
     for a, b in zip(x, flat):
         if not isinstance(b, torch.Tensor) or a.shape != b.shape or a.dtype != b.dtype:
             raise CheckpointError(

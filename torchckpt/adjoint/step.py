@@ -59,8 +59,12 @@ class Tree:
         self.rest = [(i, v) for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
         self.like = [leaves[i] for i in self.pos]
         self.n = len(leaves)
+        # the tree is one tensor: building and flattening it need no pytree walk (a step's host time)
+        self.one = self.spec.is_leaf() and self.pos == [0]
 
     def build(self, tensors: list[torch.Tensor]) -> Any:
+        if self.one:
+            return tensors[0]
         leaves: list[Any] = [None] * self.n
         for i, t in zip(self.pos, tensors):
             leaves[i] = t
@@ -70,7 +74,10 @@ class Tree:
 
     def tensors(self, tree: Any, like: Sequence[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """The tensor leaves of ``tree``, checked against the structure (and shapes, dtypes) this was made from."""
-        leaves, spec = tree_flatten(tree)
+        if self.one and type(tree) is torch.Tensor:
+            leaves, spec = [tree], self.spec  # what tree_flatten gives a tensor
+        else:
+            leaves, spec = tree_flatten(tree)
         if spec != self.spec:
             raise CheckpointError(f"torchckpt: the {self.where} must keep its structure from step to step; took "
                                   f"{self.spec}, returned {spec}.")

@@ -102,13 +102,19 @@ class Cache(Generic[K]):
 
         Returns the evicted keys (none when ``key`` was resident). The caller checked ``can_take``.
         """
-        if key in self._rank:
-            self._rank.move_to_end(key)
+        rank = self._rank
+        if key in rank:
+            rank.move_to_end(key)
             return []
-        out = self.victims(size)
-        for v in out:
-            self.remove(v)
-        self.insert(key, size)
+        out: list[K] = []
+        if self.used + size > self.capacity:  # else ``victims(size)`` is empty: no call to find it
+            out = self.victims(size)
+            for v in out:
+                self.remove(v)
+        rank[key] = size  # ``insert``, inline
+        self.used += size
+        if self.used > self.peak:
+            self.peak = self.used
         return out
 
     def pin(self, key: K) -> None:

@@ -20,6 +20,10 @@
 #    actions at the same positions as a second ``PrefetchStream``, without planning (and checking,
 #    ``_CacheFollower``) them twice. Memory beyond the schedule's packed ints is those records, the
 #    snapshots alive and the cache's slots.
+# 3. A packed schedule whose slot classes are all ``Tier.GPU`` has no action the cache sees (NOTE [ Snapshot
+#    cache ] Rule 1): planning would insert no prefetch and flush no Save, so ``start`` skips its pass over the
+#    schedule (it read every action three times: the scout, the stream and the write-back) and the stream is
+#    the schedule's actions as they are.
 """
 from __future__ import annotations
 
@@ -55,6 +59,8 @@ class Planned:
         self._acts = actions
         self._prefetch = prefetch
         self._i0 = next((i for i, a in enumerate(actions) if type(a) is Save), -1)
+        # NOTE [ Planned stream ] Rule 3: nothing to plan where no slot class is off the GPU
+        self._plans = not (isinstance(actions, PackedSchedule) and all(t is Tier.GPU for t in actions.tiers))
         self._slots: int | None = None
         self._flushes = bytearray()
         self._pf = bytearray()  # NOTE [ Planned stream ] Rule 2: the prefetches, ``_varint``s
@@ -81,6 +87,8 @@ class Planned:
         if self._slots is not None or self._i0 < 0:
             return
         self._slots = slots
+        if not self._plans:  # NOTE [ Planned stream ] Rule 3
+            return
         bits = self._flushes
         rest = self._rest() if not self._prefetch else self._recorded(self._rest())
         for f in flush_positions(rest, slots):
@@ -131,7 +139,8 @@ class Planned:
         if self._slots is None:
             raise CheckpointError("torchckpt: the first Save was not executed before the actions after it "
                                   "(internal: the driver's save must call Planned.start)")
-        if not self._prefetch:  # ``it`` goes on after the first Save
+        # ``it`` goes on after the first Save, as it is where nothing was planned (NOTE [ Planned stream ] Rule 3)
+        if not self._prefetch or not self._plans:
             yield from enumerate(it, self._i0 + 1)
             return
         # NOTE [ Planned stream ] Rule 2: the recorded prefetches merged back in (none precedes the first Save:

@@ -281,10 +281,12 @@ class CodecSide:
             return [self.codec.decompress(p) for p in packs]
         return [self.codec.decompress(p, out=o) for p, o in zip(packs, outs)]
 
-    def _views(self, n: int, flat: torch.Tensor, outs: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+    def _views(self, n: int, flat: torch.Tensor, outs: list[torch.Tensor] | None = None,
+               s: int | None = None) -> list[torch.Tensor]:
         """Snapshot ``n``'s tensors from a slot (or a loaded buffer): views, or decompressed
         (NOTE [ Snapshot store ] Rule 8), from its deferred buffers while it is unsized (NOTE [ Snapshot sizes ]
-        Rule 1); written into ``outs`` when given (NOTE [ Snapshot store ] Rule 11)."""
+        Rule 1); written into ``outs`` when given (NOTE [ Snapshot store ] Rule 11). ``s``: ``flat`` is that slot's
+        buffer (NOTE [ Slot views ])."""
         if self.codec is not None:
             rec = self._unsized.get(n)
             if rec is not None:
@@ -292,9 +294,12 @@ class CodecSide:
                 rec.used = self._mover.record()  # after the deferred buffers' last read here (NOTE [ Snapshot sizes ] Rule 8)
                 return got
             return self._decompress(self._blobs[n].read(flat), outs)
-        assert self._layout is not None
-        views = self._layout.views(flat)
-        return views if outs is None else self._copy_into(views, outs)
+        if s is None:
+            assert self._layout is not None
+            views = self._layout.views(flat)
+            return views if outs is None else self._copy_into(views, outs)
+        kept = self._kept_views(s, flat)  # NOTE [ Slot views ] Rules 1-2
+        return [v.view_as(v) for v in kept] if outs is None else self._copy_into(kept, outs)
 
     @staticmethod
     def _copy_into(src: Sequence[torch.Tensor], outs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -309,13 +314,17 @@ class CodecSide:
             blob.write(flat, packs)
             return
         assert self._layout is not None
-        kept = self._save_views.get(s) if s is not None else None
-        if kept is None or kept[0] is not flat:
-            kept = (flat, self._layout.views(flat))
-            if s is not None:
-                self._save_views[s] = kept
-        for dst, src in zip(kept[1], tensors):
+        for dst, src in zip(self._kept_views(s, flat) if s is not None else self._layout.views(flat), tensors):
             dst.copy_(src)
+
+    def _kept_views(self, s: int, flat: torch.Tensor) -> list[torch.Tensor]:
+        """The views of the snapshot's tensors in slot ``s``'s buffer ``flat``, made once per buffer
+        (NOTE [ Slot views ])."""
+        kept = self._save_views.get(s)
+        if kept is None or kept[0] is not flat:
+            assert self._layout is not None
+            kept = self._save_views[s] = (flat, self._layout.views(flat))
+        return kept[1]
 
     def _ensure_room(self, s: int, nbytes: int) -> bool:
         """Grow slot ``s`` to ``nbytes`` when a blob does not fit (NOTE [ Snapshot store ] Rule 9); whether it grew."""

@@ -394,7 +394,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
                         self._timings.append(("late", need, self._fill_ev[s]))
                 elif self._fill_ev[s] is not None:
                     self._wait(self._fill_ev[s])
-                views = self._views(n, self._slots[s], outs)
+                views = self._views(n, self._slots[s], outs, s)
                 self._use_ev[s] = None  # the caller's copy comes after: see _after_use
                 self._pending_use = s
                 return views
@@ -417,7 +417,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
                     c["miss_wait_s"] += time.perf_counter() - t0
                 self._pending_use = s
                 self._release_host(n)
-                return self._views(n, self._slots[s], outs)
+                return self._views(n, self._slots[s], outs, s)
             block, ev = self._on_host[n]
             if ev is not None:
                 self._wait(ev)
@@ -643,23 +643,26 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
 
     def _fill(self, s: int, n: int) -> Any:
         block, flushed = self._on_host[n]
-        grown = block.tensor.numel() > self._slots[s].numel()
-        self._ensure_room(s, block.tensor.numel())
+        k = block.tensor.numel()
+        grown = self._ensure_room(s, k)
         slot = self._slots[s]
-        self._c["bytes_to_device"] += block.tensor.numel()
+        self._c["bytes_to_device"] += k
         # NOTE [ Snapshot store ] Rule 3; with no record of the slot's last use, or a new buffer: after everything so far.
-        ev = self._mover.fill(slot[: block.tensor.numel()], block.tensor, (flushed, self._flush_ev[s], self._use_ev[s]),
-                              after_all=self._use_ev[s] is None or grown)
+        ev = self._mover.fill(slot if slot.numel() == k else slot[:k], block.tensor,
+                              (flushed, self._flush_ev[s], self._use_ev[s]), after_all=self._use_ev[s] is None or grown)
         self._fill_ev[s] = ev
         self._fill_of[s] = n
         return ev
 
     def _to_host(self, dst: torch.Tensor, src: torch.Tensor, after: Any = None, written: Any = None) -> Any:
         """``src``'s first bytes to host ``dst``: after ``after`` only, or after the compute stream and ``written``."""
-        self._c["bytes_to_host"] += dst.numel()
+        k = dst.numel()
+        self._c["bytes_to_host"] += k
+        if src.numel() != k:  # a slice costs host time (NOTE [ Slot views ]): only where it cuts
+            src = src[:k]
         if after is None:
-            return self._mover.to_host(dst, src[: dst.numel()], written)
-        return self._mover.to_host(dst, src[: dst.numel()], after, after_compute=False)
+            return self._mover.to_host(dst, src, written)
+        return self._mover.to_host(dst, src, after, after_compute=False)
 
     def _record(self) -> Any:
         return self._mover.record()
