@@ -369,13 +369,27 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
                      verified_step_err_pct=(r["pred_step_s"] / r["verified_step_s"] - 1) * 100
                      if r.get("verified_step_s") else None,
                      verified_peak_err_pct=(r["pred_peak_GiB"] / r["verified_peak_GiB"] - 1) * 100
-                     if r.get("verified_peak_GiB") else None)
+                     if r.get("verified_peak_GiB") else None,
+                     ratio_err_pct=ratio_err(r, eager))
         rec_peak = fit_peak(rec) if rec else None
         s["recompute_peak_GiB"] = rec_peak
         s["floor_le_recompute"] = (r["floor_GiB"] <= rec_peak * (1 + _PEAK_REPEAT)) if rec_peak is not None and r.get(
             "floor_GiB") else None
         out.append(s)
     return out
+
+
+def ratio_err(plan_row: dict[str, Any], eager: list[dict[str, Any]]) -> float | None:
+    """The model's plan / eager ratio against the one measured in their paired turns, in % (predicted / measured - 1):
+    the step prediction's error with the host's drift between the planner's measurements and the zoo's taken out
+    (both sides of each ratio come from one time); ``None`` without paired turns or the eager method's prediction."""
+    paired = plan_row.get("paired")
+    if not paired or not paired.get("ratio"):
+        return None
+    e = next((r for r in eager if r["name"] == paired["eager"]), None)
+    if e is None or not e.get("pred_step_s"):
+        return None
+    return (plan_row["pred_step_s"] / e["pred_step_s"] / paired["ratio"] - 1) * 100
 
 
 def write_summary(out: str) -> list[dict[str, Any]]:
@@ -396,13 +410,14 @@ def write_summary(out: str) -> list[dict[str, Any]]:
     table = [[s["model"], fmt(s["budget_GiB"], ".3g"), fmt(s.get("plan_step_s") and s["plan_step_s"] * 1e3),
               fmt(s.get("plan_peak_GiB"), ".2f"), s["best_eager"] or "-",
               fmt(s["best_eager_step_s"] and s["best_eager_step_s"] * 1e3), fmt(s.get("ratio"), ".3f"),
-              fmt(s.get("step_err_pct"), "+.1f"), fmt(s.get("peak_err_pct"), "+.1f"),
+              fmt(s.get("step_err_pct"), "+.1f"), fmt(s.get("ratio_err_pct"), "+.1f"), fmt(s.get("peak_err_pct"), "+.1f"),
               {True: "yes", False: "NO", None: "-"}[s.get("within_budget")],
               {True: "yes", False: "NO", None: "-"}[s["floor_le_recompute"]], (s["error"] or "")[:40]]
              for s in summary]
-    print("\nsummary (ratio: plan / fastest eager method within the budget; errors: predicted / measured - 1)")
+    print("\nsummary (ratio: plan / fastest eager method within the budget; errors: predicted / measured - 1; ratio err:"
+          " of the plan / eager ratio, the model's against the paired turns')")
     print_table(["model", "budget GiB", "plan ms", "peak GiB", "best eager", "eager ms", "ratio", "step err %",
-                 "peak err %", "fits", "floor<=rec", "error"], table)
+                 "ratio err %", "peak err %", "fits", "floor<=rec", "error"], table)
     for n, v in models.items():
         print(f"{n}: {fmt(v['total_s'])} s in all, planner {fmt(v['plan_s'])} s (profile included)"
               + (f", error {v['error']}" if v["error"] else ""))

@@ -186,3 +186,27 @@ def test_plan_stability_tiny_measures_every_process_plan_in_turns(tmp_path: path
         assert b["turn_spread"] == max(b["turn_medians_s"]) / min(b["turn_medians_s"]) - 1
         assert isinstance(b["same_decisions"], bool)
     assert "measured in turns in one process" in res.stdout
+
+
+def test_ratio_error_compares_the_models_ratio_with_the_paired_turns() -> None:
+    """``ratio_err_pct``: the plan's predicted step over its paired eager method's predicted step, against the ratio
+    their turns measured (the host's drift between planning and the zoo's rows falls on both sides); ``None``
+    without turns or without the eager method's prediction."""
+    sys.path.insert(0, BENCH)
+    try:
+        import zoo
+    finally:
+        sys.path.remove(BENCH)
+    rows = [
+        {"name": "none", "method": "none", "step_s": 1.0, "peak_GiB": 10.0, "pred_step_s": 1.0},
+        {"name": "library", "method": "library", "step_s": 1.3, "peak_GiB": 3.0, "pred_step_s": 1.5},
+        {"name": "plan_4", "method": "plan", "budget_GiB": 4.0, "floor_GiB": 2.0, "step_s": 1.25, "peak_GiB": 3.9,
+         "pred_step_s": 1.2, "pred_peak_GiB": 3.8, "paired": {"eager": "library", "ratio": 0.9}},
+        {"name": "plan_5", "method": "plan", "budget_GiB": 5.0, "floor_GiB": 2.0, "step_s": 1.25, "peak_GiB": 3.9,
+         "pred_step_s": 1.2, "pred_peak_GiB": 3.8},
+    ]
+    s4, s5 = zoo.summarize({"model": "m", "device": "gpu", "rows": rows})
+    assert s4["ratio"] == 0.9 and s4["ratio_err_pct"] == pytest.approx((1.2 / 1.5 / 0.9 - 1) * 100)
+    assert s5["ratio_err_pct"] is None
+    del rows[1]["pred_step_s"]
+    assert zoo.summarize({"model": "m", "device": "gpu", "rows": rows})[0]["ratio_err_pct"] is None
