@@ -4,14 +4,14 @@ NOTE [ Planned stream ] Rules 1-3: ``Planned`` scouts the schedule, records the 
 first Save and merges them back into the stream. The reference here is the plain pair: ``PrefetchStream`` (its
 own ``_CacheFollower``) for the actions and ``flush_positions`` (its own ``_WriteBack`` replay of that stream) for
 the flush bits. (A version of ``Planned`` that plans both in one cache replay, on branch
-wip/merged-cache-replay, passes the same comparisons.)
+wip/merged-cache-replay, passed the same comparisons before the fix of NOTE [ Prefetch setup ] Rule 3.)
 """
 from __future__ import annotations
 
 import pytest
 
 from torchckpt.schedules import (
-    Adjoint, Advance, End, EndForward, Free, Multistage, Restore, Revolve, Save, Tier, Uniform, ZCut, simulate,
+    Adjoint, Advance, End, EndForward, Free, Multistage, Restore, Revolve, Save, Tier, Uniform, ZCut, simulate, simulate_cache,
 )
 from torchckpt._errors import CheckpointError
 from torchckpt.schedules.packed import PackedBuilder
@@ -72,7 +72,7 @@ def test_planned_stream_and_flushes_match_the_separate_planners(schedule: object
 
 
 @pytest.mark.parametrize("prefetch", [True, False])
-@pytest.mark.parametrize("slots", [2, 3])  # 1 slot: the known bug below
+@pytest.mark.parametrize("slots", [1, 2, 3])
 def test_mixed_tiers_and_no_save(slots: int, prefetch: bool) -> None:
     acts = _mixed()
     assert _read(Planned(acts, prefetch), slots) == _reference(acts, slots, prefetch)
@@ -105,12 +105,13 @@ def test_a_restore_never_saved_raises_as_before() -> None:
     assert messages[0] == messages[1] and "Restore(2, Tier.HOST)" in messages[0]
 
 
-@pytest.mark.xfail(strict=True, raises=CheckpointError,
-                   reason="known bug: with one slot PrefetchStream pins the DISK snapshot 6, restored twice with Save(7) "
-                          "between, ahead for its second restore while it is pinned for the first (the limit on "
-                          "pins is skipped for a pinned key), so Save(7) finds no slot: an internal error on a valid "
-                          "schedule")
 def test_one_slot_and_a_snapshot_restored_twice_around_another_save() -> None:
+    """NOTE [ Prefetch setup ] Rule 3: with one slot, the DISK snapshot 6 restored twice with Save(7) between is not
+    pinned again ahead of its second restore while pinned for the first (that left Save(7) no slot: an internal
+    error on a valid schedule); every restore still hits, and Planned gives the same stream."""
     acts = _mixed()
     assert simulate(acts).adjoint_steps == 9  # a valid schedule: simulate checks every action
-    list(PrefetchStream(acts, 1))
+    planned = list(PrefetchStream(acts, 1))
+    assert simulate_cache(planned, 1).misses == 0
+    for prefetch in (True, False):
+        assert _read(Planned(acts, prefetch), 1) == _reference(acts, 1, prefetch)

@@ -36,7 +36,12 @@ overlap the copy with computation.
 #    content is not needed again before the restore.
 # 3. Ahead of its restore a handling may leave at most ``cache_slots - 1`` slots pinned, so
 #    a Save always finds a slot. Right before its restore it may take the last one; by
-#    then nothing else is pinned (Rule 1), so that always succeeds.
+#    then nothing else is pinned (Rule 1), so that always succeeds. A snapshot pinned
+#    again for a later restore while pinned for an earlier one takes no new slot, but
+#    keeps its slot pinned past the earlier restore, so it counts as one pinned slot
+#    against the same limit (with one slot and another Save between two restores of one
+#    snapshot, pinning it again ahead left the Save no slot: an internal error on a
+#    valid schedule, tests/schedules/test_planned_equivalence.py).
 # 4. Hence every restore hits, for any ``cache_slots >= 1``. With 1 slot every prefetch is
 #    issued just before its restore (no overlap); ``cache_slots >= 2`` is the useful
 #    minimum, and more slots let prefetches start earlier (see ``CacheStats.mean_lead``).
@@ -223,8 +228,8 @@ class PrefetchStream:
                 if saved_at >= i:
                     break
                 limit = cache_slots if pos == i else ahead
-                if n in cache:
-                    if not cache.is_pinned(n) and cache.pinned + 1 > limit:
+                if n in cache:  # a pinned n: its slot, already counted, stays pinned past its earlier restore (Rule 3)
+                    if cache.pinned + (not cache.is_pinned(n)) > limit:
                         break
                     yield Prefetch(n, Tier.GPU, Tier.GPU)
                     self.pins += 1
