@@ -228,7 +228,8 @@ class PrefetchStream:
                 if saved_at >= i:
                     break
                 limit = cache_slots if pos == i else ahead
-                if n in cache:  # a pinned n: its slot, already counted, stays pinned past its earlier restore (Rule 3)
+                # a pinned n: its slot, counted already, stays pinned past its earlier restore
+                if n in cache:  # NOTE [ Prefetch setup ] Rule 3
                     if cache.pinned + (not cache.is_pinned(n)) > limit:
                         break
                     yield Prefetch(n, Tier.GPU, Tier.GPU)
