@@ -320,6 +320,11 @@ class _Profiled:
         self.verified.append(best)
         return best
 
+    def _candidate(self, decisions: tuple[Decision, ...], pred: Prediction, budget: int) -> Plan:
+        """The plan of the search's ``decisions`` (predicted ``pred``) for ``budget``, named if it is a simple policy."""
+        return dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
+                                         self.link, self.codec), simple=self.found.simple_name(decisions))
+
     def _timed(self, p: Plan) -> tuple[int, float] | None:
         """``p`` measured now (NOTE [ Applying a plan ] Rule 4), marked as measured for this budget
         (NOTE [ Applying a plan ] Rule 9)."""
@@ -341,8 +346,7 @@ class _Profiled:
             return best
         d = rivals[0][2]
         name = self.found.simple_name(d)
-        rival = dataclasses.replace(_make(self.prof, d, predict(self.found.chain, d), self.found.floor,
-                                          self.found.plans[0][1], budget, self.link, self.codec), simple=name)
+        rival = self._candidate(d, predict(self.found.chain, d), budget)
         runs: tuple[list[tuple[int, float]], list[tuple[int, float]]] = ([], [])
         for _ in range(_TURNS):
             for p, got in zip((best, rival), runs):
@@ -407,8 +411,7 @@ class _Profiled:
         if found is None or found[0] == best.simple:
             return dataclasses.replace(best, measurements=(mine,))
         name, decisions, pred = found
-        p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
-                                      self.link, self.codec), simple=name)
+        p = self._candidate(decisions, pred, budget)
         got = tried[decisions] if decisions in tried else self.step(p, decisions)  # at most one more verification
         if got is None:
             return dataclasses.replace(best, measurements=(mine,))
@@ -439,8 +442,8 @@ class _Profiled:
             return None
         name, decisions, pred = found
         peak, seconds = self.memo[decisions]
-        p = _make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget, self.link, self.codec)
-        return dataclasses.replace(p, simple=name, measured_peak_bytes=peak, measured_step_time=seconds)
+        return dataclasses.replace(self._candidate(decisions, pred, budget), measured_peak_bytes=peak,
+                                   measured_step_time=seconds)
 
     def _verified(self, budget: int, family: str) -> tuple[Plan, dict[tuple[Decision, ...], tuple[int, float] | None]]:
         """The fastest plan of ``family`` whose measured peak is within ``budget`` (NOTE [ Applying a plan ] Rule 4),
@@ -450,8 +453,7 @@ class _Profiled:
         tried: dict[tuple[Decision, ...], tuple[int, float] | None] = {}
         for _ in range(_REPLANS + 1):
             decisions, pred = self.found.best(target, family)
-            p = dataclasses.replace(_make(self.prof, decisions, pred, self.found.floor, self.found.plans[0][1], budget,
-                                          self.link, self.codec), simple=self.found.simple_name(decisions))
+            p = self._candidate(decisions, pred, budget)
             got = tried[decisions] = self.step(p, decisions)
             if got is None:
                 return p, tried

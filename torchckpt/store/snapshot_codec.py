@@ -213,7 +213,7 @@ class CodecSide:
                 rec.sized.synchronize()  # an event of an earlier save (NOTE [ Snapshot sizes ] Rule 3)
         vals: list[int] = rec.row.tolist()
         self._rows.append(rec.row)
-        packs, i = [], 0
+        packs, i, scratch = [], 0, self.codec.scratch
         # an off-GPU snapshot's settle runs where its place will (NOTE [ Mover ] Rule 6), a Tier.GPU one's here
         where = self._mover.on_sizes(rec.after[0], (b for d in rec.defs for b in d.packed.buffers)) \
             if n is not None and rec.slot is not None else contextlib.nullcontext()
@@ -222,8 +222,8 @@ class CodecSide:
                 k = 0 if d.sizes is None else d.sizes.numel()
                 packs.append(self.codec.settle(d, vals[i:i + k]))
                 i += k
-            done = self._mover.record()  # where the settle ran: its last reads of the deferred buffers are before
-        scratch = self.codec.scratch
+            # where the settle ran: its last reads of the deferred buffers are before (NOTE [ Snapshot sizes ] Rule 8)
+            done = self._mover.record() if scratch is not None else None
         if scratch is not None:  # NOTE [ Snapshot sizes ] Rule 8
             scratch.give((b for d in rec.defs for b in d.packed.buffers), (done, rec.used))
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
@@ -291,7 +291,8 @@ class CodecSide:
             rec = self._unsized.get(n)
             if rec is not None:
                 got = self._decompress([d.packed for d in rec.defs], outs)
-                rec.used = self._mover.record()  # after the deferred buffers' last read here (NOTE [ Snapshot sizes ] Rule 8)
+                if self.codec.scratch is not None:  # after the buffers' last read here (NOTE [ Snapshot sizes ] Rule 8)
+                    rec.used = self._mover.record()
                 return got
             return self._decompress(self._blobs[n].read(flat), outs)
         if s is None:
