@@ -79,10 +79,24 @@ def ablate(name: str, turns: int, trace: int) -> None:
             return remove
         return setup
 
+    def ours_on(which: Any) -> Any:
+        def setup() -> Any:
+            chosen = [blk for i, blk in enumerate(b.blocks) if which(i)]
+            for blk in chosen:
+                torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+            return lambda: [blk.__dict__.pop("forward", None) for blk in chosen]
+        return setup
+
+    half = len(b.blocks) * 5 // 8
     methods: dict[str, Any] = {
         "none": lambda: None,
+        "library": b.library,
         "torch.utils.checkpoint": lambda: wrap_blocks(b.blocks, lambda i, f: torch_checkpoint(f)),
+        "torch.utils.checkpoint, every other": lambda: wrap_blocks(
+            b.blocks, lambda i, f: torch_checkpoint(f) if i % 2 == 0 else None),
         "Recompute()": ours(),
+        "Recompute(), every other": ours_on(lambda i: i % 2 == 0),
+        f"Recompute(), first {half} then every other": ours_on(lambda i: i < half or (i - half) % 2 == 1),
         "Recompute(), no guard": ours(guard=True),
         "Recompute(), no call state": ours(state=True),
         "Recompute(), neither": ours(guard=True, state=True),
@@ -107,17 +121,26 @@ def ablate(name: str, turns: int, trace: int) -> None:
     if trace:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-        for k in ("Recompute()", "torch.utils.checkpoint"):
+        for k in ("none", "Recompute()", "torch.utils.checkpoint", "library", "Recompute(), every other"):
             undo = methods[k]()
             try:
                 step()
+                if cuda:
+                    torch.cuda.synchronize()
+                t0 = time.perf_counter()
                 with profile(activities=acts) as prof:
                     step()
                     if cuda:
                         torch.cuda.synchronize()
+                wall = time.perf_counter() - t0
             finally:
-                undo()
-            print(f"-- {k}: host time per op, one step")
+                if callable(undo):
+                    undo()
+            ka = prof.key_averages()
+            busy = sum(e.self_device_time_total for e in ka) / 1e6 if cuda else 0.0
+            syncs = {e.key: e.count for e in ka if "ynchronize" in e.key or "Memcpy" in e.key or "EventQuery" in e.key}
+            print(f"-- {k}: profiled step {wall * 1e3:.1f} ms wall, device busy {busy * 1e3:.1f} ms; "
+                  f"synchronising/copy calls {syncs}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=trace))
 
 

@@ -28,7 +28,7 @@ from torchckpt.planner.measure import measure_codec, measure_link
 from torchckpt.planner.optimize import FAMILIES, PlanError, search, simple_policies, size
 from torchckpt.planner.plan import BlockPlan, Measurement, Plan
 from torchckpt.planner.profiling import Profile, StepRaised, _loss_of, profile, profile_blocks
-from torchckpt.planner.ranks import agree, agreed, failing_together, ready, stepping
+from torchckpt.planner.ranks import agree, agreed, failing_together, ready, stepping, together
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
@@ -37,6 +37,7 @@ __all__ = ["plan", "plans"]
 
 _REPLANS = 3  # NOTE [ Applying a plan ] Rule 4: plans made again after a measured step over the budget
 _VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one that builds the store's prefetch plan
+_SPREAD, _VERIFY_MOST = 0.10, 9  # NOTE [ Applying a plan ] Rule 4: more steps, up to this many, while they spread over 10%
 _CLOSE, _TIE = 0.03, 0.01  # NOTE [ Applying a plan ] Rule 8: measured steps this close are measured again; then a tie
 _RIVAL, _TURNS = 0.30, 3  # NOTE [ Applying a plan ] Rule 9: a rival measured at another time this close runs in turns
 _SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # NOTE [ Applying a plan ] Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
@@ -205,6 +206,7 @@ class _Profiled:
         measuring = verify and torch.device(prof.device).type == "cuda"
 
         reps = [_VERIFY_STEPS]  # NOTE [ Mechanism costs ] Rule 10: 1 for the floor's plan, measured for its peak
+        alone = not together(model)  # NOTE [ Applying a plan ] Rule 4: ranks planning together run as many steps
 
         @agreed(model, call)  # NOTE [ One plan for all ranks ] Rules 4 and 6
         def step(p: Plan) -> tuple[int, float] | None:
@@ -217,8 +219,8 @@ class _Profiled:
                 out = model(*args, **kwargs)
                 loss_of(out).backward()
                 del out
-                peaks, times = [], []
-                for _ in range(reps[0]):
+
+                def one() -> tuple[int, float]:
                     model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
                     torch.cuda.synchronize()
                     torch.cuda.reset_peak_memory_stats()
@@ -228,9 +230,9 @@ class _Profiled:
                     loss_of(out).backward()
                     del out
                     torch.cuda.synchronize()
-                    times.append(time.perf_counter() - t0)
-                    peaks.append(int(torch.cuda.max_memory_allocated() - start))
-                return max(peaks), sorted(times)[len(times) // 2]
+                    return int(torch.cuda.max_memory_allocated() - start), time.perf_counter() - t0
+
+                return measured_steps(one, reps[0], alone)
             finally:
                 a.remove()
 
@@ -484,6 +486,31 @@ _NO_FIT = ("when the ranks plan together this step must fit on every rank: a ran
            "state is allocated), or plan the model before it is wrapped in DDP or fully_shard, on one process with the "
            "per-rank batch (alone, a step that does not fit is profiled block by block), save the plan "
            "(plan.save('plan.json')) and apply it on every rank (Plan.load('plan.json').apply(model))")
+
+
+def measured_steps(one: Callable[[], tuple[int, float]], reps: int, alone: bool = True) -> tuple[int, float]:
+    """NOTE [ Applying a plan ] Rule 4: ``one()`` (a measured step: its peak bytes and seconds) ``reps`` times, then again
+    while ``more_steps`` says so (``alone``: not for ranks planning together); the largest peak and the median time."""
+    peaks: list[int] = []
+    times: list[float] = []
+    while len(times) < reps or (alone and more_steps(times, reps)):
+        peak, seconds = one()
+        peaks.append(peak)
+        times.append(seconds)
+    return max(peaks), sorted(times)[len(times) // 2]
+
+
+def more_steps(times: Sequence[float], reps: int) -> bool:
+    """NOTE [ Applying a plan ] Rule 4: whether a plan measured ``reps`` steps or more, whose ``times`` so far spread over
+    ``_SPREAD`` (largest over smallest, less 1), runs another step: up to ``_VERIFY_MOST``, and never where one step was
+    asked for (a plan measured for its peak alone).
+
+    Example::
+
+        >>> more_steps([0.130, 0.195, 0.127], 3), more_steps([0.081, 0.082, 0.081], 3), more_steps([0.1] * 8 + [0.2], 3)
+        (True, False, False)
+    """
+    return 1 < reps <= len(times) < _VERIFY_MOST and max(times) > min(times) * (1.0 + _SPREAD)
 
 
 def _slack(budget: int) -> int:
