@@ -137,9 +137,10 @@ def ablate(name: str, turns: int, trace: int) -> None:
                 if callable(undo):
                     undo()
             ka = prof.key_averages()
-            busy = sum(e.self_device_time_total for e in ka) / 1e6 if cuda else 0.0
+            busy = sum(e.self_device_time_total for e in ka if e.device_type == torch.autograd.DeviceType.CUDA) / 1e6 if cuda else 0.0
             syncs = {e.key: e.count for e in ka if "ynchronize" in e.key or "Memcpy" in e.key or "EventQuery" in e.key}
-            print(f"-- {k}: profiled step {wall * 1e3:.1f} ms wall, device busy {busy * 1e3:.1f} ms; "
+            print(f"-- {k}: profiled step {wall * 1e3:.1f} ms wall (the profiler's own cost included), kernels "
+                  f"{busy * 1e3:.1f} ms; "
                   f"synchronising/copy calls {syncs}")
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=trace))
 
