@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers|zoo] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims);
 # memory: host_init.py and device_cache_init.py (the native memory engine); memdiag: after_pin.py and
 # register_stall.py (why the lazy pool blocks what it blocks; not part of `all`); planner: the planner's CUDA tests
 # and benchmarks/frontier.py on the GPT stack (with --compile) and a Llama (not part of `all`); tiers: benchmarks/tiers.py
-# (snapshots beyond a host cap: the disk tier against recomputation; not part of `all`). `all` runs the rest.
+# (snapshots beyond a host cap: the disk tier against recomputation; not part of `all`); zoo: benchmarks/zoo.py with the
+# extra args (e.g. --models t5), its summary and peak_check.py (not part of `all`). `all` runs the rest.
+# PACK=1 packs everything under $OUT into $OUT/results.tgz at the end (the GPU machine returns at most 8 files a call;
+# the zoo writes three to four per model).
 # nvCOMP is not on the GPU machine: carry the ignored .whl/ folder and this script installs it;
 # carry .deps/ (zfp sources fetched by tools/fetch_zfp.py) and it builds the ZFP codec too.
 # Results (logs, train_step.json, train_step.png) go to $OUT (default benchmarks/results).
@@ -14,7 +17,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers|zoo) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|memory|memdiag|planner|tiers|zoo] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -111,10 +114,22 @@ fi
 if [[ $PART == tiers ]]; then
   run_part tiers benchmarks/tiers.py "$@"
 fi
+if [[ $PART == zoo ]]; then
+  echo "== zoo ($*)"
+  set +e
+  python3 benchmarks/zoo.py --progress --out "$OUT/zoo" "$@" 2>&1 | tee "$OUT/zoo.log"
+  echo "zoo exit code ${PIPESTATUS[0]}"
+  python3 benchmarks/peak_check.py "$OUT/zoo" 2>&1 | tee "$OUT/peak_check.log"
+  set -e
+fi
 if [[ $PART == memdiag ]]; then
   run_part register_stall benchmarks/register_stall.py --region 32G --reps 60 --lead 20
   run_part after_pin benchmarks/after_pin.py
 fi
 
+if [[ ${PACK:-0} == 1 ]]; then
+  tar czf /tmp/torchckpt_results.tgz -C "$OUT" . && find "$OUT" -mindepth 1 -delete && mv /tmp/torchckpt_results.tgz "$OUT/results.tgz"
+  echo "packed $OUT into $OUT/results.tgz"
+fi
 echo "== summary: adjoint exit code $ADJ_RC; gpu tests exit code $TEST_RC (5 = no tests collected), train_step exit code $TRAIN_RC; results in $OUT"
 [[ ($TRAIN_RC == skipped || $TRAIN_RC == 0) && ($ADJ_RC == skipped || $ADJ_RC == 0) ]]
