@@ -1,12 +1,17 @@
 """``Planned``'s stream is the one the separate planners give: the same actions, prefetches and flush bits.
 
-NOTE [ Planned stream ] Rules 1-3: ``Planned`` scouts the schedule, records the prefetches and flush bits at its
-first Save and merges them back into the stream. The reference here is the plain pair: ``PrefetchStream`` (its
-own ``_CacheFollower``) for the actions and ``flush_positions`` (its own ``_WriteBack`` replay of that stream) for
-the flush bits. (A version of ``Planned`` that plans both in one cache replay, on branch
-wip/merged-cache-replay, passed the same comparisons before the fix of NOTE [ Prefetch setup ] Rule 3.)
+NOTE [ Planned stream ] Rules 1-4: ``Planned`` scouts the schedule, records the prefetches and flush bits at its
+first Save and merges them back into the stream; a packed schedule's in one replay over its codes, read at its
+events only. The reference here is the plain pair over ``Action`` objects, read at every action: ``PrefetchStream``
+for the actions and ``flush_positions`` (a replay of that stream) for the flush bits. All of them drive one
+``CacheReplay`` (NOTE [ Cache replay ]), so the last test also holds every case to the digest of what the separate
+replays gave before it.
 """
 from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
 
 import pytest
 
@@ -115,3 +120,26 @@ def test_one_slot_and_a_snapshot_restored_twice_around_another_save() -> None:
     assert simulate_cache(planned, 1).misses == 0
     for prefetch in (True, False):
         assert _read(Planned(acts, prefetch), 1) == _reference(acts, 1, prefetch)
+
+
+def _digest(stream_and_bits: object) -> str:
+    return hashlib.sha256(repr(stream_and_bits).encode()).hexdigest()[:16]
+
+
+def test_every_planner_gives_the_streams_it_gave_before_one_cache_replay() -> None:
+    """NOTE [ Cache replay ]: ``PrefetchStream``, ``flush_positions`` and ``Planned`` all replay one ``CacheReplay``
+    now; each case's planned stream and flush bits are the ones the separate replays gave before (their digests,
+    recorded from commit 477d495's ``PrefetchStream`` and ``_WriteBack`` in data/planned_streams.json)."""
+    want = json.loads((Path(__file__).parent / "data" / "planned_streams.json").read_text())
+    got = {}
+    for schedule in SCHEDULES:
+        for slots in (1, 2, 3, 4, 7):
+            for prefetch in (True, False):
+                acts = list(schedule.pack())  # type: ignore[attr-defined]
+                ref = _reference(acts, slots, prefetch)
+                assert _read(Planned(schedule.pack(), prefetch), slots) == ref  # type: ignore[attr-defined]
+                got[f"{schedule!r}|{slots}|{prefetch}"] = _digest(ref)
+    for slots in (1, 2, 3):
+        for prefetch in (True, False):
+            got[f"mixed|{slots}|{prefetch}"] = _digest(_reference(_mixed(), slots, prefetch))
+    assert got == want

@@ -17,13 +17,21 @@
 #    about three bytes per prefetch: how many schedule actions after the previous prefetch it comes,
 #    with its tiers, then its step). The stream the
 #    executor reads is then the schedule's actions with those prefetches merged back in: the same
-#    actions at the same positions as a second ``PrefetchStream``, without planning (and checking,
-#    ``_CacheFollower``) them twice. Memory beyond the schedule's packed ints is those records, the
-#    snapshots alive and the cache's slots.
+#    actions at the same positions as a second ``PrefetchStream``, without planning (and checking) them
+#    twice. Memory beyond the schedule's packed ints is those records, the snapshots alive and the cache's
+#    slots.
 # 3. A packed schedule whose slot classes are all ``Tier.GPU`` has no action the cache sees (NOTE [ Snapshot
 #    cache ] Rule 1): planning would insert no prefetch and flush no Save, so ``start`` skips its pass over the
 #    schedule (it read every action three times: the scout, the stream and the write-back) and the stream is
 #    the schedule's actions as they are.
+# 4. For a packed schedule ``start`` reads no action object: ``_plan_packed`` reads the codes (NOTE [ Packed
+#    schedules ]) and plans both in one ``CacheReplay`` (NOTE [ Cache replay ]), where Rule 2's two passes (the
+#    stream's own check of its plan, then the write-back's replay of that stream) replayed two caches of one size
+#    that were always in the same state. Only the cache's events are visited: off-GPU Saves, Restores and Frees,
+#    the replay asked for prefetches at each and right after the one before (NOTE [ Cache replay ] Rule 2); it
+#    places every prefetch where ``PrefetchStream`` does and flushes the Saves ``flush_positions`` does
+#    (tests/schedules/test_planned_equivalence.py). A list of actions still goes through Rule 2's passes, which
+#    drive the same ``CacheReplay``.
 """
 from __future__ import annotations
 
@@ -32,8 +40,9 @@ from collections.abc import Iterable, Iterator
 
 from torchckpt._errors import CheckpointError
 from torchckpt.schedules.actions import Action, Prefetch, Save, Tier
-from torchckpt.schedules.packed import PackedSchedule
+from torchckpt.schedules.packed import ADVANCE, FREE, RESTORE, SAVE, PackedSchedule
 from torchckpt.schedules.prefetch import PrefetchStream, flush_positions
+from torchckpt.schedules.replay import CacheReplay, off_gpu_restores
 from torchckpt.schedules.schedule import Schedule
 
 __all__ = ["Planned"]
@@ -46,9 +55,9 @@ class Planned:
 
     Iterating yields ``(position, action)``; positions count the planned stream (prefetches
     included). The same iterator continues where a previous loop over it stopped, so a forward
-    sweep and a backward sweep can share it. Nothing holds the planned actions: ``start`` reads
-    the schedule once to plan the write-back (one bit per action), and the stream plans the
-    prefetches again as it is read (``PrefetchStream``).
+    sweep and a backward sweep can share it. Nothing holds the planned actions: ``start`` plans
+    the write-back (one bit per action) and the prefetches (a few bytes each), and the stream
+    merges those prefetches back into the schedule's actions as they are read.
 
     Args:
         actions: the schedule's actions, readable more than once (a ``PackedSchedule``, a list).
@@ -90,12 +99,13 @@ class Planned:
         if not self._plans:  # NOTE [ Planned stream ] Rule 3
             return
         bits = self._flushes
+        acts = self._acts
+        if isinstance(acts, PackedSchedule):  # NOTE [ Planned stream ] Rule 4
+            _plan_packed(acts, self._i0, slots, self._prefetch, self._pf, bits)
+            return
         rest = self._rest() if not self._prefetch else self._recorded(self._rest())
         for f in flush_positions(rest, slots):
-            f += self._i0
-            if f >> 3 >= len(bits):
-                bits.extend(bytes((f >> 3) + 1 - len(bits)))
-            bits[f >> 3] |= 1 << (f & 7)
+            _set_bit(bits, f + self._i0)
 
     def _recorded(self, planned: Iterator[Action]) -> Iterator[Action]:
         """``planned``, noting each prefetch and the schedule position it precedes (NOTE [ Planned stream ] Rule 2)."""
@@ -145,19 +155,25 @@ class Planned:
             return
         # NOTE [ Planned stream ] Rule 2: the recorded prefetches merged back in (none precedes the first Save:
         # nothing is saved before it)
-        pfs = self._prefetches()
-        nxt, pf = next(pfs, (-1, None))
-        k = self._i0 + 1
-        for m, a in enumerate(it, self._i0 + 1):
-            while m == nxt:
-                yield k, pf  # type: ignore[misc]
-                k += 1
-                nxt, pf = next(pfs, (-1, None))
-            yield k, a
+        m = k = self._i0 + 1  # m: the schedule's position, k: the stream's
+        for at, pf in self._prefetches():
+            if at > m:  # the actions before this prefetch, with no Python step of ours per action
+                yield from zip(itertools.count(k), itertools.islice(it, at - m))
+                k += at - m
+                m = at
+            yield k, pf
             k += 1
+        yield from zip(itertools.count(k), it)
 
     def __iter__(self) -> Iterator[tuple[int, Action]]:
         return self._it
+
+
+def _set_bit(bits: bytearray, f: int) -> None:
+    """Set bit ``f`` of ``bits``, growing it as needed (a Save that flushes, NOTE [ Planned stream ] Rule 2)."""
+    if f >> 3 >= len(bits):
+        bits.extend(bytes((f >> 3) + 1 - len(bits)))
+    bits[f >> 3] |= 1 << (f & 7)
 
 
 def _varint(buf: bytearray, v: int) -> None:
@@ -190,3 +206,86 @@ class _From:
 
     def __iter__(self) -> Iterator[Action]:
         return itertools.islice(self.acts, self.i0, None)
+
+
+def _plan_packed(acts: PackedSchedule, i0: int, slots: int, prefetch: bool, pf: bytearray, bits: bytearray) -> None:
+    """Plan the prefetches and the write-back of a packed schedule from its first Save (at ``i0``) on, in one
+    replay of the snapshot cache (NOTE [ Planned stream ] Rule 4, NOTE [ Cache replay ]).
+
+    Each prefetch is appended to ``pf`` as ``Planned._recorded`` notes it, and each Save to flush sets its stream
+    position's bit in ``bits``; ``prefetch=False`` plans the write-back of the actions as they are.
+    """
+    tiers = acts.tiers
+    kc = len(tiers)
+    off = [t is not Tier.GPU for t in tiers]
+
+    def flush(f: int) -> None:
+        _set_bit(bits, f)
+
+    if not prefetch:  # the write-back alone: restores may miss, Saves may find every slot pinned
+        follow: CacheReplay[int] = CacheReplay(slots, flush)
+        for r, op, n, _ in _cache_events(acts.codes, kc, off, i0):
+            if op == SAVE:
+                follow.save(n, r + i0)
+            elif op == RESTORE:
+                follow.restore(n, r + i0)
+            else:
+                follow.free(n)
+        return
+
+    replay: CacheReplay[int] = CacheReplay(
+        slots, flush, off_gpu_restores(_cache_events(acts.codes, kc, off, i0), tiers.__getitem__))
+    place, placed, save, restore, free = replay.place, replay.placed, replay.save, replay.restore, replay.free
+    tier_ix = [_TIERS.index(t) for t in tiers]
+    nt = len(_TIERS)
+    gpu = _TIERS.index(Tier.GPU)
+    npf = 0  # prefetches planned so far
+    last_pf = i0  # the schedule position of the last one (NOTE [ Planned stream ] Rule 2)
+
+    def record() -> None:
+        nonlocal npf, last_pf
+        for i, n, k in placed:
+            _varint(pf, ((i + i0 - last_pf) * nt + (gpu if k is None else tier_ix[k])) * nt + gpu)
+            _varint(pf, n)
+            last_pf = i + i0
+        npf += len(placed)
+        placed.clear()
+
+    last = -1  # the position of the last event
+    for r, op, n, _ in _cache_events(acts.codes, kc, off, i0):
+        if r > last + 1 and place(last + 1):  # nothing changed since right after the last event (NOTE [ Cache replay ] Rule 2)
+            record()
+        if place(r):
+            record()
+        if op == SAVE:
+            save(n, r + i0 + npf)
+        elif op == RESTORE:
+            restore(n, r)
+        else:
+            free(n)
+        last = r
+    if last + 1 < len(acts.codes) - i0 and place(last + 1):
+        record()
+    replay.done()
+
+
+def _cache_events(codes: list[int], kc: int, off: list[bool], i0: int) -> Iterator[tuple[int, int, int, int]]:
+    """``(position from i0, op, step, slot class)`` of each off-GPU Save, Restore and Free at or after ``i0``
+    (NOTE [ Packed schedules ]), read from the codes."""
+    cur = 0
+    for i, code in enumerate(codes):
+        op = code & 7
+        if op == ADVANCE:
+            cur = code >> 3
+        elif op == SAVE:
+            k = code >> 3
+            if off[k] and i >= i0:
+                yield i - i0, op, cur, k
+        elif op == RESTORE:
+            cur, k = divmod(code >> 3, kc)
+            if off[k] and i >= i0:
+                yield i - i0, op, cur, k
+        elif op == FREE:
+            n, k = divmod(code >> 3, kc)
+            if off[k] and i >= i0:
+                yield i - i0, op, n, k

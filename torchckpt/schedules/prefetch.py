@@ -54,7 +54,6 @@ import itertools
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from torchckpt._errors import CheckpointError, internal_error
 from torchckpt.schedules.cache import Cache
 from torchckpt.schedules.actions import (
     Action,
@@ -67,6 +66,8 @@ from torchckpt.schedules.actions import (
     Tier,
 )
 from torchckpt.schedules.execute import Walker, bind
+from torchckpt.schedules.packed import FREE, RESTORE, SAVE
+from torchckpt.schedules.replay import CacheReplay, Event, off_gpu_restores
 from torchckpt.schedules.schedule import check_int
 
 __all__ = ["CacheStats", "PrefetchStream", "PrefetchedSchedule", "flush_positions", "plan_flushes", "plan_prefetch",
@@ -118,65 +119,66 @@ def _cached(act: Save | Restore | Free) -> bool:
     return act.tier is not Tier.GPU
 
 
-class _OffGpuRestores(Walker):
-    """Finds each off-GPU Restore and the position of the Save it reads (live off-GPU snapshots only)."""
+class _Events(Walker):
+    """The replay's event of each action a scout reads (NOTE [ Cache replay ] Rule 1): an off-GPU Save, Restore or
+    Free, with its tier."""
 
     def __init__(self) -> None:
-        self.last_save: dict[int, int] = {}
-        self.found: tuple[int, int, Tier, int] | None = None
+        self.found: Event[Tier] | None = None
 
     def save(self, act: Save, i: int) -> None:
         if _cached(act):
-            self.last_save[act.n] = i
-
-    def restore(self, act: Restore, i: int) -> bool | None:
-        if not _cached(act):
-            return None
-        if act.n not in self.last_save:
-            raise CheckpointError(
-                f"torchckpt: plan_prefetch: action {i} ({act!r}) restores a snapshot "
-                "that was never saved; expected a valid schedule (check it with "
-                "simulate())."
-            )
-        self.found = (i, act.n, act.tier, self.last_save[act.n])
-        return False  # NOTE [ Executor ] Rule 2: one restore at a time
-
-    def free(self, act: Free, i: int) -> None:
-        if _cached(act):
-            self.last_save.pop(act.n, None)
-
-
-def _off_gpu_restores(scout: Iterator[Action]) -> Iterator[tuple[int, int, Tier, int]]:
-    """``(position, step, tier, position of the Save it reads)`` of each off-GPU Restore, in order."""
-    w = _OffGpuRestores()
-    step = bind(w)  # NOTE [ Executor ] Rule 6: one lookup of the walker's methods for the whole scout
-    for i, a in enumerate(scout):
-        if not step(a, i):
-            if w.found is None:  # End: nothing follows
-                return
-            yield w.found
-            w.found = None
-
-
-class _CacheFollower(Walker):
-    """The GPU cache as the planned actions leave it (``PrefetchStream``'s check of its own plan)."""
-
-    def __init__(self, cache: Cache[int]) -> None:
-        self.cache = cache
-
-    def save(self, act: Save, i: int) -> None:
-        if _cached(act):
-            if not self.cache.can_take():
-                raise internal_error("plan_prefetch left no slot for a Save")
-            self.cache.admit(act.n)
+            self.found = (i, SAVE, act.n, act.tier)
 
     def restore(self, act: Restore, i: int) -> None:
-        if _cached(act) and not self.cache.use(act.n):
-            raise internal_error(f"plan_prefetch planned a miss at action {i}")
+        if _cached(act):
+            self.found = (i, RESTORE, act.n, act.tier)
 
     def free(self, act: Free, i: int) -> None:
-        if _cached(act) and self.cache.remove(act.n):
-            raise internal_error(f"plan_prefetch pinned freed snapshot {act.n}")
+        if _cached(act):
+            self.found = (i, FREE, act.n, act.tier)
+
+
+def _events(scout: Iterator[Action]) -> Iterator[Event[Tier]]:
+    """The replay's events of a stream of actions, as a scout reads it (up to ``End``)."""
+    w = _Events()
+    step = bind(w)  # NOTE [ Executor ] Rule 6: one lookup of the walker's methods for the whole scout
+    for i, a in enumerate(scout):
+        go = step(a, i)
+        if w.found is not None:
+            yield w.found
+            w.found = None
+        if not go:  # End
+            return
+
+
+class _Follow(Walker):
+    """Tells a ``CacheReplay`` each off-GPU Save, Restore and Free of a stream and, with ``prefetches``, each
+    Prefetch it holds (NOTE [ Cache replay ] Rule 1)."""
+
+    def __init__(self, replay: CacheReplay[Tier], prefetches: bool) -> None:
+        self.replay = replay
+        self.prefetches = prefetches
+
+    def save(self, act: Save, i: int) -> None:
+        if _cached(act):
+            self.replay.save(act.n, i)
+
+    def restore(self, act: Restore, i: int) -> None:
+        if _cached(act):
+            self.replay.restore(act.n, i)
+
+    def free(self, act: Free, i: int) -> None:
+        if _cached(act):
+            self.replay.free(act.n)
+
+    def prefetch(self, act: Prefetch, i: int) -> None:
+        if self.prefetches:
+            self.replay.prefetch(act.n, act.src is not act.dst)
+
+
+def _same(tier: Tier) -> Tier:
+    return tier
 
 
 class PrefetchStream:
@@ -217,35 +219,23 @@ class PrefetchStream:
         return self._it
 
     def _plan(self, main: Iterator[Action], scout: Iterator[Action], cache_slots: int) -> Iterator[Action]:
-        restores = _off_gpu_restores(scout)
-        nxt = next(restores, None)
-        cache: Cache[int] = Cache(cache_slots)
-        follow = bind(_CacheFollower(cache))
-        ahead = cache_slots - 1  # NOTE [ Prefetch setup ] Rule 3
+        replay: CacheReplay[Tier] = CacheReplay(cache_slots, restores=off_gpu_restores(_events(scout), _same))
+        place, placed = replay.place, replay.placed
+        follow = bind(_Follow(replay, prefetches=False))  # NOTE [ Cache replay ] Rule 2: the replay checks its plan
+        gpu = Tier.GPU
         for i, act in enumerate(main):
-            while nxt is not None:  # NOTE [ Prefetch setup ] Rule 2
-                pos, n, tier, saved_at = nxt
-                if saved_at >= i:
-                    break
-                limit = cache_slots if pos == i else ahead
-                # a pinned n: its slot, counted already, stays pinned past its earlier restore
-                if n in cache:  # NOTE [ Prefetch setup ] Rule 3
-                    if cache.pinned + (not cache.is_pinned(n)) > limit:
-                        break
-                    yield Prefetch(n, Tier.GPU, Tier.GPU)
-                    self.pins += 1
-                else:
-                    if cache.pinned + 1 > limit or not cache.can_take():
-                        break
-                    cache.admit(n)
-                    yield Prefetch(n, tier, Tier.GPU)
-                    self.copies += 1
-                cache.pin(n)
-                nxt = next(restores, None)
+            if place(i):  # NOTE [ Prefetch setup ] Rule 2
+                for _, n, src in placed:
+                    if src is None:
+                        yield Prefetch(n, gpu, gpu)
+                        self.pins += 1
+                    else:
+                        yield Prefetch(n, src, gpu)
+                        self.copies += 1
+                placed.clear()
             yield act
             follow(act, i)
-        if nxt is not None:
-            raise internal_error("plan_prefetch left restores unhandled")
+        replay.done()
 
 
 def plan_prefetch(schedule: Iterable[Action], cache_slots: int) -> PrefetchedSchedule:
@@ -293,64 +283,13 @@ def flush_positions(actions: Iterable[Action], cache_slots: int) -> Iterator[int
         [0]
     """
     check_int("cache_slots", cache_slots, 1, "pass how many snapshots the GPU cache holds")
-    w = _WriteBack(Cache(cache_slots))
-    step = bind(w)
+    out: list[int] = []
+    step = bind(_Follow(CacheReplay(cache_slots, flush=out.append), prefetches=True))  # NOTE [ Cache replay ] Rule 3
     for i, act in enumerate(actions):
         step(act, i)
-        if w.out:
-            yield from w.out
-            w.out.clear()
-
-
-class _WriteBack(Walker):
-    """``flush_positions``' driver: the Saves a later read finds evicted (NOTE [ Write-back ])."""
-
-    def __init__(self, cache: Cache[int]) -> None:
-        self.cache = cache
-        self.saved_at: dict[int, int] = {}  # live snapshot -> position of its Save
-        self.pending: dict[int, int] = {}  # evicted snapshot -> its Save, flushed if a read comes before its end
-        self.out: list[int] = []
-
-    def _put(self, n: int) -> None:
-        for old in self.cache.admit(n):
-            if old in self.saved_at:
-                self.pending[old] = self.saved_at[old]
-
-    def _read(self, n: int) -> None:
-        s = self.pending.pop(n, None)
-        if s is not None:
-            self.out.append(s)
-
-    def save(self, act: Save, i: int) -> None:
-        if _cached(act):
-            self.pending.pop(act.n, None)
-            self.saved_at[act.n] = i
-            if self.cache.can_take():
-                self._put(act.n)
-            else:  # every slot pinned: it goes straight to host
-                self.out.append(i)
-
-    def prefetch(self, act: Prefetch, i: int) -> None:
-        cache = self.cache
-        if act.n in cache:
-            cache.pin(act.n)
-        elif act.src is not act.dst:
-            self._read(act.n)
-            if cache.can_take():
-                self._put(act.n)
-                cache.pin(act.n)
-
-    def restore(self, act: Restore, i: int) -> None:
-        if _cached(act) and not self.cache.use(act.n):
-            self._read(act.n)
-            if self.cache.can_take():
-                self._put(act.n)
-
-    def free(self, act: Free, i: int) -> None:
-        if _cached(act):
-            self.pending.pop(act.n, None)
-            self.cache.remove(act.n)
-            self.saved_at.pop(act.n, None)
+        if out:
+            yield from out
+            out.clear()
 
 
 def plan_flushes(actions: Iterable[Action], cache_slots: int) -> frozenset[int]:
