@@ -22,14 +22,14 @@
 #    it, after the allocator's cached blocks are released (``torch.cuda.empty_cache()``: the steps of other plans
 #    leave blocks of other sizes behind; on an H200 the planner's measurements of ResNet-152 plans were 25-57%
 #    slower than the same plans measured in the same process after emptying the cache), one that builds the
-#    store's prefetch plan, then ``_VERIFY_STEPS`` whose largest peak is
-#    kept and whose median time is the plan's, and while those times spread over 10% (largest over smallest), more
-#    steps, up to ``_VERIFY_MOST`` (``more_steps``; a rank alone: ranks planning together run the same steps): on an
-#    H100 host, eight steps in a row of every block ``Recompute()`` on ConvNeXt-B took 126-195 ms where keeping
-#    everything took 81-82 ms, so the median of three was at times a slow step's (the planner measured 182.4 ms in
-#    one process, 131.2 in another; ``benchmarks/policy_drift.py``). A peak must leave a slack of 1% of the budget, and at least 2 MiB (10% of budgets under
-#    20 MiB): the allocator's peak varies a little with what ran before. Over that, the plan is made again for its prediction
-#    less the excess (for the floor's plan where that is below the floor: a plan nearer the floor may fit where its
+#    store's prefetch plan, then ``_VERIFY_STEPS`` whose largest peak is kept and whose median time is the
+#    plan's, and while those times spread over 10% (largest over smallest), more steps, up to ``_VERIFY_MOST``
+#    (``more_steps``; a rank alone: ranks planning together run the same steps): on an H100 host, eight steps in a
+#    row of every block ``Recompute()`` on ConvNeXt-B took 126-195 ms where keeping everything took 81-82 ms, so
+#    the median of three was at times a slow step's (the planner measured 182.4 ms in one process, 131.2 in
+#    another; ``benchmarks/policy_drift.py``). A peak must leave a slack of 1% of the budget, and at least 2 MiB
+#    (10% of budgets under 20 MiB): the allocator's peak varies a little with what ran before. Over that, the plan
+#    is made again for its prediction less the excess (for the floor's plan where that is below the floor: a plan nearer the floor may fit where its
 #    excess says it would not; on an H100 ViT-L's plan at 1.03x its floor had peaked 2.3% over its prediction and
 #    the floor's plan was never tried), up to ``_REPLANS`` times; then the fastest simple policy measured while
 #    planning (NOTE [ Mechanism costs ]) whose measured peak is within the budget less the slack is returned (on an

@@ -253,7 +253,8 @@ def _plan_packed(acts: PackedSchedule, i0: int, slots: int, prefetch: bool, pf: 
 
     last = -1  # the position of the last event
     for r, op, n, _ in _cache_events(acts.codes, kc, off, i0):
-        if r > last + 1 and place(last + 1):  # nothing changed since right after the last event (NOTE [ Cache replay ] Rule 2)
+        # NOTE [ Cache replay ] Rule 2: nothing changed between right after the last event and this one
+        if r > last + 1 and place(last + 1):
             record()
         if place(r):
             record()

@@ -11,9 +11,10 @@ and the Saves NOTE [ Write-back ] flushes, for every planner of the package (``P
 #    ``off_gpu_restores``), ``place(i)`` handles the restores NOTE [ Prefetch setup ] Rules 2-3 let it handle before
 #    the schedule's position ``i``: each one's prefetch is appended to ``placed`` and takes effect on the cache (a
 #    copy admits and pins, a pin pins) as the Prefetch action would. The replay then checks its own plan: a Save with
-#    no slot, a planned restore that misses, a freed snapshot still pinned are internal errors. ``place`` changes
-#    nothing between two of the replay's events unless a restore is due there, so a driver that reads only the
-#    events asks at each event and right after the one before (``Planned``, tests/schedules/test_planned_equivalence.py).
+#    no slot, a planned restore that misses, a freed snapshot still pinned are internal errors. Between two of the
+#    replay's events the cache does not change, so what ``place`` can handle there it can handle right after the
+#    first (a restore's last-moment prefetch comes at the restore, an event itself): a driver that reads only the
+#    events asks right after each and at each (``Planned``; the same streams, tests/schedules/test_planned_equivalence.py).
 # 3. Write-back (``flush`` given): the replay calls ``flush(position)`` for each Save NOTE [ Write-back ] Rule 1
 #    flushes, with the Save's stream position as the driver gave it (prefetches inserted before it counted), at the
 #    read that decides it. Without planning, a restore that misses loads into a slot and a Save that finds every
