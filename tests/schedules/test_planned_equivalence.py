@@ -14,6 +14,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from torchckpt.schedules import (
     Adjoint, Advance, End, EndForward, Free, Multistage, Restore, Revolve, Save, Tier, Uniform, ZCut, simulate, simulate_cache,
@@ -143,3 +145,26 @@ def test_every_planner_gives_the_streams_it_gave_before_one_cache_replay() -> No
         for prefetch in (True, False):
             got[f"mixed|{slots}|{prefetch}"] = _digest(_reference(_mixed(), slots, prefetch))
     assert got == want
+
+
+@st.composite
+def _schedules(draw: st.DrawFn) -> object:
+    kind = draw(st.sampled_from(["revolve", "uniform", "zcut", "multistage"]))
+    n = draw(st.integers(1, 300))
+    if kind == "revolve":
+        return Revolve(n, draw(st.integers(1, min(20, n))), tier=draw(st.sampled_from([H, D, G])))
+    if kind == "uniform":
+        return Uniform(n, draw(st.integers(1, min(20, n))), tier=draw(st.sampled_from([H, D])))
+    if kind == "zcut":
+        return ZCut(n, segment=draw(st.none() | st.integers(1, 50)), tier=draw(st.sampled_from([H, D])))
+    return Multistage(n, draw(st.integers(0, 5)), draw(st.integers(1, 8)), draw(st.integers(0, 4)))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(schedule=_schedules(), slots=st.integers(1, 8), prefetch=st.booleans())
+def test_property_the_packed_replay_at_events_gives_the_per_action_streams(schedule: object, slots: int,
+                                                                           prefetch: bool) -> None:
+    """NOTE [ Cache replay ] Rule 2: ``Planned``'s packed path, which asks the replay for prefetches at the cache's
+    events only, places every prefetch and flush bit where the per-action drivers do, on schedules drawn at random."""
+    want = _reference(list(schedule.pack()), slots, prefetch)  # type: ignore[attr-defined]
+    assert _read(Planned(schedule.pack(), prefetch), slots) == want  # type: ignore[attr-defined]
