@@ -124,6 +124,11 @@ if [[ $PART == compressed ]]; then
   run_part action_overhead benchmarks/action_overhead.py --profile
   run_part adjoint_codecs benchmarks/adjoint_codecs.py --schedules revolve,zcut --codecs none,quant4a,bitcomp:0.001 \
     --sizes exact,deferred --profile --memstats
+  # where the host's time per store action goes on the device (the (d) runs are host-bound: (a), with the same
+  # callbacks and no store, is not): cProfile of zCut's deferred Bitcomp and quant4a runs, into their own folder
+  mkdir -p "$OUT/pyprofile"
+  python3 benchmarks/adjoint_codecs.py --schedules zcut --codecs quant4a,bitcomp:0.001 --sizes deferred --pyprofile \
+    --out "$OUT/pyprofile" 2>&1 | tail -30 | tee "$OUT/pyprofile.log" || true
 fi
 if [[ $PART == zoo ]]; then
   echo "== zoo ($*)"
