@@ -1,8 +1,9 @@
 """Streaming prefetch and write-back planning against planning over a whole list, on the CPU.
 
-Claim: the executor's planned stream (``torchckpt.schedules.planned.Planned``: a write-back pass at the
-first Save, then ``PrefetchStream`` as actions are read) holds memory that does not grow with the
-schedule, for a small CPU cost per action. Baseline, in the same process: what the executor did
+Claim: the executor's planned stream (``torchckpt.schedules.planned.Planned``: for a packed schedule, one replay
+of the snapshot cache at the first Save that plans the write-back and the prefetches, NOTE [ Cache replay ], then
+the actions with those prefetches merged in as they are read) holds memory that does not grow with the schedule,
+for a small CPU cost per action. Baseline, in the same process: what the executor did
 before, the schedule's actions as a list, ``plan_prefetch`` into a tuple and ``plan_flushes`` into a
 set, then iterating the tuple.
 
