@@ -70,6 +70,12 @@ def measure_steps(step: Any, reps: int, cuda: bool, warmup: int = 2) -> dict[str
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated() if cuda else 0
+    ts = sorted(step_times(step, reps, cuda))
+    return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda else None}
+
+
+def step_times(step: Any, reps: int, cuda: bool) -> list[float]:
+    """``step()``'s time, ``reps`` times in a row, each between two synchronisations (in the order they ran)."""
     ts = []
     for _ in range(reps):
         if cuda:
@@ -79,8 +85,7 @@ def measure_steps(step: Any, reps: int, cuda: bool, warmup: int = 2) -> dict[str
         if cuda:
             torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
-    ts.sort()
-    return {"step_s": ts[len(ts) // 2], "peak_GiB": (torch.cuda.max_memory_allocated() - base) / GiB if cuda else None}
+    return ts
 
 
 def more_turns(times: dict[str, list[float]], most: int, spread: float = 0.10) -> bool:

@@ -23,6 +23,7 @@ import torch
 
 import torchckpt
 from architectures import build
+from common import step_times
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.verify import _Profiled
 
@@ -63,15 +64,7 @@ def steps(b: Any, n: int, cuda: bool) -> list[float]:
         del out
 
     one()
-    ts = []
-    for _ in range(n):
-        if cuda:
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        one()
-        if cuda:
-            torch.cuda.synchronize()
-        ts.append(time.perf_counter() - t0)
+    ts = step_times(one, n, cuda)
     b.model.zero_grad(set_to_none=True)
     return ts
 

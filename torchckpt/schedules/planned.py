@@ -233,8 +233,9 @@ def _plan_packed(acts: PackedSchedule, i0: int, slots: int, prefetch: bool, pf: 
                 follow.free(n)
         return
 
-    replay: CacheReplay[int] = CacheReplay(
-        slots, flush, off_gpu_restores(_cache_events(acts.codes, kc, off, i0), tiers.__getitem__))
+    # one read of the codes for both: the scout runs ahead of the replay to the next restore, the tee holds between
+    events, scout = itertools.tee(_cache_events(acts.codes, kc, off, i0))
+    replay: CacheReplay[int] = CacheReplay(slots, flush, off_gpu_restores(scout, tiers.__getitem__))
     place, placed, save, restore, free = replay.place, replay.placed, replay.save, replay.restore, replay.free
     tier_ix = [_TIERS.index(t) for t in tiers]
     nt = len(_TIERS)
@@ -252,7 +253,7 @@ def _plan_packed(acts: PackedSchedule, i0: int, slots: int, prefetch: bool, pf: 
         placed.clear()
 
     last = -1  # the position of the last event
-    for r, op, n, _ in _cache_events(acts.codes, kc, off, i0):
+    for r, op, n, _ in events:
         # NOTE [ Cache replay ] Rule 2: nothing changed between right after the last event and this one
         if r > last + 1 and place(last + 1):
             record()
