@@ -9,12 +9,22 @@ block ``Recompute()`` and keep everything measured step by step (8 steps after o
 synchronisations) with the planner's objects alive, then the same after ``gc.collect()``, with the collector off, and
 with the planner's objects dropped.
 
-    python benchmarks/policy_drift.py [--models convnext,t5] [--steps 8]
+With ``--host`` (and ``--no-plan`` to skip the planner) each step also prints where its time went on the host, to
+tell a slower host from waiting: the wall time, the time until ``backward()`` returned (the host's issue time; the
+rest is the device's tail), the process's CPU time (every thread), per thread the CPU time and the run-queue wait
+(``/proc/self/task/*/schedstat``: time runnable but not running, where the kernel reports it), voluntary and
+involuntary context switches, the machine's steal time (``/proc/stat``: a virtual machine's CPUs taken by its
+host), and the caching allocator's device allocations and frees (``cudaMalloc``/``cudaFree``, which can
+synchronise).
+
+    python benchmarks/policy_drift.py [--models convnext,t5] [--steps 8] [--host] [--no-plan] [--series 3]
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import os
+import resource
 import statistics
 import time
 from typing import Any
@@ -56,7 +66,76 @@ class GcWatch:
                 f"{', '.join(f'{s * 1e3:.1f}' for s in self.seconds)} ms")
 
 
-def steps(b: Any, n: int, cuda: bool) -> list[float]:
+def _threads() -> dict[int, tuple[int, int]]:
+    """Per thread of this process: (ns on a CPU, ns runnable but waiting), from schedstat; (0, 0) where the kernel
+    keeps none (then the CPU time comes from ``stat``'s ticks and the wait reads 0)."""
+    out = {}
+    tick = 1e9 / os.sysconf("SC_CLK_TCK")
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/schedstat") as f:
+                run, wait, _ = (int(x) for x in f.read().split())
+            if run == 0:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                run = int((int(fields[11]) + int(fields[12])) * tick)  # utime + stime
+            out[int(tid)] = (run, wait)
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _name(tid: int) -> str:
+    try:
+        with open(f"/proc/self/task/{tid}/comm") as f:
+            return f"{f.read().strip()}/{tid}"
+    except OSError:
+        return str(tid)
+
+
+def _steal() -> tuple[int, int]:
+    """The machine's (steal, all) CPU ticks from /proc/stat."""
+    with open("/proc/stat") as f:
+        vals = [int(x) for x in f.readline().split()[1:]]
+    return (vals[7] if len(vals) > 7 else 0), sum(vals)
+
+
+class HostStep:
+    """Where one step's time went on the host (see the module's docstring)."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def _snap(self) -> tuple[Any, ...]:
+        ru = resource.getrusage(resource.RUSAGE_SELF)
+        mem = torch.cuda.memory_stats() if self.cuda else {}
+        return (time.perf_counter(), time.process_time(), _threads(), ru.ru_nvcsw, ru.ru_nivcsw, _steal(),
+                mem.get("num_device_alloc", 0), mem.get("num_device_free", 0), mem.get("num_sync_all_streams", 0))
+
+    def run(self, step: Any) -> dict[str, Any]:
+        if self.cuda:
+            torch.cuda.synchronize()
+        a = self._snap()
+        step()
+        issued = time.perf_counter()
+        if self.cuda:
+            torch.cuda.synchronize()
+        b = self._snap()
+        th = []
+        for tid, (run, wait) in b[2].items():
+            r0, w0 = a[2].get(tid, (0, 0))
+            if run - r0 > 1e6 or wait - w0 > 1e6:
+                th.append((run - r0, wait - w0, tid))
+        th.sort(reverse=True)
+        steal = b[5][0] - a[5][0]
+        ticks = max(b[5][1] - a[5][1], 1)
+        return {"wall": b[0] - a[0], "issue": issued - a[0], "cpu": b[1] - a[1],
+                "threads": [(tid, run / 1e9, wait / 1e9) for run, wait, tid in th[:3]],
+                "vcsw": b[3] - a[3], "ivcsw": b[4] - a[4], "steal_pct": 100.0 * steal / ticks,
+                "device_alloc": b[6] - a[6], "device_free": b[7] - a[7], "sync_all": b[8] - a[8]}
+
+
+def steps(b: Any, n: int, cuda: bool, host: bool = False) -> list[float]:
     def one() -> None:
         b.model.zero_grad(set_to_none=True)
         out = b.model(*b.args, **b.kwargs)
@@ -64,7 +143,17 @@ def steps(b: Any, n: int, cuda: bool) -> list[float]:
         del out
 
     one()
-    ts = step_times(one, n, cuda)
+    if host:
+        hs = HostStep(cuda)
+        rows = [hs.run(one) for _ in range(n)]
+        for r in rows:
+            thr = " ".join(f"[{_name(tid)}: cpu {run * 1e3:.0f} wait {wait * 1e3:.1f}]" for tid, run, wait in r["threads"])
+            print(f"    step {r['wall'] * 1e3:6.1f} ms  issue {r['issue'] * 1e3:6.1f}  cpu {r['cpu'] * 1e3:6.1f}  "
+                  f"csw {r['vcsw']}/{r['ivcsw']}  steal {r['steal_pct']:.1f}%  cudaMalloc/Free "
+                  f"{r['device_alloc']}/{r['device_free']} sync_all {r['sync_all']}  threads {thr}", flush=True)
+        ts = [r["wall"] for r in rows]
+    else:
+        ts = step_times(one, n, cuda)
     b.model.zero_grad(set_to_none=True)
     return ts
 
@@ -80,7 +169,7 @@ def show(label: str, ts: list[float], watch: GcWatch | None = None) -> None:
           f"{' '.join(f'{t * 1e3:.0f}' for t in ts)}{'  ' + str(watch) if watch else ''}", flush=True)
 
 
-def run(name: str, n: int) -> None:
+def run(name: str, n: int, host: bool = False, plan: bool = True, series: int = 1) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     b = build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32)
@@ -90,7 +179,7 @@ def run(name: str, n: int) -> None:
         undo = setup(b) if setup else None
         try:
             with GcWatch() as w:
-                ts = steps(b, n, cuda)
+                ts = steps(b, n, cuda, host)
             show(label, ts, w)
         finally:
             if undo:
@@ -98,8 +187,12 @@ def run(name: str, n: int) -> None:
         if cuda:
             torch.cuda.empty_cache()
 
-    measure("before planning: keep everything")
-    measure("before planning: every block Recompute()", recompute_all)
+    for i in range(series):
+        tag = f" ({i + 1}/{series})" if series > 1 else ""
+        measure(f"before planning: keep everything{tag}")
+        measure(f"before planning: every block Recompute(){tag}", recompute_all)
+    if not plan:
+        return
     with untouched(b.model, (b.args, b.kwargs)):
         t0 = time.perf_counter()
         with GcWatch() as w:
@@ -129,9 +222,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--models", default="convnext,t5")
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--host", action="store_true", help="print where each step's time went on the host")
+    p.add_argument("--no-plan", action="store_true", help="only the series before planning")
+    p.add_argument("--series", type=int, default=1, help="series of each policy before planning, alternately")
     args = p.parse_args()
     for name in args.models.split(","):
-        run(name, args.steps)
+        run(name, args.steps, args.host, not args.no_plan, args.series)
 
 
 if __name__ == "__main__":
