@@ -190,7 +190,8 @@ def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> d
 
 def py_profile(path: str, fn, untraced_s: float) -> None:
     """Run ``fn`` (a run: returns its time first) once more under cProfile; write the functions with the most own
-    time and the most cumulative time to ``path`` (the host's Python, which torch.profiler leaves as self time)."""
+    time and the most cumulative time to ``path`` (the host's Python, which torch.profiler leaves as self time), and the
+    whole profile beside it (``.prof``)."""
     import cProfile
     import io
     import pstats
@@ -207,7 +208,8 @@ def py_profile(path: str, fn, untraced_s: float) -> None:
     st.sort_stats("cumulative").print_stats(40)
     with open(path, "w") as f:
         f.write(buf.getvalue())
-    print(f"wrote {path}", flush=True)
+    pr.dump_stats(os.path.splitext(path)[0] + ".prof")  # the whole profile, for pstats' callers and callees
+    print(f"wrote {path} and its .prof", flush=True)
 
 
 def main() -> int:
@@ -238,7 +240,13 @@ def main() -> int:
                         "and its peaks (inactive split blocks, reserved memory) in its JSON record and print one line "
                         "per run; not measured without CUDA")
     p.add_argument("--out")
+    p.add_argument("--jit-launches", action="store_true",
+                   help="launch TritonQuant's kernels through Triton's JIT every time, not through the kernels it "
+                        "compiled (NOTE [ Kernel launches ]): the host's cost before that change, for a before/after")
     args = p.parse_args()
+    if args.jit_launches:
+        from torchckpt.codecs import _launch
+        _launch.ENABLED = False
     sizes = [z for z in args.sizes.split(",") if z]
     if not sizes or any(z not in ("exact", "deferred") for z in sizes) or len(set(sizes)) != len(sizes):
         p.error(f"--sizes takes exact and/or deferred, comma-separated, got {args.sizes!r}")

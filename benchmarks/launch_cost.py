@@ -6,13 +6,15 @@ binds. This script times, on small tensors (the device far faster than the host,
 each piece of ``TritonQuant``'s save (``compress_deferred``) and restore (``decompress``) one by one, against a
 PyTorch op's launch, and each Triton kernel through Triton's JIT launch (``kernel[grid](...)``: argument binding,
 specialisation key, cache lookup) and through its compiled kernel's launcher directly (the same kernel, none of that),
-so what a cheaper launch would save is measured, not guessed.
+so what a cheaper launch would save is measured, not guessed; then the codec's save and restore whole with every
+launch through the JIT and through the compiled kernels (NOTE [ Kernel launches ], ``_launch.ENABLED``), in turn.
 
     python benchmarks/launch_cost.py [--n 4096] [--reps 2000]
 """
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from typing import Any, Callable
 
@@ -51,11 +53,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--n", type=int, default=4096, help="elements of the tensor saved and restored")
     p.add_argument("--reps", type=int, default=2000)
+    p.add_argument("--turns", type=int, default=7, help="turns of JIT and compiled launches for the whole codec")
     args = p.parse_args()
     if not torch.cuda.is_available():
         print("launch_cost: needs CUDA (it times launches); nothing to do here")
         return
-    from torchckpt.codecs import TritonQuant
+    from torchckpt.codecs import TritonQuant, _launch
     from torchckpt.codecs import _quant_triton as k
     from torchckpt.codecs.quant import _bits, _small_rows, _tl_dtype, triton_cdiv
 
@@ -69,7 +72,7 @@ def main() -> None:
     def row(label: str, fn: Callable[[], Any]) -> None:
         us = per_call(fn, args.reps)
         rows.append((label, us))
-        print(f"  {label:<58} {us:8.2f} us", flush=True)
+        print(f"  {label:<78} {us:8.2f} us", flush=True)
 
     row("torch.empty(2) on the device", lambda: torch.empty(2, device=dev))
     row("torch.zeros(2, int64) on the device", lambda: torch.zeros(2, dtype=torch.int64, device=dev))
@@ -97,12 +100,22 @@ def main() -> None:
         row(f"quant{bits}: raw_rows_kernel, Triton's JIT launch", lambda: k.raw_rows_kernel[rgrid](*ra, **rk))
         row(f"quant{bits}: raw_rows_kernel, its launcher directly", direct(k.raw_rows_kernel, rgrid, ra, rk))
         d = c.compress_deferred(x)
-        row(f"quant{bits}: compress_deferred (whole)", lambda: c.compress_deferred(x))
-        c.scratch = type(c.scratch)()  # the calls above lent rows that nothing gives back
-        row(f"quant{bits}: settle (no raw block)", lambda: c.settle(d, (0, 0)))
-        p = c.settle(d, (0, 0))
-        row(f"quant{bits}: decompress(out=) (whole)", lambda: c.decompress(p, out=out))
-        row(f"quant{bits}: compress (exact: reads the count back)", lambda: c.compress(x))
+        pk = c.settle(d, (0, 0))
+        whole = {"compress_deferred (whole)": lambda: c.compress_deferred(x),
+                 "decompress(out=) (whole)": lambda: c.decompress(pk, out=out),
+                 "compress (exact: reads the count back)": lambda: c.compress(x)}
+        for what, fn in whole.items():  # JIT and compiled launches in turns: a host's slow spell hits both
+            got: dict[bool, list[float]] = {False: [], True: []}
+            for _ in range(args.turns):
+                for fast in (False, True):
+                    _launch.ENABLED = fast
+                    got[fast].append(per_call(fn, args.reps // 4))
+                    c.scratch = type(c.scratch)()  # compress_deferred lent rows that nothing gives back
+            _launch.ENABLED = True
+            a, b = statistics.median(got[False]), statistics.median(got[True])
+            print(f"  quant{bits}: {what}: JIT launches {a:.1f} us, compiled {b:.1f} us (medians of {args.turns} "
+                  f"turns; least {min(got[False]):.1f}, {min(got[True]):.1f}): {a / b:.2f}x less host time",
+                  flush=True)
     print("launch_cost: done")
 
 

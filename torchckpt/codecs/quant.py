@@ -82,6 +82,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import internal_error
+from torchckpt.codecs._launch import Launch
 from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, Scratch, on_stream
 
 _log = logging.getLogger("torchckpt")
@@ -216,15 +217,22 @@ def _triton_reason() -> str | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _fast(kernel: Any) -> Launch:
+    """``kernel``'s launches through its compiled kernels (NOTE [ Kernel launches ])."""
+    return Launch(kernel)
+
+
 def _launch(kernel: Any, n: int, nb: int, B: int, rows: int, args: tuple[Any, ...], **kw: Any) -> None:
     """Launch ``kernel`` unmasked over whole programs, then masked over the tail (_quant_triton.py)."""
     big = (nb + rows) * B >= 2**31
     full = n // (rows * B)
+    go = _fast(kernel)
     if full:
-        kernel[(full,)](*args, 0, MASKED=False, BIG=big, **kw)
+        go((full,), *args, 0, MASKED=False, BIG=big, **kw)
     rest = nb - full * rows
     if rest > 0:
-        kernel[(-(-rest // rows),)](*args, full * rows, MASKED=True, BIG=big, **kw)
+        go((-(-rest // rows),), *args, full * rows, MASKED=True, BIG=big, **kw)
 
 
 class TritonQuant(Codec):
@@ -579,7 +587,8 @@ def _raw_rows_triton(flat: torch.Tensor, params: torch.Tensor, B: int, sizes: to
     src = _bits(flat)
     rows = src.new_empty(nb * B) if out is None else out.view(src.dtype)
     R = _small_rows(B)
-    k.raw_rows_kernel[(triton_cdiv(nb, R),)](src, params, rows, sizes, n, nb, NPAR=params.shape[1], BLOCK=B, ROWS=R)
+    _fast(k.raw_rows_kernel)((triton_cdiv(nb, R),), src, params, rows, sizes, n, nb, NPAR=params.shape[1], BLOCK=B,
+                             ROWS=R)
     return rows.view(torch.uint8)
 
 
@@ -589,8 +598,8 @@ def _put_raw_rows_triton(flat: torch.Tensor, params: torch.Tensor, raw: torch.Te
 
     bits = _bits(flat)
     nb, R = params.shape[0], _small_rows(B)
-    k.put_raw_rows_kernel[(triton_cdiv(nb, R),)](raw.view(bits.dtype), params, bits, bits.numel(), nb,
-                                                  NPAR=params.shape[1], BLOCK=B, ROWS=R)
+    _fast(k.put_raw_rows_kernel)((triton_cdiv(nb, R),), raw.view(bits.dtype), params, bits, bits.numel(), nb,
+                                 NPAR=params.shape[1], BLOCK=B, ROWS=R)
 
 
 def triton_cdiv(a: int, b: int) -> int:
