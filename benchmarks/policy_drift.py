@@ -13,7 +13,8 @@ With ``--host`` (and ``--no-plan`` to skip the planner) each step also prints wh
 tell a slower host from waiting: the wall time, the time until ``backward()`` returned (the host's issue time; the
 rest is the device's tail), the process's CPU time (every thread), per thread the CPU time and the run-queue wait
 (``/proc/self/task/*/schedstat``: time runnable but not running, where the kernel reports it), voluntary and
-involuntary context switches, the machine's steal time (``/proc/stat``: a virtual machine's CPUs taken by its
+involuntary context switches, the device's time from the step's start to its forward's end and to its end (CUDA
+events; the forward's is the device's own speed, since the host issues it far ahead), the machine's steal time (``/proc/stat``: a virtual machine's CPUs taken by its
 host), and the caching allocator's device allocations and frees (``cudaMalloc``/``cudaFree``, which can
 synchronise).
 
@@ -103,8 +104,9 @@ def _steal() -> tuple[int, int]:
 class HostStep:
     """Where one step's time went on the host (see the module's docstring)."""
 
-    def __init__(self, cuda: bool) -> None:
+    def __init__(self, cuda: bool, marks: list[Any]) -> None:
         self.cuda = cuda
+        self.marks = marks  # CUDA events: the step's start, its forward's end, its end (timed on the device)
 
     def _snap(self) -> tuple[Any, ...]:
         ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -116,11 +118,19 @@ class HostStep:
         if self.cuda:
             torch.cuda.synchronize()
         a = self._snap()
+        at = time.time()
+        if self.marks:
+            self.marks[0].record()
         step()
+        if self.marks:
+            self.marks[2].record()
         issued = time.perf_counter()
         if self.cuda:
             torch.cuda.synchronize()
         b = self._snap()
+        ev = self.marks
+        fwd_dev = ev[0].elapsed_time(ev[1]) / 1e3 if ev else 0.0
+        all_dev = ev[0].elapsed_time(ev[2]) / 1e3 if ev else 0.0
         th = []
         for tid, (run, wait) in b[2].items():
             r0, w0 = a[2].get(tid, (0, 0))
@@ -129,26 +139,33 @@ class HostStep:
         th.sort(reverse=True)
         steal = b[5][0] - a[5][0]
         ticks = max(b[5][1] - a[5][1], 1)
-        return {"wall": b[0] - a[0], "issue": issued - a[0], "cpu": b[1] - a[1],
+        return {"at": at, "fwd_dev": fwd_dev, "all_dev": all_dev, "wall": b[0] - a[0], "issue": issued - a[0], "cpu": b[1] - a[1],
                 "threads": [(tid, run / 1e9, wait / 1e9) for run, wait, tid in th[:3]],
                 "vcsw": b[3] - a[3], "ivcsw": b[4] - a[4], "steal_pct": 100.0 * steal / ticks,
                 "device_alloc": b[6] - a[6], "device_free": b[7] - a[7], "sync_all": b[8] - a[8]}
 
 
 def steps(b: Any, n: int, cuda: bool, host: bool = False) -> list[float]:
+    marks: list[Any] = []
+
     def one() -> None:
         b.model.zero_grad(set_to_none=True)
         out = b.model(*b.args, **b.kwargs)
+        if marks:
+            marks[1].record()  # the device reaches it when the forward's kernels are done
         b.loss(out).backward()
         del out
 
     one()
+    if host and cuda:
+        marks += [torch.cuda.Event(enable_timing=True) for _ in range(3)]
     if host:
-        hs = HostStep(cuda)
+        hs = HostStep(cuda, marks)
         rows = [hs.run(one) for _ in range(n)]
         for r in rows:
             thr = " ".join(f"[{_name(tid)}: cpu {run * 1e3:.0f} wait {wait * 1e3:.1f}]" for tid, run, wait in r["threads"])
-            print(f"    step {r['wall'] * 1e3:6.1f} ms  issue {r['issue'] * 1e3:6.1f}  cpu {r['cpu'] * 1e3:6.1f}  "
+            dev = f"  device fwd {r['fwd_dev'] * 1e3:5.1f} all {r['all_dev'] * 1e3:6.1f}" if marks else ""
+            print(f"    {r['at']:.3f} step {r['wall'] * 1e3:6.1f} ms  issue {r['issue'] * 1e3:6.1f}{dev}  cpu {r['cpu'] * 1e3:6.1f}  "
                   f"csw {r['vcsw']}/{r['ivcsw']}  steal {r['steal_pct']:.1f}%  cudaMalloc/Free "
                   f"{r['device_alloc']}/{r['device_free']} sync_all {r['sync_all']}  threads {thr}", flush=True)
         ts = [r["wall"] for r in rows]
