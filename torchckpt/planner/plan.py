@@ -67,9 +67,12 @@
 #    planning one model return different plans (on an H100, a ViT-L: the plan in two processes, every other
 #    block in the third, 5% slower when measured after). When the plan's and the simple policy's measured steps
 #    are within 3% of each other, both are measured again (as Rule 4, the plan first) and each is taken as the
-#    mean of its two medians; still within 1%, the model decides: the simple policy if its predicted step is
-#    no slower than the plan's (the model's figures are the same in every process, NOTE [ Profiling step ]
-#    Rule 9, NOTE [ Mechanism costs ]). ``Plan.measurements`` records the means.
+#    mean of its two medians; still within 1%, the simple policy: the measurement cannot tell the two apart, and
+#    the simple policy runs fewer mechanisms (no store, no copies sharing the device with compute), whose costs
+#    the model is least sure of (on an H100 the GPT stack's 12 GiB plan, five blocks' kept outputs on host,
+#    measured 173.4 ms against every block ``Recompute(save=...)``'s 172.6 while planning, and 176.6 against
+#    167.2 in the frontier's rows of one process; the model had decided for the plan). The choice is the same in
+#    every process. ``Plan.measurements`` records the means.
 # 9. Rules 6-8 compare figures measured at different times: a simple policy while planning, a plan for another
 #    budget, this budget's plan now. On a busy host one policy's medians moved 20-40% within a run (on an H100 the
 #    zoo's MoE took, at 8.5 and 10.1 GiB, the 6.88 GiB plan measured 107.4 ms for its own budget over every other
@@ -78,7 +81,9 @@
 #    slack; any measured plan or simple policy), if its figure is within ``_RIVAL`` (30%) of the plan's and the two
 #    were not both measured for this budget, run in turns, ``_TURNS`` (3) each, the plan first, each turn as
 #    Rule 4; each is taken as the median of its turns' medians, and the faster returned (a rival whose peak went
-#    over the budget less the slack is not); within 1% the model decides, as in Rule 8. The medians replace the
+#    over the budget less the slack is not); within 1% as in Rule 8: a simple policy over a plan of the search,
+#    and between two of a kind the faster prediction (the model's figures are the same in every process,
+#    NOTE [ Profiling step ] Rule 9). The medians replace the
 #    two's earlier figures for later budgets. ``Plan.turns`` records them, the one returned first; ``explain()``
 #    prints them. A rival taken has no Rule 7 record (``Plan.measurements`` is empty): it was not this budget's plan.
 """

@@ -140,6 +140,14 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
     return out
 
 
+
+def _on_tie(best: Plan, other: Plan) -> bool:
+    """Whether ``other`` is taken over ``best`` when their measured steps are within ``_TIE`` (NOTE [ Applying a plan ]
+    Rules 8-9): a simple policy over a plan of the search, else the faster prediction."""
+    if bool(other.simple) != bool(best.simple):
+        return bool(other.simple)
+    return other.step_time < best.step_time
+
 class _Profiled:
     """One profiling step and its search, planned for any budget."""
 
@@ -361,7 +369,7 @@ class _Profiled:
         self.memo[d] = (max(pb, self.memo[d][0]), tb)
         fits = pb <= limit
         tie = abs(ta - tb) <= min(ta, tb) * _TIE
-        took = fits and (rival.step_time < best.step_time if tie else tb < ta)
+        took = fits and (_on_tie(best, rival) if tie else tb < ta)
         what = best.simple or "plan"
         other = name or "another plan of the search"
         self.say(f"budget {size(budget)}: in {_TURNS} turns each, {what} measured {ta * 1e3:.1f} ms and {other} "
@@ -375,7 +383,7 @@ class _Profiled:
     def _faster(self, budget: int, best: Plan, p: Plan) -> Plan:
         """NOTE [ Applying a plan ] Rule 6: ``best`` (this budget's, measured) or ``p`` (verified for another budget,
         measured faster, its peak within this one's), whichever measures faster; figures within 3% of each other are
-        measured again (``best`` first), and within 1% the model decides, as NOTE [ Applying a plan ] Rule 8 does."""
+        measured again (``best`` first), and within 1% decided as NOTE [ Applying a plan ] Rule 8 decides."""
         ours, theirs = best.measured_step_time, p.measured_step_time
         assert ours is not None and theirs is not None
         took = True
@@ -384,7 +392,7 @@ class _Profiled:
             if a is not None and b is not None:
                 ours, theirs = (ours + a[1]) / 2, (theirs + b[1]) / 2
                 tie = abs(ours - theirs) <= min(ours, theirs) * _TIE
-                took = p.step_time < best.step_time if tie else theirs < ours
+                took = _on_tie(best, p) if tie else theirs < ours
         asked, other = format_bytes_apart(budget, p.budget)
         self.say(f"budget {asked}: the plan verified for {other} fits and measured "
                  f"{theirs * 1e3:.1f} against {ours * 1e3:.1f} ms: " + ("took it" if took else "kept this budget's"))
@@ -428,7 +436,7 @@ class _Profiled:
                 best = dataclasses.replace(best, measured_step_time=ours)
                 mine, theirs = dataclasses.replace(mine, step_time=ours), dataclasses.replace(theirs, step_time=seconds)
                 tie = abs(seconds - ours) <= min(seconds, ours) * _TIE
-                took = pred.step_s <= best.step_time if tie else seconds < ours
+                took = _on_tie(best, p) if tie else seconds < ours
         self.say(f"budget {size(budget)}: measured the plan {ours * 1e3:.1f} ms and {name} "
                  f"{seconds * 1e3:.1f} ms{'' if theirs.fits else f' at {size(peak)}, over the budget'}: "
                  + (f"took {name}" if took else "kept the plan"))
