@@ -9,7 +9,8 @@ measured step, and the spread of the measured steps (max / min - 1), with no che
 device's own noise between processes). Then (``--turns``, default 5) one more process measures every process's
 plan of each budget in turns (plan 0, plan 1, plan 2, plan 0, ...; a warm-up step and the median of 5 a turn): the
 spread of their medians is what the plans differ by, apart from the speed of the process that made them (the
-claim's figure; the spread in their own processes is kept beside it). Writes ``plan_stability_<model>.json`` and a
+claim's figure; the spread in their own processes is kept beside it). Processes that returned the identical plan are
+named, with that plan's spread in the turns: what the turns themselves vary by. Writes ``plan_stability_<model>.json`` and a
 plot.
 
     python benchmarks/plan_stability.py --model llama --budgets 5.29,9 [--procs 3] [--reps 7] [--turns 5] [--out DIR]
@@ -183,6 +184,9 @@ def main() -> None:
         ok = [r for r in rows if "step_s" in r]
         spread = max(r["step_s"] for r in ok) / min(r["step_s"] for r in ok) - 1 if len(ok) == len(rows) else None
         same = len({json.dumps(r.get("blocks")) for r in rows}) == 1
+        groups: dict[str, list[int]] = {}  # processes that returned the identical plan
+        for k, r in enumerate(rows):
+            groups.setdefault(json.dumps(r.get("blocks")), []).append(k)
         for r in rows:
             r.pop("plan", None)
         entry: dict[str, Any] = {"budget_GiB": budget, "runs": rows, "spread": spread, "same_decisions": same}
@@ -191,12 +195,21 @@ def main() -> None:
             entry["turns"] = turns[i]
             entry["turn_medians_s"] = meds
             entry["turn_spread"] = (max(meds) / min(meds) - 1) if None not in meds else None  # type: ignore[type-var]
+            # one plan measured more than once in the turns: their spread is the turns' own, not the plans'
+            alike = [[meds[k] for k in g] for g in groups.values() if len(g) > 1 and None not in [meds[k] for k in g]]
+            entry["same_plan_turn_spread"] = max((max(m) / min(m) - 1 for m in alike), default=None)
+        entry["same_plan_processes"] = [g for g in groups.values() if len(g) > 1]
         result["budgets"].append(entry)
         judged = (f"; measured in turns in one process: {', '.join(f'{m * 1e3:.1f}' for m in entry['turn_medians_s'])}"
                   f" ms, spread {entry['turn_spread'] * 100:.1f}%" if entry.get("turn_spread") is not None else "")
         print(f"budget {budget:g} GiB: spread {spread * 100:.1f}% in their own processes{judged}"
               if spread is not None else f"budget {budget:g} GiB: not every process planned it",
-              f"({'the same plan' if same else 'different plans'})")
+              f"({'the same plan' if same else f'{len(groups)} different plans'})")
+        if not same and entry["same_plan_processes"]:
+            tw = entry.get("same_plan_turn_spread")
+            print(f"  processes {', '.join(' and '.join(map(str, g)) for g in entry['same_plan_processes'])} returned "
+                  "the identical plan" + (f", which measured {tw * 100:.1f}% apart in the turns: the turns' own noise"
+                                          if tw is not None else ""))
         for k, r in enumerate(rows):
             if "step_s" in r:
                 pk = f"{r['peak_GiB']:.2f} GiB" if r.get("peak_GiB") is not None else "-"
