@@ -14,7 +14,8 @@ the zoo's models (``benchmarks/architectures.py``, training sizes on CUDA, tiny 
 ``torch.utils.checkpoint``, under ``Recompute()``, and under ``Recompute()`` with parts of ``api.run`` switched off
 (the buffer guard, NOTE [ Buffers written in a forward ]; the call's state, NOTE [ Mutating forwards ] Rule 2;
 both), measured in ``--turns`` turns (each method in turn, a warm-up step and the median of 5 a turn; the median of
-the turns), then a torch.profiler table of one ``Recompute()`` step and one ``torch.utils.checkpoint`` step (host
+the turns), and ``Recompute(reentrant=True)`` on every block (one autograd node a block, NOTE [ Reentrant
+recompute ]), then a torch.profiler table of one ``Recompute()`` step and one ``torch.utils.checkpoint`` step (host
 time per op), with ``--trace`` rows.
 """
 from __future__ import annotations
@@ -79,11 +80,11 @@ def ablate(name: str, turns: int, trace: int) -> None:
             return remove
         return setup
 
-    def ours_on(which: Any) -> Any:
+    def ours_on(which: Any, policy: Any = None) -> Any:
         def setup() -> Any:
             chosen = [blk for i, blk in enumerate(b.blocks) if which(i)]
             for blk in chosen:
-                torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+                torchckpt.checkpoint(blk, policy=policy if policy is not None else torchckpt.Recompute())
             return lambda: [blk.__dict__.pop("forward", None) for blk in chosen]
         return setup
 
@@ -95,6 +96,7 @@ def ablate(name: str, turns: int, trace: int) -> None:
         "torch.utils.checkpoint, every other": lambda: wrap_blocks(
             b.blocks, lambda i, f: torch_checkpoint(f) if i % 2 == 0 else None),
         "Recompute()": ours(),
+        "Recompute(reentrant=True)": ours_on(lambda i: True, torchckpt.Recompute(reentrant=True)),
         "Recompute(), every other": ours_on(lambda i: i % 2 == 0),
         f"Recompute(), first {half} then every other": ours_on(lambda i: i < half or (i - half) % 2 == 1),
         "Recompute(), no guard": ours(guard=True),

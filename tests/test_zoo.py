@@ -6,7 +6,7 @@ from configs with random weights (tests/zoo_models.py), run two SGD steps under 
 the whole forward under ``torchckpt.offload(store)`` (resident, a partial budget, evicted, the
 identity codec), each of the model's repeated blocks wrapped with ``torchckpt.checkpoint``
 (``Offload`` resident / evicted / identity codec, ``Recompute()``, ``Recompute(store=...)``,
-``Keep()``), and transformers' own gradient-checkpointing hook calling ``torchckpt.checkpoint``.
+``Recompute(reentrant=True)``, ``Keep()``), and transformers' own gradient-checkpointing hook calling ``torchckpt.checkpoint``.
 The second step runs with the same store, which then follows the prefetch plan made from the
 first step's trace. Loss and every parameter gradient of both steps must equal plain autograd's
 bit for bit (same seed before each step: dropout, drop-path and stochastic depth draw the same
@@ -52,6 +52,7 @@ class Setting:
     codec: bool = False  # the identity codec on the host path
     slow: bool = False  # random delays before each copy on the store's streams (CUDA only)
     bf16: bool = False  # the forward under torch.autocast(dtype=torch.bfloat16)
+    reentrant: bool = False  # Recompute(reentrant=True) (NOTE [ Reentrant recompute ])
 
     @property
     def recompute(self) -> bool:
@@ -69,8 +70,10 @@ SETTINGS: dict[str, Setting] = {
     "block_offload_identity": Setting("blocks", "offload", 0, codec=True),
     "block_recompute": Setting("blocks", "recompute"),
     "block_recompute_store": Setting("blocks", "recompute", 0),
+    "block_recompute_reentrant": Setting("blocks", "recompute", reentrant=True),
     "block_keep": Setting("blocks", "keep"),
     "hf_recompute": Setting("hf", "recompute"),
+    "hf_recompute_reentrant": Setting("hf", "recompute", reentrant=True),
     "hf_offload_evicted": Setting("hf", "offload", 0),
 }
 # Copies that lag behind compute: a missing wait between the streams shows up as a wrong value.
@@ -98,7 +101,7 @@ def make_policy(s: Setting, store: torchckpt.Store | None) -> torchckpt.Policy:
     if s.policy == "offload":
         return Offload(store)
     if s.policy == "recompute":
-        return Recompute(store=store)
+        return Recompute(store=store, reentrant=s.reentrant)
     return Keep()
 
 

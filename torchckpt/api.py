@@ -51,6 +51,7 @@ from torchckpt.recompute.buffers import guarded
 from torchckpt.recompute.chain import ChainRuntime, ChainStats
 from torchckpt.recompute.mutation import CallState, check_recomputed
 from torchckpt.recompute.parts import run_in_parts
+from torchckpt.recompute.reentrant import run_reentrant
 from torchckpt.recompute.selective import selective_contexts
 
 T = TypeVar("T")
@@ -222,7 +223,12 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     state = None if torch.compiler.is_compiling() else CallState.of(fn, args, kwargs)  # NOTE [ Mutating forwards ]
     fn = guarded(fn, module)  # NOTE [ Buffers written in a forward ]: recomputations leave the buffers as plain autograd
     with ctx:  # the inputs saved at the boundary go to the store
-        if policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12
+        done = False
+        if policy.reentrant and not torch.compiler.is_compiling():  # NOTE [ Reentrant recompute ]
+            done, out = run_reentrant(fn, args, kwargs, policy.preserve_rng_state, module)
+        if done:
+            pass
+        elif policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12
             out = run_in_parts(
                 fn, args, kwargs, cuts=policy.parts, save=policy.save, store=policy.store, codec=policy.codec,
                 preserve_rng_state=policy.preserve_rng_state, determinism_check=policy.determinism_check,

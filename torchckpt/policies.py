@@ -62,6 +62,15 @@ class Recompute:
             The planner (``torchckpt.plan``) chooses them from a profile. Under ``torch.compile``
             the block is recomputed whole. ``None``: recompute the block whole
             (``torch.utils.checkpoint``).
+        reentrant: run the forward without grad inside one autograd node of torchckpt's
+            (NOTE [ Reentrant recompute ]): no saved-tensor hook and no autograd graph in the
+            forward, so the forward costs the host about what the block's own forward does (where
+            the non-reentrant frame's hooks make a host-bound model's forward the step's
+            bottleneck). Gradients are plain autograd's bit for bit, ``torch.autograd.grad`` and
+            second orders included; a block that uses a tensor needing grad that is neither an
+            argument nor a parameter of its module raises ``CheckpointError`` in backward (it
+            would get no gradient); every floating output then requires grad. Not with ``save``,
+            ``parts``, ``codec``, ``determinism_check="none"`` or ``debug``.
 
     Example::
 
@@ -81,6 +90,7 @@ class Recompute:
     save: frozenset[Any] | None = None
     codec: Codec | None = None
     parts: tuple[int, ...] | None = None
+    reentrant: bool = False
 
     def __post_init__(self) -> None:
         _check_store("Recompute", self.store)
@@ -97,7 +107,7 @@ class Recompute:
                     "torchckpt: Recompute(codec=...) compresses the outputs kept by save=... on their way through "
                     "store=...; pass both (e.g. Recompute(store=store, save={torch.ops.aten.mm.default}, codec=codec)), "
                     "or use Offload(store, codec) to compress what a block saves.")
-        for name in ("preserve_rng_state", "debug"):
+        for name in ("preserve_rng_state", "debug", "reentrant"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(
@@ -108,6 +118,15 @@ class Recompute:
                 f"torchckpt: Recompute(determinism_check=...) must be one of {_DETERMINISM}, "
                 f"got {self.determinism_check!r}."
             )
+        if self.reentrant:
+            other = [n for n, v in (("save", self.save), ("parts", self.parts), ("codec", self.codec)) if v is not None]
+            other += [n for n, v in (("determinism_check", self.determinism_check != "default"),
+                                     ("debug", self.debug)) if v]
+            if other:
+                raise ValueError(
+                    f"torchckpt: Recompute(reentrant=True) recomputes the block whole in one autograd node, with no "
+                    f"hook in its forward; {', '.join(other)} need(s) the non-reentrant frame. Pass reentrant=False "
+                    f"with {', '.join(other)}, or drop {', '.join(other)}.")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -1,0 +1,189 @@
+"""NOTE [ Reentrant recompute ]: ``Recompute(reentrant=True)`` gives plain autograd's values, gradients and buffers
+bit for bit, with arguments and results of any structure, ``torch.autograd.grad`` and second orders; falls back
+where no input needs grad; raises where a gradient would be lost; holds no tensor of its own. The zoo's models run it too (tests/test_zoo.py,
+``block_recompute_reentrant`` and ``hf_recompute_reentrant``)."""
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+import weakref
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchckpt
+from ckpt_models import assert_same_grads, cpu_store, grads
+from torchckpt import CheckpointError, Recompute
+
+REENTRANT = Recompute(reentrant=True)
+
+
+class Block(nn.Module):
+    """Linear, dropout, batch norm in training (writes its running statistics), GELU: the RNG and a buffer write."""
+
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.lin = nn.Linear(d, d)
+        self.drop = nn.Dropout(0.3)
+        self.bn = nn.BatchNorm1d(d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.gelu(self.bn(self.drop(self.lin(x)))) + x
+
+
+def _steps(model: nn.Module, x: torch.Tensor, steps: int = 2) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    out = []
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(steps):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(10 + i)
+        loss = model(x).pow(2).mean()
+        loss.backward()
+        out.append((loss.detach(), grads(model)))
+        opt.step()
+    return out
+
+
+@pytest.mark.parametrize("store", [False, True])
+def test_blocks_give_plain_autograd_bits_and_buffers(store: bool) -> None:
+    """Two SGD steps, dropout drawing the same masks (the RNG restored), inputs on the device or through a store."""
+    policy = Recompute(store=cpu_store(gpu_bytes=0), reentrant=True) if store else REENTRANT
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), *[Block() for _ in range(3)], nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:4]:
+        torchckpt.checkpoint(b, policy=policy)
+    x = torch.randn(32, 8)  # the first block's input requires grad through the first Linear
+    got, want = _steps(model, x), _steps(ref, x)
+    for (la, ga), (lb, gb) in zip(got, want):
+        assert torch.equal(la, lb)
+        assert_same_grads(ga, gb)
+    for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+        assert torch.equal(a, b), n  # batch norm's statistics moved once a step
+
+
+def test_arguments_and_results_of_any_structure() -> None:
+    """Tensors in keyword arguments and nested containers get their gradients; the result's structure and
+    non-tensor leaves are the forward's; integer tensors in the result need no gradient."""
+    def f(pair: tuple[torch.Tensor, list[torch.Tensor]], scale: float, *, w: torch.Tensor) -> dict[str, Any]:
+        a, (b,) = pair
+        return {"y": (a * w).sin() + b, "n": 3, "rest": ((a.exp(), (a > 0).long()), "tag", scale * b.sum())}
+
+    def make() -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        return [torch.randn(6, requires_grad=True) for _ in range(3)]
+
+    a, b, w = make()
+    out = torchckpt.checkpoint(f, (a, [b]), 2.0, w=w, policy=REENTRANT)
+    a2, b2, w2 = make()
+    ref = f((a2, [b2]), 2.0, w=w2)
+    assert out["n"] == 3 and out["rest"][1] == "tag" and out["rest"][0][1].dtype == torch.long
+    assert torch.equal(out["rest"][0][1], ref["rest"][0][1]) and not out["rest"][0][1].requires_grad
+    for o in (out, ref):
+        (o["y"].sum() + o["rest"][0][0].sum() + o["rest"][2]).backward()
+    for t, u in ((a, a2), (b, b2), (w, w2)):
+        assert t.grad is not None and torch.equal(t.grad, u.grad)
+
+
+def test_no_argument_needing_grad_still_gives_the_parameters_theirs() -> None:
+    """The parameters are the node's inputs (Rule 2): a block on data that needs no grad gets plain autograd's
+    gradients (torch's reentrant checkpoint gives none, with a warning)."""
+    torch.manual_seed(2)
+    block = Block()
+    ref = copy.deepcopy(block)
+    torchckpt.checkpoint(block, policy=REENTRANT)
+    x = torch.randn(8, 16)  # requires no grad
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = _steps(block, x)
+    want = _steps(ref, x)
+    for (la, ga), (lb, gb) in zip(got, want):
+        assert torch.equal(la, lb)
+        assert_same_grads(ga, gb)
+    assert all(g is not None for g in got[0][1].values())
+
+
+def test_autograd_grad_inputs_and_second_order_as_plain() -> None:
+    """Rule 3: ``torch.autograd.grad`` (no ``.grad`` touched), ``backward(inputs=...)`` and a second order through
+    the node give plain autograd's bits (torch's reentrant checkpoint raises on the first two)."""
+    torch.manual_seed(3)
+    lin = nn.Linear(5, 5)
+    ref = copy.deepcopy(lin)
+    torchckpt.checkpoint(lin, policy=REENTRANT)
+    x = torch.randn(2, 5, requires_grad=True)
+    gx, gw = torch.autograd.grad(lin(x).tanh().sum(), (x, lin.weight))
+    rx, rw = torch.autograd.grad(ref(x).tanh().sum(), (x, ref.weight))
+    assert torch.equal(gx, rx) and torch.equal(gw, rw) and lin.weight.grad is None
+    lin(x).tanh().sum().backward(inputs=[lin.bias])
+    ref(x).tanh().sum().backward(inputs=[ref.bias])
+    assert torch.equal(lin.bias.grad, ref.bias.grad) and lin.weight.grad is None and x.grad is None
+    (g2,) = torch.autograd.grad(lin(x).tanh().sum(), x, create_graph=True)
+    (r2,) = torch.autograd.grad(ref(x).tanh().sum(), x, create_graph=True)
+    assert torch.equal(torch.autograd.grad(g2.sum(), x)[0], torch.autograd.grad(r2.sum(), x)[0])
+
+
+def test_a_tensor_outside_the_nodes_inputs_raises_rather_than_no_gradient() -> None:
+    """Rule 4: a closure's tensor that needs grad would get none: backward raises, naming it."""
+    w = torch.randn(4, requires_grad=True)
+    x = torch.randn(4, requires_grad=True)
+    y = torchckpt.checkpoint(lambda t: (t * w).sin(), x, policy=REENTRANT)
+    with pytest.raises(CheckpointError, match=r"neither its arguments nor its module's parameters \(shapes \(4,\)\)"):
+        y.sum().backward()
+
+
+def test_a_recomputation_with_another_structure_raises() -> None:
+    calls = []
+
+    def f(x: torch.Tensor) -> Any:
+        calls.append(1)
+        return x.sin() if len(calls) == 1 else (x.sin(), x.cos())
+
+    x = torch.randn(3, requires_grad=True)
+    y = torchckpt.checkpoint(f, x, policy=REENTRANT)
+    with pytest.raises(CheckpointError, match="same structure"):
+        y.sum().backward()
+
+
+def test_inputs_go_to_the_store_and_nothing_is_held() -> None:
+    """The node's saved arguments go through the store's hooks (Rule 4); the result is the caller's to free."""
+    store = cpu_store(gpu_bytes=0)
+    x = torch.randn(64, 16, requires_grad=True)
+    lin = nn.Linear(16, 16)
+    x2, lin2 = x.detach().clone().requires_grad_(), copy.deepcopy(lin)
+    torchckpt.checkpoint(lin, policy=Recompute(store=store, reentrant=True))
+    y = lin(x)
+    z = y * 2.0  # saves no tensor of y
+    ref = weakref.ref(y)
+    del y
+    gc.collect()
+    assert ref() is None
+    assert store.stats().packed > 0
+    z.sum().backward()
+    (lin2(x2) * 2.0).sum().backward()
+    assert torch.equal(x.grad, x2.grad) and torch.equal(lin.weight.grad, lin2.weight.grad)
+
+
+@pytest.mark.parametrize("kw", [dict(save={torch.ops.aten.mm.default}), dict(parts=(1,)),
+                                dict(determinism_check="none"), dict(debug=True)])
+def test_settings_that_need_the_non_reentrant_frame_are_refused(kw: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match=r"^torchckpt: Recompute\(reentrant=True\)"):
+        Recompute(reentrant=True, **kw)
+
+
+def test_reentrant_must_be_a_bool() -> None:
+    with pytest.raises(TypeError, match="reentrant"):
+        Recompute(reentrant="yes")  # type: ignore[arg-type]
+
+
+def test_every_floating_output_requires_grad() -> None:
+    """Rule 6: a floating output computed from tensors that need no grad requires grad through the node (plain
+    autograd says it does not); its gradient is zero, the others' are plain autograd's."""
+    mask = torch.rand(4)
+    x = torch.randn(4, requires_grad=True)
+    y, m = torchckpt.checkpoint(lambda t: (t.sin(), mask * 2), x, policy=REENTRANT)
+    assert m.requires_grad and torch.equal(m, mask * 2)
+    (y.sum() + m.sum()).backward()
+    assert torch.equal(x.grad, x.detach().cos())
