@@ -15,7 +15,8 @@ the zoo's models (``benchmarks/architectures.py``, training sizes on CUDA, tiny 
 (the buffer guard, NOTE [ Buffers written in a forward ]; the call's state, NOTE [ Mutating forwards ] Rule 2;
 both), measured in ``--turns`` turns (each method in turn, a warm-up step and the median of 5 a turn; the median of
 the turns), and ``Recompute(reentrant=True)`` on every block (one autograd node a block, NOTE [ Reentrant
-recompute ]), then a torch.profiler table of one ``Recompute()`` step and one ``torch.utils.checkpoint`` step (host
+recompute ]); each method's forward alone is timed too (its cost a block over no checkpointing's forward), then a
+torch.profiler table of one ``Recompute()`` step and one ``torch.utils.checkpoint`` step (host
 time per op), with ``--trace`` rows.
 """
 from __future__ import annotations
@@ -103,23 +104,30 @@ def ablate(name: str, turns: int, trace: int) -> None:
         "Recompute(), no call state": ours(state=True),
         "Recompute(), neither": ours(guard=True, state=True),
     }
+    def forward() -> None:  # the forward alone (what the host issues before backward), its graph dropped
+        b.loss(b.model(*b.args, **b.kwargs))
+
     got: dict[str, list[float]] = {k: [] for k in methods}
+    fwd: dict[str, list[float]] = {k: [] for k in methods}
     for _ in range(turns):
         for k, setup in methods.items():
             undo = setup()
             try:
                 got[k].append(float(measure_steps(step, 5, cuda, warmup=1)["step_s"]))
+                fwd[k].append(float(measure_steps(forward, 5, cuda, warmup=1)["step_s"]))
             finally:
                 if callable(undo):
                     undo()
             if cuda:
                 torch.cuda.empty_cache()
     base = statistics.median(got["torch.utils.checkpoint"])
+    f0 = statistics.median(fwd["none"])
     n = len(b.blocks)
     for k, ts in got.items():
-        m = statistics.median(ts)
+        m, f = statistics.median(ts), statistics.median(fwd[k])
         print(f"{k:<28} {m * 1e3:8.1f} ms  turns {min(ts) * 1e3:.1f}-{max(ts) * 1e3:.1f}  "
-              f"{(m - base) / n * 1e6:+7.0f} us a block over torch.utils.checkpoint", flush=True)
+              f"{(m - base) / n * 1e6:+7.0f} us a block over torch.utils.checkpoint; forward alone {f * 1e3:.2f} ms, "
+              f"{(f - f0) / n * 1e6:+.0f} us a block over none's", flush=True)
     if trace:
         from torch.profiler import ProfilerActivity, profile
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
