@@ -226,7 +226,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
         done = False
         if policy.reentrant and not torch.compiler.is_compiling():  # NOTE [ Reentrant recompute ]
             done, out = run_reentrant(fn, args, kwargs, policy.preserve_rng_state, module)
-        if done:
+        if done:  # ran in one node (NOTE [ Reentrant recompute ] Rule 4 leaves some calls to the frame below)
             pass
         elif policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12
             out = run_in_parts(

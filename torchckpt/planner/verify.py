@@ -140,13 +140,13 @@ def plans(model: nn.Module, *example_args: Any, budgets: Sequence[int | str], co
     return out
 
 
-
 def _on_tie(best: Plan, other: Plan) -> bool:
     """Whether ``other`` is taken over ``best`` when their measured steps are within ``_TIE`` (NOTE [ Applying a plan ]
     Rules 8-9): a simple policy over a plan of the search, else the faster prediction."""
     if bool(other.simple) != bool(best.simple):
         return bool(other.simple)
     return other.step_time < best.step_time
+
 
 class _Profiled:
     """One profiling step and its search, planned for any budget."""

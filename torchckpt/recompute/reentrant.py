@@ -24,12 +24,12 @@
 #    it (the walk costs the backward a Python step per node of the block's graph). With no argument and no
 #    parameter that requires grad the call is left to the non-reentrant frame (``run_reentrant`` returns
 #    ``(False, None)``; the same values and gradients, the hooks' cost): a closure's tensor could still need one.
-# 6. Every floating tensor of the result requires grad (the node's outputs), where plain autograd may say
-#    ``requires_grad=False`` of one computed from tensors that need none; its gradient is then zero.
 # 5. What the node saves (its tensor inputs) goes through any saved-tensor hooks in force, so
 #    ``Recompute(store=..., reentrant=True)`` sends them to the store as ``Recompute(store=...)`` does; the closure
 #    holds no tensor of the call. The buffer guard (NOTE [ Buffers written in a forward ]) and the check of mutating
 #    forwards (NOTE [ Mutating forwards ]) wrap the block's function around this as around the non-reentrant frame.
+# 6. Every floating tensor of the result requires grad (the node's outputs), where plain autograd may say
+#    ``requires_grad=False`` of one computed from tensors that need none; its gradient is then zero.
 """
 from __future__ import annotations
 
