@@ -18,7 +18,7 @@ events; the forward's is the device's own speed, since the host issues it far ah
 host), and the caching allocator's device allocations and frees (``cudaMalloc``/``cudaFree``, which can
 synchronise).
 
-    python benchmarks/policy_drift.py [--models convnext,t5] [--steps 8] [--host] [--no-plan] [--series 3]
+    python benchmarks/policy_drift.py [--models convnext,t5] [--steps 8] [--host] [--no-plan] [--series 3] [--reentrant]
 """
 from __future__ import annotations
 
@@ -175,10 +175,14 @@ def steps(b: Any, n: int, cuda: bool, host: bool = False) -> list[float]:
     return ts
 
 
-def recompute_all(b: Any) -> Any:
+def recompute_all(b: Any, reentrant: bool = False) -> Any:
     for blk in b.blocks:
-        torchckpt.checkpoint(blk, policy=torchckpt.Recompute())
+        torchckpt.checkpoint(blk, policy=torchckpt.Recompute(reentrant=reentrant))
     return lambda: [blk.__dict__.pop("forward", None) for blk in b.blocks]
+
+
+def reentrant_all(b: Any) -> Any:
+    return recompute_all(b, reentrant=True)
 
 
 def show(label: str, ts: list[float], watch: GcWatch | None = None) -> None:
@@ -186,7 +190,7 @@ def show(label: str, ts: list[float], watch: GcWatch | None = None) -> None:
           f"{' '.join(f'{t * 1e3:.0f}' for t in ts)}{'  ' + str(watch) if watch else ''}", flush=True)
 
 
-def run(name: str, n: int, host: bool = False, plan: bool = True, series: int = 1) -> None:
+def run(name: str, n: int, host: bool = False, plan: bool = True, series: int = 1, reentrant: bool = False) -> None:
     cuda = torch.cuda.is_available()
     dev = torch.device("cuda" if cuda else "cpu")
     b = build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32)
@@ -208,6 +212,8 @@ def run(name: str, n: int, host: bool = False, plan: bool = True, series: int = 
         tag = f" ({i + 1}/{series})" if series > 1 else ""
         measure(f"before planning: keep everything{tag}")
         measure(f"before planning: every block Recompute(){tag}", recompute_all)
+        if reentrant:
+            measure(f"before planning: every block Recompute(reentrant=True){tag}", reentrant_all)
     if not plan:
         return
     with untouched(b.model, (b.args, b.kwargs)):
@@ -242,9 +248,11 @@ def main() -> None:
     p.add_argument("--host", action="store_true", help="print where each step's time went on the host")
     p.add_argument("--no-plan", action="store_true", help="only the series before planning")
     p.add_argument("--series", type=int, default=1, help="series of each policy before planning, alternately")
+    p.add_argument("--reentrant", action="store_true",
+                   help="also every block Recompute(reentrant=True) in each series (NOTE [ Reentrant recompute ])")
     args = p.parse_args()
     for name in args.models.split(","):
-        run(name, args.steps, args.host, not args.no_plan, args.series)
+        run(name, args.steps, args.host, not args.no_plan, args.series, args.reentrant)
 
 
 if __name__ == "__main__":
