@@ -187,3 +187,22 @@ def test_every_floating_output_requires_grad() -> None:
     assert m.requires_grad and torch.equal(m, mask * 2)
     (y.sum() + m.sum()).backward()
     assert torch.equal(x.grad, x.detach().cos())
+
+
+def test_under_autocast_as_plain() -> None:
+    """The recomputation runs under the autocast the forward ran under (``ForwardState``): bf16 on the CPU, bit for bit."""
+    torch.manual_seed(4)
+    model = nn.Sequential(nn.Linear(8, 16), Block(), Block(), nn.Linear(16, 4))
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:3]:
+        torchckpt.checkpoint(b, policy=REENTRANT)
+    x = torch.randn(16, 8)
+    out = []
+    for m in (model, ref):
+        torch.manual_seed(5)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = m(x).float().pow(2).mean()
+        loss.backward()
+        out.append((loss.detach(), grads(m)))
+    assert torch.equal(out[0][0], out[1][0])
+    assert_same_grads(out[0][1], out[1][1])
