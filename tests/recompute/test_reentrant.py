@@ -206,3 +206,15 @@ def test_under_autocast_as_plain() -> None:
         out.append((loss.detach(), grads(m)))
     assert torch.equal(out[0][0], out[1][0])
     assert_same_grads(out[0][1], out[1][1])
+
+
+def test_the_nodes_parameters_are_the_modules_needing_grad_each_once() -> None:
+    """Rule 2's parameters: ``module.parameters()``'s that require grad, in its order, a shared one once."""
+    from torchckpt.recompute.reentrant import _params
+
+    shared = nn.Linear(3, 3)
+    m = nn.Sequential(nn.Linear(3, 3), nn.Sequential(shared, nn.ReLU(), shared), nn.LayerNorm(3))
+    m[0].bias.requires_grad_(False)
+    m.register_parameter("extra", None)
+    assert _params(m) == [p for p in m.parameters() if p.requires_grad]
+    assert len(_params(m)) == 5  # m[0].weight, shared's two, the norm's two

@@ -60,11 +60,15 @@ class _Call:
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The block on ``tensors`` (the arguments' tensors), its result's tensors (NOTE [ Reentrant recompute ] Rule 2)."""
-        vals = list(self.leaves)
-        for i, t in zip(self.at, tensors):
-            vals[i] = t
-        a, k = tree_unflatten(vals, self.spec)
-        out_leaves, out_spec = tree_flatten(self.fn(*a, **k))
+        if self.spec is None:  # tensor arguments alone, no keyword: the tensors are the arguments
+            out = self.fn(*tensors)
+        else:
+            vals = list(self.leaves)
+            for i, t in zip(self.at, tensors):
+                vals[i] = t
+            a, k = tree_unflatten(vals, self.spec)
+            out = self.fn(*a, **k)
+        out_leaves, out_spec = ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
         where = [i for i, x in enumerate(out_leaves) if isinstance(x, torch.Tensor)]
         if self.result is None:
             self.result = ([None if isinstance(x, torch.Tensor) else x for x in out_leaves], out_spec, where)
@@ -134,6 +138,25 @@ class _Node(torch.autograd.Function):
         return (None, *got)
 
 
+def _params(mod: nn.Module) -> list[nn.Parameter]:
+    """``mod``'s parameters that require grad, each once (``mod.parameters()``'s, without building their names)."""
+    out: list[nn.Parameter] = []
+    seen: set[int] = set()
+    stack = [mod]
+    visited: set[int] = set()
+    while stack:
+        m = stack.pop()
+        if id(m) in visited:
+            continue
+        visited.add(id(m))
+        for p in m._parameters.values():
+            if p is not None and p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                out.append(p)
+        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
+    return out
+
+
 def _module_of(fn: Callable[..., Any], module: nn.Module | None) -> nn.Module | None:
     """The block's module: ``module``, or the one ``fn`` is a bound method of or a partial binds first (transformers'
     checkpointing hook passes ``functools.partial(forward, layer, **kwargs)`` in 5.x, ``partial(layer.__call__,
@@ -152,17 +175,22 @@ def run_reentrant(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
                   module: nn.Module | None = None) -> tuple[bool, Any]:
     """``(True, fn(*args, **kwargs))`` run through one node (NOTE [ Reentrant recompute ]), or ``(False, None)`` where
     NOTE [ Reentrant recompute ] Rule 4 leaves the call to the non-reentrant frame (nothing ran)."""
-    leaves, spec = tree_flatten((args, kwargs))
+    if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common call, module(x): no tree to walk
+        leaves, spec = list(args), None
+    else:
+        leaves, spec = tree_flatten((args, kwargs))
     at = [i for i, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     tensors = [leaves[i] for i in at]
     mod = _module_of(fn, module)
-    params = [p for p in mod.parameters() if p.requires_grad] if mod is not None else []
+    params = _params(mod) if mod is not None else []
     if not any(t.requires_grad for t in tensors) and not params:
         return False, None
     call = _Call(fn, leaves, spec, at, ForwardState(tensors, preserve_rng_state))
     outs = _Node.apply(call, *tensors, *params)
     assert call.result is not None
     out_leaves, out_spec, where = call.result
+    if out_spec is None:  # a tensor
+        return True, outs[0]
     vals = list(out_leaves)
     for i, t in zip(where, outs):
         vals[i] = t
