@@ -218,3 +218,15 @@ def test_the_nodes_parameters_are_the_modules_needing_grad_each_once() -> None:
     m.register_parameter("extra", None)
     assert _params(m) == [p for p in m.parameters() if p.requires_grad]
     assert len(_params(m)) == 5  # m[0].weight, shared's two, the norm's two
+
+
+def test_a_block_returning_its_input_or_taking_one_tensor_twice() -> None:
+    x = torch.randn(3, requires_grad=True)
+    y, z = torchckpt.checkpoint(lambda t: (t, t.sin()), x, policy=REENTRANT)
+    (y * 2 + z).sum().backward()
+    x2 = x.detach().requires_grad_()
+    (x2 * 2 + x2.sin()).sum().backward()
+    assert torch.equal(x.grad, x2.grad)
+    x.grad = None
+    torchckpt.checkpoint(lambda a, b: a * b, x, x, policy=REENTRANT).sum().backward()
+    assert torch.equal(x.grad, x.detach() + x.detach())
