@@ -49,6 +49,7 @@ import argparse
 import importlib
 import math
 import os
+import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -369,8 +370,7 @@ def main() -> int:
                 finally:
                     _launch.ENABLED = True
         for key, label, *_ in variants:
-            ts = sorted(times[key])
-            med = ts[len(ts) // 2] if len(ts) % 2 else (ts[len(ts) // 2 - 1] + ts[len(ts) // 2]) / 2
+            med = statistics.median(times[key])
             d = r["d"].setdefault(key, {})
             d.update(turns_s=times[key], median_s=med, median_speedup_over_b=tb / med)
             print(f"[{s} (d) {label}, {args.turns} turns] median {med:.3f} s = {tb / med:.2f}x faster than (b); turns "

@@ -82,16 +82,15 @@ class Launch:
         runtime, active = _triton
         dev = active.get_current_device()
         key: Any = None
+        hit = None
         if not (_hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook)):
-            kinds = [_kind(a) for a in args]
-            try:
-                key = (dev, tuple(kinds), tuple(kw.items()))  # the call sites name their keywords in one order
-                hash(key)
-            except TypeError:
-                key = None
-            if key is not None and None in kinds:
-                key = None
-        hit = self._compiled.get(key) if key is not None else None
+            kinds = tuple(_kind(a) for a in args)
+            if None not in kinds:
+                key = (dev, kinds, tuple(kw.items()))  # the call sites name their keywords in one order
+                try:
+                    hit = self._compiled.get(key)
+                except TypeError:  # a keyword's value is not hashable
+                    key = None
         if hit is None:
             self.jit_calls += 1
             ck = self.kernel[grid](*args, **kw)

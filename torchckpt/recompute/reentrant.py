@@ -139,22 +139,8 @@ class _Node(torch.autograd.Function):
 
 
 def _params(mod: nn.Module) -> list[nn.Parameter]:
-    """``mod``'s parameters that require grad, each once (``mod.parameters()``'s, without building their names)."""
-    out: list[nn.Parameter] = []
-    seen: set[int] = set()
-    stack = [mod]
-    visited: set[int] = set()
-    while stack:
-        m = stack.pop()
-        if id(m) in visited:
-            continue
-        visited.add(id(m))
-        for p in m._parameters.values():
-            if p is not None and p.requires_grad and id(p) not in seen:
-                seen.add(id(p))
-                out.append(p)
-        stack.extend(c for c in reversed(m._modules.values()) if c is not None)
-    return out
+    """``mod``'s parameters that require grad, each once, in ``mod.parameters()``'s order."""
+    return [p for p in mod.parameters() if p.requires_grad]
 
 
 def _module_of(fn: Callable[..., Any], module: nn.Module | None) -> nn.Module | None:
