@@ -10,7 +10,7 @@ import torch
 from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
-    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, PARTS_FLOOR, RECOMPUTE_ALL, calibrate, floor_policy,
+    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, PARTS_FLOOR, RECOMPUTE_ALL, REENTRANT_ALL, calibrate, floor_policy,
     measure_policies, parts_floor, revolve_policy,
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts, chain_states
@@ -94,8 +94,9 @@ def test_a_costly_dispatch_mode_moves_the_search_off_kept_ops(prof: Profile) -> 
 
 
 def test_measure_policies_measures_the_four_in_order_and_leaves_out_what_did_not_run(prof: Profile) -> None:
-    """NOTE [ Mechanism costs ] Rule 1: keep everything, Recompute(), Recompute(save=...), Recompute(store=...), each
-    once; one that could not run (``None``: out of memory) is left out, and its terms stay 0."""
+    """NOTE [ Mechanism costs ] Rule 1: keep everything, Recompute(), Recompute(save=...), Recompute(store=...) and
+    Recompute(reentrant=True), each once; one that could not run (``None``: out of memory) is left out, and its terms
+    stay 0."""
     chain = _chain(prof)
     policies = simple_policies(chain)
     calls: list[str] = []
@@ -106,7 +107,8 @@ def test_measure_policies_measures_the_four_in_order_and_leaves_out_what_did_not
         return None if name == RECOMPUTE_ALL else (1 << 30, 1.0)
 
     got = measure_policies(policies, step)
-    assert calls == [n for n in MEASURED if n in dict(policies)] and set(got) == {KEEP_ALL, KEEP_OPS_ALL, HOST_ALL}
+    assert calls == [n for n in MEASURED if n in dict(policies)]
+    assert set(got) == {KEEP_ALL, KEEP_OPS_ALL, HOST_ALL, REENTRANT_ALL}
     cal = calibrate(chain, policies, got)
     assert all(b.rec_s == 0.0 for b in cal.blocks) and cal.rec_bytes == 0
 

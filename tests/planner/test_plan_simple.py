@@ -43,8 +43,9 @@ def _grads(m: nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def test_every_simple_policy_is_a_plan_with_plain_autograd_gradients() -> None:
-    """NOTE [ Plan search ] Rule 7: keep everything, Recompute() on every block, Recompute(save=matmuls, attention)
-    on every block, every other block, checkpoint_chain: each a recorded plan of the search, priced by its model,
+    """NOTE [ Plan search ] Rule 7: keep everything, Recompute() on every block (and with reentrant=True),
+    Recompute(save=matmuls, attention) on every block, every other block, checkpoint_chain: each a recorded plan of
+    the search, priced by its model,
     and applied as a Plan it gives plain autograd's gradients bit for bit."""
     torch.manual_seed(3)
     m = Net(4)
@@ -53,9 +54,10 @@ def test_every_simple_policy_is_a_plan_with_plain_autograd_gradients() -> None:
     planner = _Profiled.prepare(m, (x,), {}, None, None, None, Link(1e9, 1e9))
     found, prof = planner.found, planner.prof
     names = [name for name, _, _ in found.simple]
-    assert names[:6] == ["keep everything", EVERY, "every block Recompute(store=...), inputs to host", SAC,
+    assert names[:7] == ["keep everything", EVERY, "every block Recompute(reentrant=True)",
+                         "every block Recompute(store=...), inputs to host", SAC,
                          "every other block Recompute() (h.0, h.2)", "every other block Recompute() (h.1, h.3)"]
-    assert names[6:] == ["checkpoint_chain (Revolve, 1 snapshot)", "checkpoint_chain (Revolve, 2 snapshots)"]
+    assert names[7:] == ["checkpoint_chain (Revolve, 1 snapshot)", "checkpoint_chain (Revolve, 2 snapshots)"]
     recorded = dict(found.plans)
     for name, decisions, pred in found.simple:
         assert recorded[decisions] == pred == predict(found.chain, decisions)  # a candidate, priced by the same model

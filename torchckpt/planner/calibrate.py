@@ -13,7 +13,9 @@
 #    measured 216-272 ms on an H100 where the step model, with no such term, said 75-85 ms), every block
 #    ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
 #    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
-#    left unmeasured and its terms stay 0.
+#    left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, calibrating
+#    nothing: its figure is what NOTE [ Applying a plan ] Rule 7 ranks it by against the plan (its forward costs
+#    the host less than ``Recompute()``'s, which the step model does not price: NOTE [ Reentrant recompute ]).
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
 #    (``StepCosts.other_bwd_s``, then ``other_fwd_s``, neither below 0; what is still to take off scales every
 #    block's forward and backward alike): what the profiling step's timing left in its times is gone from the
@@ -93,7 +95,8 @@ from collections.abc import Callable, Mapping, Sequence
 from torchckpt.planner.costs import Block, Decision, StepCosts, chain_states, predict
 from torchckpt.planner.optimize import search
 
-__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "RECOMPUTE_ALL", "calibrate",
+__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "RECOMPUTE_ALL", "REENTRANT_ALL",
+           "calibrate",
            "floor_policy", "measure_policies", "revolve_policy"]
 
 KEEP_ALL = "keep everything"
@@ -101,9 +104,10 @@ RECOMPUTE_ALL = "every block Recompute()"
 KEEP_OPS_ALL = "every block Recompute(save=matmuls, attention)"
 KEEP_TOP_ALL = "every block Recompute(save=its costliest op per byte)"  # where no block has a matmul (NOTE [ Plan search ] Rule 7)
 HOST_ALL = "every block Recompute(store=...), inputs to host"
+REENTRANT_ALL = "every block Recompute(reentrant=True)"  # measured, not a calibration (NOTE [ Mechanism costs ] Rule 1)
 EVERY_OTHER = "every other block Recompute() ("  # the start of the name of the plan from the first block (NOTE [ Mechanism costs ] Rule 9)
 PARTS_FLOOR = "the search's floor plan, in parts"  # NOTE [ Mechanism costs ] Rule 12
-MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
+MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL, REENTRANT_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
 
 Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
 _TOLERANCE = 1000  # a peak within 1/1000 of the measured one is solved (NOTE [ Mechanism costs ] Rule 3)

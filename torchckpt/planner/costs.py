@@ -300,6 +300,9 @@ class Decision:
             (NOTE [ Step model ] Rule 2c).
         revolve: for ``"recompute"`` on the device, > 0: the block's input is kept or rebuilt by Revolve over
             the chain whose snapshots hold at most this many bytes (NOTE [ Step model ] Rule 5); every block of the plan has it.
+        reentrant: for ``"recompute"`` of the whole block (no ``keep``, ``parts`` or ``revolve``): through
+            ``Recompute(reentrant=True)`` (NOTE [ Reentrant recompute ]); the step model prices it as ``Recompute()``,
+            measurement tells them apart (NOTE [ Plan search ] Rule 7).
     """
 
     mode: str
@@ -309,6 +312,7 @@ class Decision:
     keep: tuple[int, ...] = ()
     parts: tuple[int, ...] = ()
     revolve: int = 0
+    reentrant: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("keep", "recompute", "offload"):
@@ -324,11 +328,15 @@ class Decision:
             raise ValueError("torchckpt: Decision(revolve=...) takes Decision(mode='recompute') without host=True.")
         if any(not a < b for a, b in zip((0,) + self.parts, self.parts)):
             raise ValueError(f"torchckpt: Decision(parts=...) takes increasing positions > 0, got {self.parts!r}.")
+        if self.reentrant and (self.mode != "recompute" or self.keep or self.parts or self.revolve):
+            raise ValueError("torchckpt: Decision(reentrant=True) takes Decision(mode='recompute') of the whole block "
+                             "(no keep=, parts= or revolve=).")
 
 
 KEEP = Decision("keep")
 RECOMPUTE = Decision("recompute")
 RECOMPUTE_HOST = Decision("recompute", host=True)
+REENTRANT = Decision("recompute", reentrant=True)
 
 
 def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, kept: int,

@@ -61,6 +61,8 @@ def summary(plan: Any, verbose: bool = False) -> str:
             if b.host:
                 what += (", on host" + (" compressed" if b.compress else "")) if b.keep_ops else ", inputs host"
                 pre = f"at backward of {plan.blocks[i + 1].name}" if i + 1 < len(plan.blocks) else "end of forward"
+            if b.reentrant:
+                what += ", reentrant"
             if b.revolve:
                 what += ", input by Revolve"
                 cost = f"{(b.fwd_s + b.parts_s + b.revolve_s) * 1e3:.2f}"

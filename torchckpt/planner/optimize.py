@@ -45,7 +45,9 @@
 #    over their predicted peaks and 50-73% under their predicted steps).
 # 7. The policies a user writes in one line are plans of the search too (``simple_policies``), each recorded
 #    with its prediction as any other plan is, so Rule 3 may pick one and the floor is at or below each one's
-#    predicted peak: keep everything; ``Recompute()`` on every block; ``Recompute(save=...)`` on every block,
+#    predicted peak: keep everything; ``Recompute()`` on every block, and ``Recompute(reentrant=True)`` on every
+#    block (priced as ``Recompute()``: the same memory; what it saves is the host's time in the forward, which
+#    NOTE [ Mechanism costs ] Rule 1 measures); ``Recompute(save=...)`` on every block,
 #    keeping its matmuls' and attention's outputs (``Block.sac``: the ops torch SAC users save), or where no
 #    block has such ops (a CNN) the output of the op its ladder keeps first (Rule 1's most time per byte: a
 #    convolution's); ``Recompute()``
@@ -64,7 +66,7 @@ from collections.abc import Mapping, Sequence
 
 from torchckpt._errors import CheckpointError, format_bytes, format_bytes_apart
 from torchckpt.planner.costs import (
-    KEEP, RECOMPUTE, RECOMPUTE_HOST, Block, StepCosts, Decision, Prediction, Terms, balanced_parts, chain_states,
+    KEEP, RECOMPUTE, RECOMPUTE_HOST, REENTRANT, Block, StepCosts, Decision, Prediction, Terms, balanced_parts, chain_states,
     device_bytes, host_bytes, materialised_bytes, predict, replay, terms,
 )
 
@@ -255,7 +257,8 @@ def simple_policies(chain: StepCosts) -> list[tuple[str, tuple[Decision, ...]]]:
     """The one-line policies, by name, simplest first, each as a plan of ``chain`` (NOTE [ Plan search ] Rule 7)."""
     blocks = chain.blocks
     n = len(blocks)
-    every = [("every block Recompute()", [RECOMPUTE] * n)]
+    every = [("every block Recompute()", [RECOMPUTE] * n),
+             ("every block Recompute(reentrant=True)", [REENTRANT] * n)]
     if any(b.input_bytes for b in blocks):
         every.append(("every block Recompute(store=...), inputs to host",
                       [RECOMPUTE_HOST if b.input_bytes else RECOMPUTE for b in blocks]))

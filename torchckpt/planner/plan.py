@@ -136,6 +136,7 @@ class BlockPlan:
         revolve: (``"recompute"``) > 0: the block's input is kept or rebuilt by Revolve over the chain, whose
             snapshots hold at most this many bytes (``torchckpt.checkpoint_chain``; NOTE [ Revolve over the chain ]).
         revolve_s: the forward time of the blocks Revolve runs again right before this block's backward.
+        reentrant: (``"recompute"``) through ``Recompute(reentrant=True)`` (NOTE [ Reentrant recompute ]).
     """
 
     name: str
@@ -155,6 +156,7 @@ class BlockPlan:
     parts_s: float = 0.0
     revolve: int = 0
     revolve_s: float = 0.0
+    reentrant: bool = False
 
     @property
     def saved_bytes(self) -> int:
@@ -344,7 +346,7 @@ class Plan:
             had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
             policy: Any = Recompute(store=store if b.host else None, save=frozenset(b.keep_ops) if b.keep_ops else None,
                                     codec=codec if b.compress else None,
-                                    parts=b.parts or None) if b.mode == "recompute" else (
+                                    parts=b.parts or None, reentrant=b.reentrant) if b.mode == "recompute" else (
                 Offload(store, codec if b.compress else None, tensors=frozenset(b.offload), expect=len(b.tensors)))
             checkpoint(mod, policy=policy)
             undo.append((mod, had, prev))

@@ -537,7 +537,7 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
                              keep_names=tuple(o.op for o in prof.ops[i] if o.position in set(d.keep)),
                              keep_s=sum(o.seconds for o in prof.ops[i] if o.position in set(d.keep)),
                              parts=d.parts, parts_s=parts_seconds(chain_blocks[i], d) if d.parts else 0.0,
-                             revolve=d.revolve, revolve_s=again[i])
+                             revolve=d.revolve, revolve_s=again[i], reentrant=d.reentrant)
                    for i, d in enumerate(decisions))
     return Plan(budget=budget, blocks=blocks, peak_bytes=pred.peak_bytes, step_time=pred.step_s,
                 none_peak_bytes=none.peak_bytes, none_step_time=none.step_s, floor_bytes=floor,
@@ -549,7 +549,8 @@ def _make(prof: Profile, decisions: Sequence[Decision], pred: Prediction, floor:
 
 def _decisions(p: Plan) -> tuple[Decision, ...]:
     """The search's decisions ``p`` was made from (``_make``'s inverse), the key of ``_Profiled.memo``."""
-    return tuple(Decision(b.mode, b.offload, b.compress, b.host, b.keep_ops, b.parts, b.revolve) for b in p.blocks)
+    return tuple(Decision(b.mode, b.offload, b.compress, b.host, b.keep_ops, b.parts, b.revolve, b.reentrant)
+                 for b in p.blocks)
 
 
 def _say(msg: str) -> None:
