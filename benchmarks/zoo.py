@@ -12,6 +12,7 @@ Methods, per model, each measured the same way in one process:
   sac          torch SAC on each block, saving the ops the planner counts as SAC's (``SAC_OPS``: matmuls, attention)
   every_other  ``torch.utils.checkpoint`` on blocks 0, 2, 4, ...
   recompute    ``torchckpt.Recompute()`` on every block
+  reentrant    ``torchckpt.Recompute(reentrant=True)`` on every block (NOTE [ Reentrant recompute ])
   plan_{B}     plans from one profiling step (``_Profiled.prepare``, the body of ``torchckpt.plans``) for ``--budgets``
                budgets from 1.03 x the planner's floor to 0.97 x none's measured peak, each applied and measured
   none_end     none again, last: the device's drift over the run
@@ -68,23 +69,24 @@ from torchckpt.planner.op_timing import SAC_OPS
 from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.restore import untouched
 
-EAGER = ("none", "library", "sac", "every_other", "recompute")
+EAGER = ("none", "library", "sac", "every_other", "recompute", "reentrant")
 METHODS = (*EAGER, "plan", "none_end")
 # the planner's simple policy (NOTE [ Plan search ] Rule 7) each eager method is, by the start of its name
 SIMPLE_OF = {"none": "keep everything", "library": "every block Recompute()", "recompute": "every block Recompute()",
+             "reentrant": "every block Recompute(reentrant=True)",
              "sac": "every block Recompute(save=matmuls", "every_other": "every other block Recompute() ("}
-MARKERS = {"none": "s", "library": "^", "sac": "D", "every_other": "v", "recompute": "P"}
+MARKERS = {"none": "s", "library": "^", "sac": "D", "every_other": "v", "recompute": "P", "reentrant": "X"}
 
 
 def sac_policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if str(op) in SAC_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def recompute_every_block(blocks: list[torch.nn.Module]) -> Callable[[], None]:
-    """``torchckpt.checkpoint(block, policy=Recompute())`` on every block; returns the undo."""
+def recompute_every_block(blocks: list[torch.nn.Module], reentrant: bool = False) -> Callable[[], None]:
+    """``torchckpt.checkpoint(block, policy=Recompute(reentrant=reentrant))`` on every block; returns the undo."""
     before = [(m, "forward" in m.__dict__, m.__dict__.get("forward")) for m in blocks]
     for m in blocks:
-        torchckpt.checkpoint(m, policy=torchckpt.Recompute())
+        torchckpt.checkpoint(m, policy=torchckpt.Recompute(reentrant=reentrant))
 
     def undo() -> None:
         for m, had, prev in before:
@@ -203,6 +205,7 @@ def run_model(name: str, args: argparse.Namespace, out: str, cuda: bool) -> dict
             f, functools.partial(create_selective_checkpoint_contexts, sac_policy))),
         "every_other": lambda: wrap_blocks(blocks, lambda i, f: torch_checkpoint(f) if i % 2 == 0 else None),
         "recompute": lambda: recompute_every_block(blocks),
+        "reentrant": lambda: recompute_every_block(blocks, reentrant=True),
     }
     for method in EAGER:
         if method in methods:

@@ -13,7 +13,7 @@ from torchckpt.planner.calibrate import (
     EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, PARTS_FLOOR, RECOMPUTE_ALL, REENTRANT_ALL, calibrate, floor_policy,
     measure_policies, parts_floor, revolve_policy,
 )
-from torchckpt.planner.costs import KEEP, RECOMPUTE, Decision, StepCosts, chain_states
+from torchckpt.planner.costs import KEEP, RECOMPUTE, REENTRANT, Decision, StepCosts, chain_states, through_reentrant
 from torchckpt.planner.optimize import search, simple_policies
 from torchckpt.planner.verify import _Profiled
 from torchckpt.planner.profiling import Profile
@@ -344,3 +344,73 @@ def test_the_parts_term_is_lowered_only_where_a_block_in_parts_holds_the_peak() 
     from torchckpt.planner.calibrate import calibrate_parts
 
     assert calibrate_parts(chain, whole, p.peak_bytes - (64 << 20), 1).parts_bytes == 0
+
+
+def _reentrant_measured(chain: StepCosts, policies: list[tuple[str, tuple[Decision, ...]]], faster: bool
+                        ) -> tuple[dict[str, tuple[int, float]], dict[str, tuple[Decision, ...]]]:
+    """``measure_policies`` on ``chain`` where every block Recompute(reentrant=True) measures 2 ms over its prediction
+    and every block Recompute() 10 ms over (``faster``) or 1 ms (not): what it measured, and the plan each step got."""
+    plans = dict(policies)
+    got: dict[str, tuple[Decision, ...]] = {}
+
+    def step(name: str, plan: tuple[Decision, ...]) -> tuple[int, float]:
+        got[name] = plan
+        p = predict(chain, plan)
+        extra = {RECOMPUTE_ALL: 10e-3 if faster else 1e-3, REENTRANT_ALL: 2e-3}.get(name, 0.0)
+        return p.peak_bytes, p.step_s + extra
+
+    measured = measure_policies(policies, step, chain)
+    assert set(got) == set(measured) and set(plans) >= set(got)
+    return measured, got
+
+
+def test_reentrant_measured_faster_makes_every_whole_block_recomputation_reentrant(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 13: every block Recompute(reentrant=True) measured faster than every block
+    Recompute(): the policies measured after them ran with whole-block recomputations reentrant, the step model is
+    calibrated on the reentrant policy's measurement, and every plan of the search recomputes whole blocks through it
+    (blocks that keep ops, in parts, by Revolve or with inputs on host keep their own mechanism), named so."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    measured, got = _reentrant_measured(chain, policies, faster=True)
+    other = next(n for n in got if n.startswith(EVERY_OTHER))
+    assert got[other] == through_reentrant(plans[other]) != plans[other]  # measured after Rule 13 decided
+    assert got[RECOMPUTE_ALL] == plans[RECOMPUTE_ALL] and not any(d.reentrant for d in got[RECOMPUTE_ALL])
+    assert got[KEEP_OPS_ALL] == plans[KEEP_OPS_ALL]  # kept ops: Recompute(save=...) stays
+    cal = calibrate(chain, policies, measured)
+    assert cal.reentrant
+    n = len(chain.blocks)
+    assert predict(cal, (REENTRANT,) * n).step_s == pytest.approx(measured[REENTRANT_ALL][1], abs=1e-12)
+    assert predict(cal, got[other]).step_s == pytest.approx(measured[other][1], abs=1e-12)
+    found = search(cal)
+    whole = [d for plan, _ in found.plans for d in plan if d.mode == "recompute"
+             and not (d.keep or d.parts or d.revolve or d.host or d.compress)]
+    assert whole and all(d.reentrant for d in whole)
+    assert any(d.keep for plan, _ in found.plans for d in plan) and not any(
+        d.reentrant for plan, _ in found.plans for d in plan if d.keep or d.parts or d.revolve or d.host)
+    names = [name for name, _, _ in found.simple]
+    assert REENTRANT_ALL in names and RECOMPUTE_ALL not in names
+    assert any(name.startswith("every other block Recompute(reentrant=True) (") for name in names)
+
+
+def test_reentrant_measured_slower_leaves_every_plan_as_it_was(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 13: where Recompute() measured faster, nothing is reentrant but the simple policy
+    of that name, and Rule 3 calibrates on Recompute()'s measurement."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    plans = dict(policies)
+    measured, got = _reentrant_measured(chain, policies, faster=False)
+    assert all(got[name] == plans[name] for name in got)
+    cal = calibrate(chain, policies, measured)
+    assert not cal.reentrant
+    assert predict(cal, plans[RECOMPUTE_ALL]).step_s == pytest.approx(measured[RECOMPUTE_ALL][1], abs=1e-12)
+    found = search(cal)
+    assert [plan for plan, _ in found.plans if any(d.reentrant for d in plan)] == [plans[REENTRANT_ALL]]
+
+
+def test_through_reentrant_changes_whole_block_recomputations_only() -> None:
+    """NOTE [ Mechanism costs ] Rule 13: reentrant takes no kept ops, parts, Revolve or store."""
+    others = (KEEP, Decision("recompute", keep=(1,)), Decision("recompute", parts=(2,)),
+              Decision("recompute", revolve=1 << 20), Decision("recompute", host=True), Decision("offload", (0,)))
+    assert through_reentrant(others) == others
+    assert through_reentrant((RECOMPUTE, KEEP, RECOMPUTE)) == (REENTRANT, KEEP, REENTRANT)

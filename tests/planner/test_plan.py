@@ -107,6 +107,30 @@ def test_every_decision_gives_plain_autograd_gradients_bit_for_bit(p: float) -> 
     assert all("forward" not in blk.__dict__ for blk in m.h)
 
 
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_a_plan_recomputing_through_reentrant_gives_plain_autograd_gradients_bit_for_bit(p: float) -> None:
+    """NOTE [ Mechanism costs ] Rule 13's plans: whole blocks recomputed through Recompute(reentrant=True) beside
+    Recompute(), Recompute(save=...) and kept blocks, with dropout; applied and removed."""
+    torch.manual_seed(1)
+    m = Net(5, p)
+    x = torch.randn(16, D)
+    ref = _grads(m, x)
+    prof = profile(m, (x,), {})
+    mm = tuple(o.position for o in prof.ops[2] if o.op in ("aten.addmm.default", "aten.mm.default"))
+    reentrant = Decision("recompute", reentrant=True)
+    pl = _forced(m, x, [reentrant, Decision("recompute"), Decision("recompute", keep=mm), reentrant, Decision("keep")])
+    assert [b.reentrant for b in pl.blocks] == [True, False, False, True, False]
+    applied = pl.apply(m)
+    try:
+        assert [getattr(getattr(blk.__dict__.get("forward"), "policy", None), "reentrant", False)
+                for blk in m.h] == [True, False, False, True, False]
+        got = _grads(m, x)
+    finally:
+        applied.remove()
+    assert all(torch.equal(a, b) for a, b in zip(ref, got))
+    assert all("forward" not in blk.__dict__ for blk in m.h)
+
+
 def test_plans_at_budgets_between_floor_and_peak_are_exact_and_within_budget() -> None:
     torch.manual_seed(2)
     m = Net(6)

@@ -189,3 +189,77 @@ def test_the_floor_in_parts_is_measured_and_predicts_what_it_measured(d: int, n:
         pytest.skip(f"the search's floor recomputes no block in parts on Stack({d}, 8, {n})")
     peak = planner.measured[PARTS_FLOOR][0]
     assert peak is not None and abs(predict(planner.found.chain, plan).peak_bytes / peak - 1) <= 1e-3
+
+
+class _Gated(nn.Module):
+    """A block scaled by a tensor that needs grad and is none of its own parameters (the parent's): reentrant
+    recomputation cannot give it a gradient and raises (NOTE [ Reentrant recompute ])."""
+
+    def __init__(self, d: int, h: int, gate: nn.Parameter) -> None:
+        super().__init__()
+        self.inner = Block(d, h, p=0.0)
+        self._gate = [gate]  # a list: not registered as this block's parameter
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self._gate[0]
+
+
+class _GatedStack(nn.Module):
+    def __init__(self, d: int, h: int, n: int) -> None:
+        super().__init__()
+        self.gate = nn.Parameter(torch.ones(d))
+        self.blocks = nn.ModuleList(_Gated(d, h, self.gate) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for b in self.blocks:
+            x = b(x)
+        return x.float().square().mean()
+
+
+def test_planning_a_model_reentrant_cannot_run_leaves_it_unmeasured() -> None:
+    """NOTE [ Mechanism costs ] Rule 13: every block Recompute(reentrant=True) raises on this model's blocks; the planner
+    leaves it unmeasured, makes no plan reentrant, and its plans give plain autograd's gradients."""
+    from torchckpt.planner.calibrate import RECOMPUTE_ALL, REENTRANT_ALL
+
+    torch.manual_seed(0)
+    m = _GatedStack(256, 4, 6).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = _grads(m, x)
+    m.zero_grad(set_to_none=True)
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None)
+    assert RECOMPUTE_ALL in planner.measured and REENTRANT_ALL not in planner.measured
+    assert not planner.found.chain.reentrant
+    p = planner.plan((planner.found.floor + planner.found.plans[0][1].peak_bytes) // 2)
+    assert not any(b.reentrant for b in p.blocks) and any(b.mode == "recompute" for b in p.blocks)
+    m.zero_grad(set_to_none=True)
+    a = p.apply(m)
+    try:
+        assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x)))
+    finally:
+        a.remove()
+
+
+def test_reentrant_measured_faster_plans_recompute_whole_blocks_through_it_exactly() -> None:
+    """NOTE [ Mechanism costs ] Rule 13 on the GPU: both mechanisms measured; where reentrant measured faster, every
+    whole-block recomputation of the plans is reentrant, and the plans give plain autograd's gradients bit for bit."""
+    from torchckpt.planner.calibrate import RECOMPUTE_ALL, REENTRANT_ALL
+
+    torch.manual_seed(0)
+    m = Stack(256, 4, 12).cuda().to(torch.bfloat16)  # small blocks: the host's time per block matters
+    x = torch.randn(2, 128, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref = _grads(m, x)
+    m.zero_grad(set_to_none=True)
+    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None)
+    assert RECOMPUTE_ALL in planner.measured and REENTRANT_ALL in planner.measured
+    fast = planner.measured[REENTRANT_ALL][1] < planner.measured[RECOMPUTE_ALL][1]
+    assert planner.found.chain.reentrant == fast
+    p = planner.plan(planner.found.floor + (planner.found.plans[0][1].peak_bytes - planner.found.floor) // 4)
+    assert any(b.mode == "recompute" for b in p.blocks)
+    whole = [b for b in p.blocks if b.mode == "recompute" and not (b.keep_ops or b.parts or b.revolve or b.host)]
+    assert all(b.reentrant == fast for b in whole)
+    m.zero_grad(set_to_none=True)
+    a = p.apply(m)
+    try:
+        assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x)))
+    finally:
+        a.remove()

@@ -13,9 +13,8 @@
 #    measured 216-272 ms on an H100 where the step model, with no such term, said 75-85 ms), every block
 #    ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
 #    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
-#    left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, calibrating
-#    nothing: its figure is what NOTE [ Applying a plan ] Rule 7 ranks it by against the plan (its forward costs
-#    the host less than ``Recompute()``'s, which the step model does not price: NOTE [ Reentrant recompute ]).
+#    left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, right after
+#    every block ``Recompute()``: Rule 13 picks the faster of the two.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
 #    (``StepCosts.other_bwd_s``, then ``other_fwd_s``, neither below 0; what is still to take off scales every
 #    block's forward and backward alike): what the profiling step's timing left in its times is gone from the
@@ -86,28 +85,39 @@
 #    ``StepCosts.parts_bytes``, added to what every block recomputed in parts holds in its backward: solved while the
 #    predicted peak is in a backward, and lowered only while it lies at a block recomputed in parts (where the term
 #    acts), so the measured plan predicts what it measured and no other plan's peak falls without its parts.
+# 13. Whole-block recomputation has two mechanisms of the same memory: ``Recompute()`` (torch's non-reentrant frame,
+#    whose saved-tensor hooks run in the forward) and ``Recompute(reentrant=True)`` (the forward without grad in one
+#    node of ours: NOTE [ Reentrant recompute ]). What tells them apart is the host's time, which the step model does
+#    not price, and it differs with the model (on an H100, every block reentrant measured 1.08-1.24x faster than
+#    every block ``Recompute()`` on ConvNeXt-B, T5 and ResNet-152 in recompute_overhead.py's turns, 0.97-1.21x in
+#    policy_drift.py's series). So where every block ``Recompute(reentrant=True)`` measured faster than every block
+#    ``Recompute()``, the chain is ``StepCosts.reentrant``: the policies measured after those two (Rules 4-12) are
+#    measured with each whole-block recomputation reentrant (``through_reentrant``), Rule 3 calibrates on the
+#    reentrant policy's measurement, and the search makes every plan so (NOTE [ Plan search ] Rule 7). A block
+#    recomputed keeping ops, in parts, by Revolve, or with its inputs on host keeps its own mechanism (reentrant
+#    takes none of those). Where reentrant cannot run (a block reading a tensor that needs grad from outside its
+#    arguments raises) it is left unmeasured and nothing changes.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 
-from torchckpt.planner.costs import Block, Decision, StepCosts, chain_states, predict
+from torchckpt.planner.costs import Block, Decision, StepCosts, chain_states, predict, through_reentrant
 from torchckpt.planner.optimize import search
 
 __all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "RECOMPUTE_ALL", "REENTRANT_ALL",
-           "calibrate",
-           "floor_policy", "measure_policies", "revolve_policy"]
+           "calibrate", "floor_policy", "measure_policies", "reentrant_faster", "revolve_policy"]
 
 KEEP_ALL = "keep everything"
 RECOMPUTE_ALL = "every block Recompute()"
 KEEP_OPS_ALL = "every block Recompute(save=matmuls, attention)"
 KEEP_TOP_ALL = "every block Recompute(save=its costliest op per byte)"  # where no block has a matmul (NOTE [ Plan search ] Rule 7)
 HOST_ALL = "every block Recompute(store=...), inputs to host"
-REENTRANT_ALL = "every block Recompute(reentrant=True)"  # measured, not a calibration (NOTE [ Mechanism costs ] Rule 1)
+REENTRANT_ALL = "every block Recompute(reentrant=True)"  # NOTE [ Mechanism costs ] Rule 13
 EVERY_OTHER = "every other block Recompute() ("  # the start of the name of the plan from the first block (NOTE [ Mechanism costs ] Rule 9)
 PARTS_FLOOR = "the search's floor plan, in parts"  # NOTE [ Mechanism costs ] Rule 12
-MEASURED = (KEEP_ALL, RECOMPUTE_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL, REENTRANT_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
+MEASURED = (KEEP_ALL, RECOMPUTE_ALL, REENTRANT_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
 
 Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
 _TOLERANCE = 1000  # a peak within 1/1000 of the measured one is solved (NOTE [ Mechanism costs ] Rule 3)
@@ -126,12 +136,21 @@ def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
     revolve = revolve_policy(chain, policies) if chain is not None else None
     floor = floor_policy(chain, policies) if chain is not None and revolve is not None else None
     other = next((name for name in by_name if name.startswith(EVERY_OTHER)), None) if chain is not None else None
-    out = {}
+    out: dict[str, Measured] = {}
     for name in names + [n for n in (revolve, floor, other) if n]:
-        got = step(name, by_name[name])
+        plan = by_name[name]
+        if name not in (RECOMPUTE_ALL, REENTRANT_ALL) and reentrant_faster(out):  # NOTE [ Mechanism costs ] Rule 13
+            plan = through_reentrant(plan)
+        got = step(name, plan)
         if got is not None:
             out[name] = got
     return out
+
+
+def reentrant_faster(measured: Mapping[str, Measured]) -> bool:
+    """NOTE [ Mechanism costs ] Rule 13: every block ``Recompute(reentrant=True)`` measured faster than every block
+    ``Recompute()`` (both measured)."""
+    return REENTRANT_ALL in measured and RECOMPUTE_ALL in measured and measured[REENTRANT_ALL][1] < measured[RECOMPUTE_ALL][1]
 
 
 def revolve_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
@@ -162,10 +181,13 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
               measured: Mapping[str, Measured], lookahead: int = 1) -> StepCosts:
     """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-5): ``measured`` holds what
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
-    plans = dict(policies)
+    fast = reentrant_faster(measured)  # NOTE [ Mechanism costs ] Rule 13: the plans as they were measured
+    chain = dataclasses.replace(chain, reentrant=fast)
+    plans = {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
+             for name, plan in policies}
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
         chain = _other_time(chain, measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s)
-    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
+    rules = ((REENTRANT_ALL if fast else RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
              (KEEP_TOP_ALL, "keep_rec_s", "keep_rec_bytes", _ops), (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
     for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-5
         if name not in measured or name not in plans:

@@ -85,7 +85,7 @@ from torchckpt.planner.shared import Ref, corrections, refs
 __all__ = ["Block", "StepCosts", "CodecCost", "Decision", "Link", "Prediction", "Terms", "balanced_parts", "cache_bytes",
            "chain_states",
            "device_bytes", "host_bytes", "kept_bytes", "materialised_bytes", "part_bytes", "parts_seconds",
-           "recompute_seconds", "replay", "predict", "split_bytes", "terms"]
+           "recompute_seconds", "replay", "predict", "split_bytes", "terms", "through_reentrant"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -217,6 +217,8 @@ class StepCosts:
             times, as a fraction of those (NOTE [ Mechanism costs ] Rule 11); may be negative, not below -0.9.
         parts_bytes: measured bytes a block recomputed in parts holds in its backward beyond what the model counts
             (NOTE [ Mechanism costs ] Rule 12); may be negative.
+        reentrant: whole-block recomputations run through ``Recompute(reentrant=True)``, measured faster than
+            ``Recompute()`` on this model (NOTE [ Mechanism costs ] Rule 13): the search makes every plan so.
     """
 
     blocks: tuple[Block, ...]
@@ -236,6 +238,7 @@ class StepCosts:
     revolve_scale: float = 0.0
     bwd_fixed_at: tuple[int, ...] = ()
     parts_bytes: int = 0
+    reentrant: bool = False
 
     def bwd_fixed(self, i: int) -> int:
         """Device bytes that no decision changes while block ``i``'s backward runs (NOTE [ Step model ] Rules 4, 6)."""
@@ -337,6 +340,13 @@ KEEP = Decision("keep")
 RECOMPUTE = Decision("recompute")
 RECOMPUTE_HOST = Decision("recompute", host=True)
 REENTRANT = Decision("recompute", reentrant=True)
+
+
+def through_reentrant(plan: Sequence[Decision]) -> tuple[Decision, ...]:
+    """``plan`` with each whole-block recomputation on the device (no ``keep``, ``parts``, ``revolve``, ``host`` or
+    ``compress``) through ``Recompute(reentrant=True)`` (NOTE [ Mechanism costs ] Rule 13)."""
+    return tuple(dataclasses.replace(d, reentrant=True) if d.mode == "recompute" and not (
+        d.keep or d.parts or d.revolve or d.host or d.compress) else d for d in plan)
 
 
 def split_bytes(mode: str, host: bool, saved: int, offloaded: int, inputs: int, kept: int,

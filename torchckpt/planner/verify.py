@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from torchckpt._args import found, parse_bytes
-from torchckpt._errors import format_bytes_apart
+from torchckpt._errors import CheckpointError, format_bytes_apart
 from torchckpt.codecs.base import Codec
 from torchckpt.planner.blocks import find_blocks
 from torchckpt.planner.calibrate import (PARTS_FLOOR, calibrate, calibrate_parts, floor_policy, measure_policies,
@@ -241,6 +241,11 @@ class _Profiled:
                     return int(torch.cuda.max_memory_allocated() - start), time.perf_counter() - t0
 
                 return measured_steps(one, reps[0], alone)
+            except CheckpointError:
+                if not any(b.reentrant for b in p.blocks):
+                    raise
+                model.zero_grad(set_to_none=True)
+                return None  # NOTE [ Mechanism costs ] Rule 13: reentrant cannot run this model's blocks: unmeasured
             finally:
                 a.remove()
 
