@@ -364,32 +364,43 @@ def _reentrant_measured(chain: StepCosts, policies: list[tuple[str, tuple[Decisi
     return measured, got
 
 
-def test_reentrant_measured_faster_makes_every_whole_block_recomputation_reentrant(prof: Profile) -> None:
+def test_reentrant_measured_faster_gives_every_plan_a_reentrant_twin(prof: Profile) -> None:
     """NOTE [ Mechanism costs ] Rule 13: every block Recompute(reentrant=True) measured faster than every block
-    Recompute(): the policies measured after them ran with whole-block recomputations reentrant, the step model is
-    calibrated on the reentrant policy's measurement, and every plan of the search recomputes whole blocks through it
-    (blocks that keep ops, in parts, by Revolve or with inputs on host keep their own mechanism), named so."""
+    Recompute(): the policies measured after them ran with whole-block recomputations reentrant; each mechanism's
+    time and bytes are calibrated on its own measurement, so both policies predict what they measured (the floor
+    stays Recompute()'s where reentrant holds more); the search records each plan and its twin with whole blocks
+    recomputed reentrant (blocks that keep ops, in parts, by Revolve or with inputs on host keep their own mechanism),
+    and where both fit the twin is the faster."""
     chain = _chain(prof)
     policies = simple_policies(chain)
     plans = dict(policies)
     measured, got = _reentrant_measured(chain, policies, faster=True)
+    n = len(chain.blocks)
+    rc = predict(chain, plans[RECOMPUTE_ALL]).peak_bytes
+    measured[RECOMPUTE_ALL] = (rc - rc // 50, measured[RECOMPUTE_ALL][1])  # reentrant holds more than Recompute()
+    measured[REENTRANT_ALL] = (rc + rc // 50, measured[REENTRANT_ALL][1])
     other = next(n for n in got if n.startswith(EVERY_OTHER))
     assert got[other] == through_reentrant(plans[other]) != plans[other]  # measured after Rule 13 decided
     assert got[RECOMPUTE_ALL] == plans[RECOMPUTE_ALL] and not any(d.reentrant for d in got[RECOMPUTE_ALL])
     assert got[KEEP_OPS_ALL] == plans[KEEP_OPS_ALL]  # kept ops: Recompute(save=...) stays
     cal = calibrate(chain, policies, measured)
-    assert cal.reentrant
-    n = len(chain.blocks)
-    assert predict(cal, (REENTRANT,) * n).step_s == pytest.approx(measured[REENTRANT_ALL][1], abs=1e-12)
+    assert cal.reentrant and cal.reent_bytes > cal.rec_bytes
+    for name, plan in ((RECOMPUTE_ALL, plans[RECOMPUTE_ALL]), (REENTRANT_ALL, (REENTRANT,) * n)):
+        p = predict(cal, plan)
+        assert p.step_s == pytest.approx(measured[name][1], abs=1e-12), name
+        assert abs(p.peak_bytes - measured[name][0]) <= measured[name][0] // 1000, name
     assert predict(cal, got[other]).step_s == pytest.approx(measured[other][1], abs=1e-12)
     found = search(cal)
-    whole = [d for plan, _ in found.plans for d in plan if d.mode == "recompute"
-             and not (d.keep or d.parts or d.revolve or d.host or d.compress)]
-    assert whole and all(d.reentrant for d in whole)
-    assert any(d.keep for plan, _ in found.plans for d in plan) and not any(
-        d.reentrant for plan, _ in found.plans for d in plan if d.keep or d.parts or d.revolve or d.host)
+    recorded = {plan for plan, _ in found.plans}
+    twins = [plan for plan in recorded if through_reentrant(plan) != plan]
+    assert twins and all(through_reentrant(plan) in recorded for plan in twins)
+    assert not any(d.reentrant for plan in recorded for d in plan if d.keep or d.parts or d.revolve or d.host)
+    assert found.floor <= predict(cal, plans[RECOMPUTE_ALL]).peak_bytes < predict(cal, (REENTRANT,) * n).peak_bytes
+    roomy = predict(cal, (REENTRANT,) * n).peak_bytes + 1
+    best, _ = found.best(roomy)
+    assert any(d.reentrant for d in best) and through_reentrant(best) == best
     names = [name for name, _, _ in found.simple]
-    assert REENTRANT_ALL in names and RECOMPUTE_ALL not in names
+    assert REENTRANT_ALL in names and RECOMPUTE_ALL in names
     assert any(name.startswith("every other block Recompute(reentrant=True) (") for name in names)
 
 

@@ -14,7 +14,7 @@
 #    ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
 #    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
 #    left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, right after
-#    every block ``Recompute()``: Rule 13 picks the faster of the two.
+#    every block ``Recompute()``: Rule 13 prices each by its own.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
 #    (``StepCosts.other_bwd_s``, then ``other_fwd_s``, neither below 0; what is still to take off scales every
 #    block's forward and backward alike): what the profiling step's timing left in its times is gone from the
@@ -85,23 +85,29 @@
 #    ``StepCosts.parts_bytes``, added to what every block recomputed in parts holds in its backward: solved while the
 #    predicted peak is in a backward, and lowered only while it lies at a block recomputed in parts (where the term
 #    acts), so the measured plan predicts what it measured and no other plan's peak falls without its parts.
-# 13. Whole-block recomputation has two mechanisms of the same memory: ``Recompute()`` (torch's non-reentrant frame,
+# 13. Whole-block recomputation has two mechanisms: ``Recompute()`` (torch's non-reentrant frame,
 #    whose saved-tensor hooks run in the forward) and ``Recompute(reentrant=True)`` (the forward without grad in one
 #    node of ours: NOTE [ Reentrant recompute ]). What tells them apart is the host's time, which the step model does
 #    not price, and it differs with the model (on an H100, every block reentrant measured 1.08-1.24x faster than
 #    every block ``Recompute()`` on ConvNeXt-B, T5 and ResNet-152 in recompute_overhead.py's turns, 0.97-1.21x in
-#    policy_drift.py's series). So where every block ``Recompute(reentrant=True)`` measured faster than every block
-#    ``Recompute()``, the chain is ``StepCosts.reentrant``: the policies measured after those two (Rules 4-12) are
-#    measured with each whole-block recomputation reentrant (``through_reentrant``), Rule 3 calibrates on the
-#    reentrant policy's measurement, and the search makes every plan so (NOTE [ Plan search ] Rule 7). A block
-#    recomputed keeping ops, in parts, by Revolve, or with its inputs on host keeps its own mechanism (reentrant
-#    takes none of those). Where reentrant cannot run (a block reading a tensor that needs grad from outside its
-#    arguments raises) it is left unmeasured and nothing changes.
+#    policy_drift.py's series); and reentrant holds a little more in a block's backward (the recomputed graph whole
+#    until its gradients are taken: T5's every block 3.19 GiB against 3.13). So each mechanism is priced by its own
+#    measurement: Rule 3's terms come from every block ``Recompute()``, and every block
+#    ``Recompute(reentrant=True)``'s the same way give ``Block.reent_s`` and ``StepCosts.reent_bytes`` (its time and
+#    peak beyond the prediction after Rules 2-3, by tensors), for ``Decision(reentrant=True)``. Where the reentrant
+#    policy measured faster, the chain is ``StepCosts.reentrant``: the policies measured after those two (Rules 4-12)
+#    are measured with each whole-block recomputation reentrant (``through_reentrant``), and the search records each
+#    plan and its twin so made (NOTE [ Plan search ] Rule 7), so that the faster twin is taken where it fits and the
+#    plain one where only it fits (the floor stays at or below every block ``Recompute()``'s peak). A block recomputed
+#    keeping ops, in parts, by Revolve, or with its inputs on host keeps its own mechanism (reentrant takes none of
+#    those). Where reentrant cannot run (a block reading a tensor that needs grad from outside its arguments raises)
+#    it is left unmeasured and nothing changes.
 """
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 from torchckpt.planner.costs import Block, Decision, StepCosts, chain_states, predict, through_reentrant
 from torchckpt.planner.optimize import search
@@ -187,14 +193,15 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
              for name, plan in policies}
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
         chain = _other_time(chain, measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s)
-    rules = ((REENTRANT_ALL if fast else RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
+    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (REENTRANT_ALL, "reent_s", "reent_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
              (KEEP_TOP_ALL, "keep_rec_s", "keep_rec_bytes", _ops), (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
     for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-5
         if name not in measured or name not in plans:
             continue
         plan = plans[name]
         mine = [i for i, d in enumerate(plan) if d.mode == "recompute" and (
-            d.host if field == "host_rec_s" else bool(d.keep) == (field == "keep_rec_s"))]
+            d.host if field == "host_rec_s" else d.reentrant if field == "reent_s" else
+            bool(d.keep) == (field == "keep_rec_s") and not d.reentrant)]
         if not mine:
             continue
         peak, seconds = measured[name]
@@ -203,10 +210,8 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
         total = sum(w)
         blocks = list(chain.blocks)
         for i, wi in zip(mine, w):
-            v = extra * wi / total
-            blocks[i] = (dataclasses.replace(blocks[i], rec_s=v) if field == "rec_s" else
-                         dataclasses.replace(blocks[i], keep_rec_s=v) if field == "keep_rec_s" else
-                         dataclasses.replace(blocks[i], host_rec_s=v))
+            term: dict[str, Any] = {field: extra * wi / total}
+            blocks[i] = dataclasses.replace(blocks[i], **term)
         chain = dataclasses.replace(chain, blocks=tuple(blocks))
         if peak is not None:
             chain = _solve_bytes(chain, plan, peak, bytes_field, lookahead)

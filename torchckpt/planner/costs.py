@@ -150,6 +150,7 @@ class Block:
             recomputation's frame), measured (NOTE [ Mechanism costs ] Rule 3); may be negative.
         keep_rec_s: the same for ``Recompute(save=...)`` (its dispatch mode runs Python per op; NOTE [ Mechanism
             costs ] Rule 4).
+        reent_s: the same for ``Recompute(reentrant=True)`` (NOTE [ Mechanism costs ] Rule 13).
         host_rec_s: what sending a recomputed block's inputs (and kept outputs) to host costs it beyond the model's
             copies, measured (NOTE [ Mechanism costs ] Rule 5); priced in the forward (not below 0).
         alone_s: what a recomputation of this block costs beyond those where the next block is kept (its
@@ -181,6 +182,7 @@ class Block:
     keep_rec_s: float = 0.0
     host_rec_s: float = 0.0
     alone_s: float = 0.0
+    reent_s: float = 0.0
     chained: bool = True
     shared: tuple[tuple[int, int, int], ...] = ()
     same: tuple[int, ...] = ()
@@ -209,6 +211,7 @@ class StepCosts:
             holds in its backward beyond what the model counts (NOTE [ Mechanism costs ] Rules 3-4); may be negative.
         host_rec_bytes: the same for a recomputed block whose inputs went to host, added to those (NOTE [ Mechanism
             costs ] Rule 5).
+        reent_bytes: the same for a block recomputed by ``Recompute(reentrant=True)`` (NOTE [ Mechanism costs ] Rule 13).
         revolve_bytes: measured bytes a plan of Revolve over the chain holds in its backward (rebuilding inputs and
             running blocks' backward) beyond what the model counts (NOTE [ Mechanism costs ] Rule 8); may be negative.
         revolve_at / revolve_slope: the snapshot memory at which ``revolve_bytes`` was measured, and how much it
@@ -217,8 +220,8 @@ class StepCosts:
             times, as a fraction of those (NOTE [ Mechanism costs ] Rule 11); may be negative, not below -0.9.
         parts_bytes: measured bytes a block recomputed in parts holds in its backward beyond what the model counts
             (NOTE [ Mechanism costs ] Rule 12); may be negative.
-        reentrant: whole-block recomputations run through ``Recompute(reentrant=True)``, measured faster than
-            ``Recompute()`` on this model (NOTE [ Mechanism costs ] Rule 13): the search makes every plan so.
+        reentrant: ``Recompute(reentrant=True)`` measured faster than ``Recompute()`` on this model (NOTE [ Mechanism
+            costs ] Rule 13): the search records each plan's twin with its whole-block recomputations reentrant.
     """
 
     blocks: tuple[Block, ...]
@@ -232,6 +235,7 @@ class StepCosts:
     rec_bytes: int = 0
     keep_rec_bytes: int = 0
     host_rec_bytes: int = 0
+    reent_bytes: int = 0
     revolve_bytes: int = 0
     revolve_at: int = 0
     revolve_slope: float = 0.0
@@ -513,7 +517,7 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
     wire, extra_f, extra_b = off, 0.0, 0.0
     rec = d.mode == "recompute"
     if rec:  # NOTE [ Mechanism costs ]: what the mechanism itself costs, as measured
-        extra_b = max(0.0, recompute_seconds(b, d) + (b.keep_rec_s if d.keep else b.rec_s))
+        extra_b = max(0.0, recompute_seconds(b, d) + (b.keep_rec_s if d.keep else b.reent_s if d.reentrant else b.rec_s))
         if d.host:  # in the forward, where the store's work starts and no copy back is waited for
             extra_f = max(0.0, b.host_rec_s)
             if b.host_rec_s < 0:  # NOTE [ Mechanism costs ] Rule 5: measured faster than Recompute() alone
@@ -525,7 +529,8 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
         extra_b += squeezed / codec.decompress
     held = kept
     if rec:
-        extra = [chain.keep_rec_bytes if d.keep else chain.rec_bytes, chain.host_rec_bytes if d.host else 0]
+        extra = [chain.keep_rec_bytes if d.keep else chain.reent_bytes if d.reentrant else chain.rec_bytes,
+                 chain.host_rec_bytes if d.host else 0]
         if d.parts:  # NOTE [ Mechanism costs ] Rule 3: measured on whole recomputations; in parts, never less
             extra = [max(0, e) for e in extra] + [chain.parts_bytes]  # NOTE [ Mechanism costs ] Rule 12
         held = max(materialised_bytes(b, d) + sum(extra), kept, 0)

@@ -47,8 +47,8 @@
 #    with its prediction as any other plan is, so Rule 3 may pick one and the floor is at or below each one's
 #    predicted peak: keep everything; ``Recompute()`` on every block, and ``Recompute(reentrant=True)`` on every
 #    block (priced as ``Recompute()``: the same memory; what it saves is the host's time in the forward, which
-#    NOTE [ Mechanism costs ] Rule 1 measures; where it measured faster, NOTE [ Mechanism costs ] Rule 13 makes every
-#    whole-block recomputation of every plan reentrant, and the names say so); ``Recompute(save=...)`` on every block,
+#    NOTE [ Mechanism costs ] Rule 13 measures; where it measured faster, each plan and each policy gets a twin with
+#    its whole-block recomputations reentrant, named so); ``Recompute(save=...)`` on every block,
 #    keeping its matmuls' and attention's outputs (``Block.sac``: the ops torch SAC users save), or where no
 #    block has such ops (a CNN) the output of the op its ladder keeps first (Rule 1's most time per byte: a
 #    convolution's); ``Recompute()``
@@ -244,8 +244,12 @@ def search(chain: StepCosts, rungs: int = 4, lookahead: int = 1) -> Search:
         if d not in seen:
             seen.add(d)
             plans.append((d, p))
-    if chain.reentrant:  # NOTE [ Mechanism costs ] Rule 13: whole blocks recomputed through Recompute(reentrant=True)
-        plans = [(through_reentrant(d), p) for d, p in plans]
+    if chain.reentrant:  # NOTE [ Mechanism costs ] Rule 13: each plan's twin, whole blocks recomputed reentrant
+        for d in [d for d, _ in plans]:
+            twin = through_reentrant(d)
+            if twin not in seen:
+                seen.add(twin)
+                plans.append((twin, predict(chain, twin, lookahead)))
     recorded = dict(plans)
     simple = []
     for name, d in simple_policies(chain):  # NOTE [ Plan search ] Rule 7: candidates as any plan, same model
@@ -284,9 +288,9 @@ def simple_policies(chain: StepCosts) -> list[tuple[str, tuple[Decision, ...]]]:
                else f"WeightedRevolve, {format_bytes(m)} of snapshots")
         every.append((f"checkpoint_chain ({how})", [dataclasses.replace(RECOMPUTE, revolve=m)] * n))
     out: list[tuple[str, tuple[Decision, ...]]] = [("keep everything", (KEEP,) * n)] if n else []
-    if chain.reentrant:  # NOTE [ Mechanism costs ] Rule 13: as the search makes every plan, named so
-        every = [(name.replace("Recompute()", "Recompute(reentrant=True)"), list(through_reentrant(plan)))
-                 for name, plan in every]
+    if chain.reentrant:  # NOTE [ Mechanism costs ] Rule 13: each policy's reentrant twin beside it, named so
+        every = [x for name, plan in every for x in (
+            (name, plan), (name.replace("Recompute()", "Recompute(reentrant=True)"), list(through_reentrant(plan))))]
     for name, plan in every:
         if n and all(d.mode != "recompute" or b.recomputable for b, d in zip(blocks, plan)) and all(
                 tuple(plan) != d for _, d in out):
