@@ -425,3 +425,19 @@ def test_through_reentrant_changes_whole_block_recomputations_only() -> None:
               Decision("recompute", revolve=1 << 20), Decision("recompute", host=True), Decision("offload", (0,)))
     assert through_reentrant(others) == others
     assert through_reentrant((RECOMPUTE, KEEP, RECOMPUTE)) == (REENTRANT, KEEP, REENTRANT)
+
+
+def test_reentrant_that_could_not_run_leaves_no_plan_reentrant(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 13: every block Recompute(reentrant=True) measured and could not run (its step gave
+    ``None``) where Recompute() ran: no plan of the search, simple policies included, recomputes through it."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    assert REENTRANT_ALL in dict(policies)
+    measured = measure_policies(policies, lambda name, plan: None if name == REENTRANT_ALL else (1 << 20, 1.0), chain)
+    assert REENTRANT_ALL not in measured and RECOMPUTE_ALL in measured
+    cal = calibrate(chain, policies, measured)
+    assert not cal.reentrant_runs and not cal.reentrant
+    found = search(cal)
+    assert not any(d.reentrant for plan, _ in found.plans for d in plan)
+    assert REENTRANT_ALL not in [name for name, _, _ in found.simple]
+    assert calibrate(chain, policies, {}).reentrant_runs  # nothing measured (the CPU): nothing known against it

@@ -100,8 +100,9 @@
 #    plan and its twin so made (NOTE [ Plan search ] Rule 7), so that the faster twin is taken where it fits and the
 #    plain one where only it fits (the floor stays at or below every block ``Recompute()``'s peak). A block recomputed
 #    keeping ops, in parts, by Revolve, or with its inputs on host keeps its own mechanism (reentrant takes none of
-#    those). Where reentrant cannot run (a block reading a tensor that needs grad from outside its arguments raises)
-#    it is left unmeasured and nothing changes.
+#    those). Where reentrant cannot run (a block reading a tensor that needs grad from outside its arguments raises,
+#    or it ran out of memory where ``Recompute()`` did not), it is left unmeasured and no plan uses it
+#    (``StepCosts.reentrant_runs``).
 """
 from __future__ import annotations
 
@@ -188,7 +189,9 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
     """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-5): ``measured`` holds what
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
     fast = reentrant_faster(measured)  # NOTE [ Mechanism costs ] Rule 13: the plans as they were measured
-    chain = dataclasses.replace(chain, reentrant=fast)
+    plans = dict(policies)
+    runs = REENTRANT_ALL not in plans or REENTRANT_ALL in measured or RECOMPUTE_ALL not in measured
+    chain = dataclasses.replace(chain, reentrant=fast, reentrant_runs=runs)
     plans = {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
              for name, plan in policies}
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2

@@ -222,6 +222,8 @@ class StepCosts:
             (NOTE [ Mechanism costs ] Rule 12); may be negative.
         reentrant: ``Recompute(reentrant=True)`` measured faster than ``Recompute()`` on this model (NOTE [ Mechanism
             costs ] Rule 13): the search records each plan's twin with its whole-block recomputations reentrant.
+        reentrant_runs: ``False`` where every block ``Recompute(reentrant=True)`` was measured and could not run (it
+            raised, or ran out of memory where ``Recompute()`` did not): no plan recomputes through it.
     """
 
     blocks: tuple[Block, ...]
@@ -243,6 +245,7 @@ class StepCosts:
     bwd_fixed_at: tuple[int, ...] = ()
     parts_bytes: int = 0
     reentrant: bool = False
+    reentrant_runs: bool = True
 
     def bwd_fixed(self, i: int) -> int:
         """Device bytes that no decision changes while block ``i``'s backward runs (NOTE [ Step model ] Rules 4, 6)."""

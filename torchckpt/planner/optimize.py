@@ -264,8 +264,9 @@ def simple_policies(chain: StepCosts) -> list[tuple[str, tuple[Decision, ...]]]:
     """The one-line policies, by name, simplest first, each as a plan of ``chain`` (NOTE [ Plan search ] Rule 7)."""
     blocks = chain.blocks
     n = len(blocks)
-    every = [("every block Recompute()", [RECOMPUTE] * n),
-             ("every block Recompute(reentrant=True)", [REENTRANT] * n)]
+    every = [("every block Recompute()", [RECOMPUTE] * n)]
+    if chain.reentrant_runs:  # NOTE [ Mechanism costs ] Rule 13
+        every.append(("every block Recompute(reentrant=True)", [REENTRANT] * n))
     if any(b.input_bytes for b in blocks):
         every.append(("every block Recompute(store=...), inputs to host",
                       [RECOMPUTE_HOST if b.input_bytes else RECOMPUTE for b in blocks]))
