@@ -120,6 +120,7 @@ def test_a_plan_recomputing_through_reentrant_gives_plain_autograd_gradients_bit
     reentrant = Decision("recompute", reentrant=True)
     pl = _forced(m, x, [reentrant, Decision("recompute"), Decision("recompute", keep=mm), reentrant, Decision("keep")])
     assert [b.reentrant for b in pl.blocks] == [True, False, False, True, False]
+    assert Plan.from_json(pl.to_json()).blocks == pl.blocks  # saved and loaded with it
     applied = pl.apply(m)
     try:
         assert [getattr(getattr(blk.__dict__.get("forward"), "policy", None), "reentrant", False)

@@ -186,19 +186,19 @@ def floor_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision,
 
 def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
               measured: Mapping[str, Measured], lookahead: int = 1) -> StepCosts:
-    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-5): ``measured`` holds what
+    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-13): ``measured`` holds what
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
     fast = reentrant_faster(measured)  # NOTE [ Mechanism costs ] Rule 13: the plans as they were measured
-    plans = dict(policies)
-    runs = REENTRANT_ALL not in plans or REENTRANT_ALL in measured or RECOMPUTE_ALL not in measured
-    chain = dataclasses.replace(chain, reentrant=fast, reentrant_runs=runs)
     plans = {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
              for name, plan in policies}
+    runs = REENTRANT_ALL not in plans or REENTRANT_ALL in measured or RECOMPUTE_ALL not in measured
+    chain = dataclasses.replace(chain, reentrant=fast, reentrant_runs=runs)
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2
         chain = _other_time(chain, measured[KEEP_ALL][1] - predict(chain, plans[KEEP_ALL], lookahead).step_s)
-    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (REENTRANT_ALL, "reent_s", "reent_bytes", _tensors), (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
-             (KEEP_TOP_ALL, "keep_rec_s", "keep_rec_bytes", _ops), (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
-    for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-5
+    rules = ((RECOMPUTE_ALL, "rec_s", "rec_bytes", _tensors), (REENTRANT_ALL, "reent_s", "reent_bytes", _tensors),
+             (KEEP_OPS_ALL, "keep_rec_s", "keep_rec_bytes", _ops), (KEEP_TOP_ALL, "keep_rec_s", "keep_rec_bytes", _ops),
+             (HOST_ALL, "host_rec_s", "host_rec_bytes", _one))
+    for name, field, bytes_field, weight in rules:  # NOTE [ Mechanism costs ] Rules 3-5 and 13
         if name not in measured or name not in plans:
             continue
         plan = plans[name]

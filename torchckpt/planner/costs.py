@@ -311,8 +311,8 @@ class Decision:
         revolve: for ``"recompute"`` on the device, > 0: the block's input is kept or rebuilt by Revolve over
             the chain whose snapshots hold at most this many bytes (NOTE [ Step model ] Rule 5); every block of the plan has it.
         reentrant: for ``"recompute"`` of the whole block (no ``keep``, ``parts`` or ``revolve``): through
-            ``Recompute(reentrant=True)`` (NOTE [ Reentrant recompute ]); the step model prices it as ``Recompute()``,
-            measurement tells them apart (NOTE [ Plan search ] Rule 7).
+            ``Recompute(reentrant=True)`` (NOTE [ Reentrant recompute ]), priced by its own measured terms
+            (``Block.reent_s``, ``StepCosts.reent_bytes``: NOTE [ Mechanism costs ] Rule 13).
     """
 
     mode: str

@@ -46,9 +46,9 @@
 # 7. The policies a user writes in one line are plans of the search too (``simple_policies``), each recorded
 #    with its prediction as any other plan is, so Rule 3 may pick one and the floor is at or below each one's
 #    predicted peak: keep everything; ``Recompute()`` on every block, and ``Recompute(reentrant=True)`` on every
-#    block (priced as ``Recompute()``: the same memory; what it saves is the host's time in the forward, which
-#    NOTE [ Mechanism costs ] Rule 13 measures; where it measured faster, each plan and each policy gets a twin with
-#    its whole-block recomputations reentrant, named so); ``Recompute(save=...)`` on every block,
+#    block (unless measured and unable to run; each priced by its own measurement, NOTE [ Mechanism costs ] Rule 13;
+#    where reentrant measured faster, each plan and each policy gets a twin with its whole-block recomputations
+#    reentrant, named so); ``Recompute(save=...)`` on every block,
 #    keeping its matmuls' and attention's outputs (``Block.sac``: the ops torch SAC users save), or where no
 #    block has such ops (a CNN) the output of the op its ladder keeps first (Rule 1's most time per byte: a
 #    convolution's); ``Recompute()``
