@@ -8,6 +8,8 @@ process:
              more recomputation.
   disk       ``Revolve(N, s_disk, tier=DISK)`` through ``SnapshotStore(disk=DIR)``: ``--disk-snapshots`` of them,
              written behind to files and read ahead (host memory holds only those in flight).
+  disk_into  the same as ``disk`` with ``DiskTier(device_reads=True)``: the prefetches read the files straight into
+             the device's slots, through cuFile on CUDA (NOTE [ cuFile reads ]; left out where cuFile cannot open).
   host_all   ``Revolve(N, s_disk, tier=HOST)``: the same schedule with no cap, when the machine's available
              memory holds it twice over (the reference: what the disk costs against unlimited host memory).
 
@@ -39,7 +41,8 @@ from adjoint import Bench  # noqa: E402  (the RTM of benchmarks/adjoint.py)
 from common import GiB, fmt, out_dir, pinned_bandwidth, plot_bars, print_table, write_json  # noqa: E402
 from torchckpt._args import parse_bytes  # noqa: E402
 from torchckpt.adjoint import run_schedule  # noqa: E402
-from torchckpt.memory import DiskTier  # noqa: E402
+from torchckpt import CheckpointError  # noqa: E402
+from torchckpt.memory import DiskTier, gds  # noqa: E402
 from torchckpt.memory.sysinfo import available_memory_bytes  # noqa: E402
 from torchckpt.schedules import Revolve, Tier, simulate  # noqa: E402
 from torchckpt.store import SnapshotStore  # noqa: E402
@@ -77,17 +80,26 @@ def main() -> int:
           (f"; host link {link[0] / 1e9:.1f} GB/s to host, {link[1] / 1e9:.1f} back" if link else ""), flush=True)
     bench.alloc_host(s_disk + 4, args.slots)  # the pool: grown once, outside the timed runs
 
-    runs = [("host_cap", Revolve(n, s_cap, tier=Tier.HOST), False),
-            ("disk", Revolve(n, s_disk, tier=Tier.DISK), True)]
+    into = DiskTier(directory, device_reads=True)
+    try:
+        use_into = into.reads_into(torch.device(bench.dev))
+        how = gds.probe()[1] if cuda else "CPU slots"
+    except CheckpointError as e:
+        use_into, how = False, str(e)
+    print(f"disk_into: {'reads into the slots (' + how + ')' if use_into else 'skipped: ' + how}", flush=True)
+    runs: list[tuple[str, Revolve, DiskTier | None]] = [("host_cap", Revolve(n, s_cap, tier=Tier.HOST), None),
+                                                         ("disk", Revolve(n, s_disk, tier=Tier.DISK), disk)]
+    if use_into:
+        runs.append(("disk_into", Revolve(n, s_disk, tier=Tier.DISK), into))
     if s_disk * snap * 2 < available_memory_bytes():
-        runs.append(("host_all", Revolve(n, s_disk, tier=Tier.HOST), False))
+        runs.append(("host_all", Revolve(n, s_disk, tier=Tier.HOST), None))
     else:
         print(f"host_all skipped: {s_disk * snap / GiB:.1f} GiB of snapshots, twice over, exceed available memory",
               flush=True)
     rows, results, ref, ok = [], [], None, True
-    for name, sched, use_disk in runs:
+    for name, sched, tier in runs:
         sim = simulate(sched)
-        store = SnapshotStore(bench.dev, slots=args.slots, host=bench.pool, disk=disk if use_disk else None)
+        store = SnapshotStore(bench.dev, slots=args.slots, host=bench.pool, disk=tier)
         try:
             t, _ = bench.timed(lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
                                                     restore=bench.rtm.restore, backward=bench.rtm.backward,
@@ -104,7 +116,8 @@ def main() -> int:
                "recompute_factor": sim.forward_steps / n, "exact": exact,
                "disk": None if d is None else {"writes": d.writes, "reads": d.reads, "bytes_written": d.bytes_written,
                                                "bytes_read": d.bytes_read, "read_waits": d.read_waits,
-                                               "read_wait_s": d.read_wait_s, "direct": d.direct}}
+                                               "read_wait_s": d.read_wait_s, "direct": d.direct,
+                                               "bytes_to_device": st.bytes_to_device}}
         results.append(res)
         base = results[0]["time_s"]
         rows.append([name, repr(sched), fmt(t * 1e3, ".0f"), fmt(t / base, ".2f"), fmt(sim.forward_steps / n, ".2f"),
@@ -113,6 +126,7 @@ def main() -> int:
                      "yes" if exact else "NO"])
         print(f"{name}: {t * 1e3:.0f} ms, {t / base:.2f}x host_cap", flush=True)
     disk.close()
+    into.close()
     if args.dir is None:
         try:
             os.rmdir(directory)
@@ -122,7 +136,7 @@ def main() -> int:
     write_json(os.path.join(out, "tiers.json"), {
         "device": gpu, "torch": torch.__version__, "grid": args.grid, "steps": n, "snapshot_bytes": snap,
         "host_cap_bytes": cap, "slots": args.slots, "disk_direct": disk.direct, "disk_write_Bps": bw_w,
-        "disk_read_Bps": bw_r, "link_Bps": link, "runs": results, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "disk_read_Bps": bw_r, "link_Bps": link, "disk_into": how, "runs": results, "when": time.strftime("%Y-%m-%d %H:%M:%S"),
         "note": None if cuda else "CPU smoke test: times are not meaningful"})
     plot_bars(os.path.join(out, "tiers.png"), [r["name"] for r in results],
               {"time / host_cap": [r["time_s"] / results[0]["time_s"] for r in results],

@@ -53,6 +53,12 @@ disk-level look-ahead such as MLBS's LIFO prefetch), and no autotuner ranks the 
 #    collected (its key deleted) needed no bytes: its error goes with it. ``close()`` cancels both
 #    pools' queued jobs first (a running read waiting for a cancelled write then ends), then joins
 #    both pools' threads.
+# 8. Reads into the store's own memory (``device_reads``, NOTE [ cuFile reads ] in memory/gds.py): ``prefetch`` and
+#    ``read`` take an ``out`` on the store's device when ``reads_into(device)`` says so: a CUDA buffer is filled by
+#    ``cuFileRead`` on the read thread (``True``: wherever cuFile opens, compatibility mode included; ``None``, the
+#    default: only with GPUDirect Storage's driver loaded; ``False``: never), a CPU one (a CPU store's slot) by the
+#    same reads as a host block. ``prefetch(..., after=...)`` names events the read thread waits for before it writes
+#    ``out`` (the slot's last use and flush). The bytes are the file's either way.
 """
 from __future__ import annotations
 
@@ -74,6 +80,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError, internal_error
+from torchckpt.memory import gds
 
 __all__ = ["ALIGN", "READS", "DiskStats", "DiskTier"]
 
@@ -156,9 +163,11 @@ class _Entry:
         self.job: cf.Future[Any] = written
 
 
-def _flat_bytes(t: object, what: str) -> torch.Tensor:
-    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.device.type != "cpu" or t.dim() != 1 \
-            or not t.is_contiguous():
+def _flat_bytes(t: object, what: str, device: bool = False) -> torch.Tensor:
+    """``t`` if it is a flat contiguous uint8 tensor on the CPU (or, with ``device``, anywhere: NOTE [ Disk tier ]
+    Rule 8), else a ``TypeError``."""
+    if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or (t.device.type != "cpu" and not device) \
+            or t.dim() != 1 or not t.is_contiguous():
         found = f"{t.dtype} {tuple(t.shape)} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
         raise TypeError(f"torchckpt: DiskTier.{what} takes a flat contiguous uint8 CPU tensor, found {found}; pass "
                         "e.g. a host block's tensor or t.view(-1).view(torch.uint8).")
@@ -238,8 +247,11 @@ def _write_file(shared: _Shared, path: str, src: torch.Tensor) -> None:
 
 
 def _read_file(shared: _Shared, path: str, out: torch.Tensor) -> None:
-    """The file at ``path`` into ``out`` (exactly ``out.numel()`` bytes; NOTE [ Disk tier ] Rule 4)."""
+    """The file at ``path`` into ``out`` (exactly ``out.numel()`` bytes; NOTE [ Disk tier ] Rules 4 and 8)."""
     n = out.numel()
+    if out.device.type == "cuda":
+        gds.read(path, out, n, shared.direct)  # NOTE [ cuFile reads ] Rule 3
+        return
     mv = out.numpy().data
     fd = _open(path, write=False, direct=shared.direct)
     try:
@@ -288,8 +300,10 @@ def _write_job(shared: _Shared, path: str, src: torch.Tensor, after: Any) -> Non
 
 
 def _read_job(shared: _Shared, path: str, out: torch.Tensor, prev: cf.Future[Any],
-              written: cf.Future[None]) -> torch.Tensor:
+              written: cf.Future[None], after: tuple[Any, ...] = ()) -> torch.Tensor:
     _wait([prev, written])  # NOTE [ Disk tier ] Rule 3
+    for ev in after:  # NOTE [ Disk tier ] Rule 8: out's last use and flush end first
+        ev.synchronize()
     failed = _failed_write(written)
     if failed is not None:  # held by the future: ``read`` of the key raises it (NOTE [ Disk tier ] Rule 7)
         raise CheckpointError(f"torchckpt: a read of a snapshot whose write failed (file {path}): {failed}")
@@ -349,6 +363,9 @@ class DiskTier:
             default ``READS``.
         direct: ``None``: O_DIRECT where the file system takes it, buffered I/O elsewhere; ``True``:
             O_DIRECT or a ``CheckpointError``; ``False``: buffered I/O (NOTE [ Disk tier ] Rule 4).
+        device_reads: whether a store reads snapshots straight into its own memory (NOTE [ Disk tier ] Rule 8):
+            ``None``: on CUDA where GPUDirect Storage's driver is loaded; ``True``: on CUDA wherever cuFile opens
+            (a ``CheckpointError`` where it cannot), and on the CPU into the store's slots; ``False``: never.
 
     Raises:
         CheckpointError: ``path`` is missing, not a directory or not writable.
@@ -367,8 +384,11 @@ class DiskTier:
     """
 
     def __init__(self, path: str | os.PathLike[str], threads: int = 2, direct: bool | None = None,
-                 reads: int | None = None) -> None:
+                 reads: int | None = None, device_reads: bool | None = None) -> None:
         reads = READS if reads is None else reads
+        if device_reads is not None and not isinstance(device_reads, bool):
+            raise TypeError(f"torchckpt: DiskTier(device_reads=...) expects None, True or False, got {device_reads!r}.")
+        self.device_reads = device_reads
         if not isinstance(path, (str, os.PathLike)) or isinstance(path, bytes):
             raise TypeError(f"torchckpt: DiskTier(path=...) expects a directory path (str or os.PathLike), got "
                             f"{type(path).__name__} {path!r}; pass e.g. DiskTier('/mnt/nvme/scratch').")
@@ -454,6 +474,19 @@ class DiskTier:
     def __contains__(self, key: object) -> bool:
         return key in self._files
 
+    def reads_into(self, device: torch.device) -> bool:
+        """Whether reads go straight into memory of ``device`` (NOTE [ Disk tier ] Rule 8); raises where
+        ``device_reads=True`` asks for cuFile and it cannot open."""
+        if self.device_reads is False or (device.type == "cpu" and not self.device_reads):
+            return False
+        if device.type != "cuda":
+            return device.type == "cpu"
+        ok, how = gds.probe()  # NOTE [ cuFile reads ] Rule 2
+        if not ok and self.device_reads:
+            raise CheckpointError(f"torchckpt: DiskTier(device_reads=True), but cuFile cannot read here: {how}; "
+                                  "pass device_reads=None (GPUDirect Storage where its driver is loaded) or False.")
+        return ok and (how == "gds" or bool(self.device_reads))
+
     def nbytes(self, key: Hashable) -> int:
         """Payload bytes written under ``key``."""
         return self._entry(key, "nbytes").nbytes
@@ -476,11 +509,13 @@ class DiskTier:
         self._files[key] = _Entry(name, src.numel(), fut)
         return fut
 
-    def prefetch(self, key: Hashable, out: torch.Tensor | None = None) -> cf.Future[torch.Tensor]:
+    def prefetch(self, key: Hashable, out: torch.Tensor | None = None,
+                 after: tuple[Any, ...] = ()) -> cf.Future[torch.Tensor]:
         """Start reading ``key`` into ``out`` (or a new buffer) on a read thread; the future gives the buffer.
 
         ``out`` is the job's until the future is done (NOTE [ Disk tier ] Rule 2); ``read(key, out)`` collects it,
-        and raises the read's error (NOTE [ Disk tier ] Rule 7).
+        and raises the read's error (NOTE [ Disk tier ] Rule 7). ``out`` may be on a device ``reads_into`` accepts,
+        ``after`` names events the read waits for before it writes ``out`` (NOTE [ Disk tier ] Rule 8).
         """
         self.check()
         e = self._entry(key, "prefetch")
@@ -489,7 +524,7 @@ class DiskTier:
             return got[0]
         buf = self._out(e, out)
         # NOTE [ Disk tier ] Rule 7: on the read threads
-        fut = self._read_pool.submit(_read_job, self._shared, e.name, buf, e.job, e.written)
+        fut = self._read_pool.submit(_read_job, self._shared, e.name, buf, e.job, e.written, after)
         e.job = fut
         self._reads[key] = (fut, buf)
         return fut
@@ -624,7 +659,8 @@ class DiskTier:
     def _out(self, e: _Entry, out: torch.Tensor | None) -> torch.Tensor:
         if out is None:
             return torch.empty(e.nbytes, dtype=torch.uint8)
-        out = _flat_bytes(out, "read")
+        out = _flat_bytes(out, "read", device=isinstance(out, torch.Tensor) and out.device.type != "cpu"
+                          and self.reads_into(out.device))  # NOTE [ Disk tier ] Rule 8
         if out.numel() != e.nbytes:
             raise ValueError(f"torchckpt: DiskTier read into {out.numel()} bytes of a snapshot of {e.nbytes}; pass a "
                              f"buffer of exactly {e.nbytes} bytes (or none).")

@@ -35,11 +35,20 @@ files' own NOTE [ Disk tier ] is memory/disk.py's.
 #    snapshot's host block and slot (nothing of it stays: never a wrong restore); its file stays
 #    until ``free`` or ``close`` deletes it. ``close`` of a store that made its tier joins the
 #    tier's threads, reads in flight included (NOTE [ Disk tier ] Rules 6-7).
+# 6. Reads into the slot (``DiskTier(device_reads=...)``: NOTE [ Disk tier ] Rule 8, NOTE [ cuFile reads ]): where the
+#    tier reads into the store's device memory and the snapshots are not compressed (a blob is decoded from host
+#    memory), a prefetch's read goes straight into its pinned slot, with no host block and no fill: the read thread
+#    first waits for the slot's last flush and its last use by compute (or, with no record of it, everything the
+#    compute stream had issued), and the slot holds the snapshot once the read's future is done, which the restore
+#    waits for (Rule 2). A failed read gives the slot back as Rule 5 says. A restore that misses the slots reads
+#    through a host block as before (Rule 2).
 """
 from __future__ import annotations
 
 from concurrent.futures import Future
 from typing import Any
+
+import torch
 
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase
@@ -68,9 +77,35 @@ class DiskSide:
     _free_slots: list[int]
     _fill_of: list[int | None]
     _fill_ev: list[Any]
+    _flush_ev: list[Any]
+    _use_ev: list[Any]
+    _slots: Any
+    _into_slot: set[int]
+    device: torch.device
 
     def _fill(self, s: int, n: int) -> Any:  # SnapshotStore's: a slot filled from host (NOTE [ Snapshot store ] Rule 3)
         raise NotImplementedError
+
+    def _record(self) -> Any:  # SnapshotStore's: an event at the compute stream's position
+        raise NotImplementedError
+
+    def _read_ahead(self, n: int, s: int) -> None:
+        """Start the prefetch's read of disk snapshot ``n`` for slot ``s``: straight into the slot, or into a host
+        block the slot is filled from once it has ended (NOTE [ Snapshot disk tier ] Rules 2, 6)."""
+        assert self.disk is not None
+        k = self._size(n)
+        if self.codec is None and self.disk.reads_into(self.device):  # NOTE [ Snapshot disk tier ] Rule 6
+            slot = self._slots[s]
+            after = (self._flush_ev[s], self._use_ev[s] if self._use_ev[s] is not None else self._record())
+            self._reading[n] = self.disk.prefetch(self._key(n), slot if slot.numel() == k else slot[:k],
+                                                  tuple(ev for ev in after if ev is not None))
+            self._into_slot.add(n)
+            self._fill_of[s] = n
+            self._fill_ev[s] = None
+            return
+        block = self.host.alloc(k)
+        self._on_host[n] = (block, None)
+        self._reading[n] = self.disk.prefetch(self._key(n), block.tensor)
 
     def _key(self, n: int) -> tuple[int, int]:
         return (self._uid, n)
@@ -107,20 +142,30 @@ class DiskSide:
         (NOTE [ Snapshot disk tier ] Rules 2, 4-5)."""
         assert self.disk is not None
         self._reading.pop(n)
-        block, _ = self._on_host[n]
+        direct = n in self._into_slot  # NOTE [ Snapshot disk tier ] Rule 6
+        self._into_slot.discard(n)
+        if direct:
+            dst, k = self._slots[self._slot_of[n]], self._size(n)
+            buf = dst if dst.numel() == k else dst[:k]
+        else:
+            block, _ = self._on_host[n]
+            buf = block.tensor
         try:
-            self.disk.read(self._key(n), block.tensor)  # the prefetch's buffer: waits, raises its error
+            self.disk.read(self._key(n), buf)  # the prefetch's buffer: waits, raises its error
         except BaseException:  # nothing of n stays in host memory or in a slot: never a wrong restore
-            del self._on_host[n]
-            self.host.free(block)
+            if not direct:
+                del self._on_host[n]
+                self.host.free(block)
             self._prefetched.discard(n)
             self._rank.remove(n)
             slot = self._slot_of.pop(n, None)
             if slot is not None:
                 self._free_slots.append(slot)
+                if direct:
+                    self._fill_of[slot] = None  # it holds no snapshot
             raise
         s = self._slot_of.get(n)
-        if s is not None:
+        if s is not None and not direct:
             self._fill(s, n)
         self._release_host(n)
 
@@ -169,5 +214,6 @@ class DiskSide:
         self._disk_ns.discard(n)
         self._writing.pop(n, None)
         self._reading.pop(n, None)
+        self._into_slot.discard(n)
         self._on_disk.discard(n)
         self.disk.delete(self._key(n))

@@ -223,6 +223,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self._writing: dict[int, Future[None]] = {}  # write under way; its source is the host block
         self._on_disk: set[int] = set()  # written completely
         self._reading: dict[int, Future[Any]] = {}  # a prefetch's read into the host block, not collected
+        self._into_slot: set[int] = set()  # of those, the reads straight into the slot (NOTE [ Snapshot disk tier ] Rule 6)
 
     # -- actions -------------------------------------------------------------------------
     def save(self, n: int, tier: Tier, tensors: Sequence[torch.Tensor], flush: bool = True) -> None:
@@ -325,11 +326,8 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
             self._rank.pin(n)
             if fetched is not None:
                 self._peer_fill(s, n, fetched, on_compute=False)
-            elif on_disk:  # NOTE [ Snapshot disk tier ] Rule 2: read ahead; the fill follows once the read has ended
-                assert self.disk is not None
-                block = self.host.alloc(self._size(n))
-                self._on_host[n] = (block, None)
-                self._reading[n] = self.disk.prefetch(self._key(n), block.tensor)
+            elif on_disk:  # NOTE [ Snapshot disk tier ] Rules 2, 6: read ahead (into a host block, or the slot)
+                self._read_ahead(n, s)
             else:
                 self._fill(s, n)
             self._prefetched.add(n)

@@ -1,0 +1,75 @@
+"""cuFile reads into device memory (NOTE [ cuFile reads ], NOTE [ Disk tier ] Rule 8, NOTE [ Snapshot disk tier ]
+Rule 6) on a GPU machine whose cuFile opens (compatibility mode is enough): a file read into a CUDA buffer gives the
+bytes written, and an adjoint through a CUDA store reads its disk snapshots straight into the slots, bit-exact."""
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_models import assert_bits_equal
+from torchckpt import SnapshotStore, run_schedule
+from torchckpt.memory import DiskTier, HostPool, gds
+from torchckpt.schedules import Revolve, Tier, ZCut
+
+pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+@pytest.fixture(autouse=True)
+def _cufile() -> None:
+    ok, why = gds.probe()
+    if not ok:
+        pytest.skip(f"cuFile cannot read here: {why}")
+
+
+@pytest.mark.parametrize("direct", [False, None])
+@pytest.mark.parametrize("nbytes", [1, 4096, 5105, (8 << 20) + 3])
+def test_a_file_read_into_a_cuda_buffer_gives_its_bytes(tmp_path: Any, nbytes: int, direct: bool | None) -> None:
+    g = torch.Generator().manual_seed(nbytes)
+    src = torch.randint(0, 255, (nbytes,), generator=g, dtype=torch.uint8)
+    tier = DiskTier(tmp_path, direct=direct, device_reads=True)
+    try:
+        tier.write("a", src).result()
+        out = torch.full((nbytes,), 7, dtype=torch.uint8, device="cuda")
+        fut = tier.prefetch("a", out)
+        assert tier.read("a", out) is out and fut.done()
+        assert torch.equal(out.cpu(), src)
+        again = torch.zeros(nbytes, dtype=torch.uint8, device="cuda")
+        assert torch.equal(tier.read("a", again).cpu(), src)  # a read with no prefetch, on the caller's thread
+    finally:
+        tier.close()
+
+
+@pytest.mark.parametrize("sched", [Revolve(60, 30, tier=Tier.DISK), ZCut(60, segment=1, tier=Tier.DISK)],
+                         ids=["revolve", "zcut"])
+def test_an_adjoint_reads_its_disk_snapshots_into_the_slots_bit_exact(tmp_path: Any, sched: Any) -> None:
+    n = 60
+    g = torch.Generator(device="cuda").manual_seed(3)
+    first = [torch.randn(64, 1000, device="cuda", generator=g), torch.randn(333, device="cuda", generator=g)]
+    ref = [first]
+    for k in range(1, n):
+        ref.append([t * 0.75 + k for t in ref[-1]])
+    state = [t.clone() for t in first]
+    seen: list[int] = []
+
+    def forward(n0: int, n1: int) -> None:
+        for k in range(n0 + 1, n1 + 1):
+            for t in state:
+                t.mul_(0.75).add_(k)
+
+    def backward(k: int) -> None:
+        assert_bits_equal(state, ref[k])
+        seen.append(k)
+
+    tier = DiskTier(tmp_path, reads=4, device_reads=True)
+    host = HostPool(capacity_bytes=64 << 20, chunk_bytes=1 << 20, pin=True)
+    with SnapshotStore("cuda", slots=4, host=host, disk=tier) as snaps:
+        st = run_schedule(sched, forward=forward, save=lambda k: state, backward=backward, store=snaps, slots=4,
+                          end_forward=tier.wait, restore_into=lambda k: state)
+    assert seen == list(range(n - 1, -1, -1))
+    # the prefetched reads went into the slots: fewer bytes filled from host blocks than were read from the files
+    assert st.disk is not None and st.disk.reads > 0 and st.prefetches > 0 and st.bytes_to_device < st.disk.bytes_read
+    tier.close()
+    assert os.listdir(tmp_path) == []

@@ -1,0 +1,80 @@
+"""GPUDirect Storage through cuFile: a disk tier's file read straight into device memory.
+
+# NOTE [ cuFile reads ]
+# 1. ``DiskTier(device_reads=...)`` (NOTE [ Disk tier ] Rule 8) reads a file into a CUDA buffer with ``cuFileRead``
+#    (``cuda.bindings.cufile``: cuda-bindings is torch's own dependency on CUDA 13 wheels, and its descriptors need
+#    NumPy), with no host block and no copy to the device after it. With the ``nvidia-fs`` driver loaded the bytes
+#    go from the drive to the GPU by DMA (GPUDirect Storage); without it cuFile runs in compatibility mode, reading
+#    through its own host bounce buffers, which moves the same bytes as the tier's own read and fill.
+# 2. ``probe()`` says, once per process, whether cuFile can be used here and how: ``"gds"`` (the driver is
+#    loaded: ``/proc/driver/nvidia-fs`` exists), ``"compat"`` (cuFile opened without it), or the reason it cannot
+#    (no CUDA, no ``cuda.bindings.cufile``, no NumPy, ``cuFileDriverOpen`` failed). The driver is opened once and left
+#    open for the process.
+# 3. ``read(path, out, nbytes, direct)`` on an I/O thread: opens the file (``O_DIRECT`` when the tier writes with
+#    it), registers the handle, reads ``nbytes`` into ``out``'s memory, deregisters and closes. ``cuFileRead`` is
+#    synchronous (the bytes are in device memory when it returns) and releases the GIL. A short read, or a file
+#    shorter than ``nbytes``, raises ``OSError`` (the tier turns it into its ``torchckpt:`` error naming the file):
+#    never a restore of bytes that did not arrive. The buffer is not registered with ``cuFileBufRegister`` (slots
+#    move and grow; cuFile then reads through its own registered buffers).
+"""
+from __future__ import annotations
+
+import errno
+import os
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["probe", "read"]
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+_lock = threading.Lock()
+_state: dict[str, Any] = {}
+
+
+def probe() -> tuple[bool, str]:
+    """NOTE [ cuFile reads ] Rule 2: ``(True, "gds" | "compat")`` where cuFile can read here, else ``(False, why)``."""
+    with _lock:
+        if "probe" not in _state:
+            _state["probe"] = _probe()
+        got: tuple[bool, str] = _state["probe"]
+        return got
+
+
+def _probe() -> tuple[bool, str]:
+    if not torch.cuda.is_available():
+        return False, "no CUDA device"
+    try:
+        import numpy  # noqa: F401  (cuda.bindings.cufile's descriptors are NumPy records)
+        from cuda.bindings import cufile
+    except ImportError as e:
+        return False, f"cuda.bindings.cufile cannot be imported ({e})"
+    try:
+        cufile.driver_open()
+    except Exception as e:  # noqa: BLE001 - any failure to open the driver means no cuFile here
+        return False, f"cuFileDriverOpen failed ({e})"
+    _state["cufile"] = cufile
+    return True, "gds" if os.path.exists("/proc/driver/nvidia-fs") else "compat"
+
+
+def read(path: str, out: torch.Tensor, nbytes: int, direct: bool) -> None:
+    """NOTE [ cuFile reads ] Rule 3: the first ``nbytes`` bytes of the file at ``path`` into CUDA ``out``."""
+    cufile = _state["cufile"]
+    fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0) | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if os.fstat(fd).st_size < nbytes:
+            raise OSError(errno.EIO, f"the file holds {os.fstat(fd).st_size} of {nbytes} bytes")
+        descr = cufile.Descr()
+        descr.type = cufile.FileHandleType.OPAQUE_FD
+        descr.handle.fd = fd
+        fh = cufile.handle_register(descr.ptr)
+        try:
+            with torch.cuda.device(out.device):
+                got = cufile.read(fh, out.data_ptr(), nbytes, 0, 0)
+        finally:
+            cufile.handle_deregister(fh)
+        if got is not None and got != nbytes:  # bindings that return the count (13.x): a short read is an error
+            raise OSError(errno.EIO, f"cuFileRead read {got} of {nbytes} bytes")
+    finally:
+        os.close(fd)
