@@ -86,6 +86,16 @@
 #    NOTE [ Profiling step ] Rule 9). The medians replace the
 #    two's earlier figures for later budgets. ``Plan.turns`` records them, the one returned first; ``explain()``
 #    prints them. A rival taken has no Rule 7 record (``Plan.measurements`` is empty): it was not this budget's plan.
+# 10. Each process's step model is calibrated on its own measurements, which differ by several percent between
+#    processes on a host-bound model, so plans of other shapes predicted a few percent apart change rank from one
+#    process to the next, and verification measured only the one its process ranked first (on an H100, ConvNeXt-B at
+#    4.9 GiB in three processes: two returned the plan recomputing the first 23 blocks, predicted 100.3 and 106.8 ms
+#    there, the third one recomputing every other block of the middle stages, predicted 98.3 ms, which measured 104.1
+#    ms in turns against 96.7 and 98.4). So before Rule 9, unless the plan keeps every block, verification measures
+#    (as Rule 4) the search's fastest plan within the budget predicted within ``_NEAR`` (5%) of the plan's prediction
+#    whose blocks' modes differ from the plan's in a quarter of the blocks (two at least), unless measured before;
+#    where its measured peak is within the budget less the slack and its step more than 1% under the plan's, the two
+#    run in turns as Rule 9 runs them and the faster is taken. Rule 9 then runs as before.
 """
 from __future__ import annotations
 

@@ -40,6 +40,7 @@ _VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one 
 _SPREAD, _VERIFY_MOST = 0.10, 9  # NOTE [ Applying a plan ] Rule 4: more steps, up to this many, while they spread over 10%
 _CLOSE, _TIE = 0.03, 0.01  # NOTE [ Applying a plan ] Rule 8: measured steps this close are measured again; then a tie
 _RIVAL, _TURNS = 0.30, 3  # NOTE [ Applying a plan ] Rule 9: a rival measured at another time this close runs in turns
+_NEAR = 0.05  # NOTE [ Applying a plan ] Rule 10: another shape of plan predicted this close is measured too
 _SLACK_DIV, _SLACK_MIN = 100, 2 << 20  # NOTE [ Applying a plan ] Rule 4: a measured peak leaves 1% of the budget, 2 MiB (10% below 20 MiB)
 
 
@@ -331,9 +332,33 @@ class _Profiled:
             assert best.measured_step_time is not None
             if p.measured_peak_bytes <= limit and p.measured_step_time < best.measured_step_time:
                 best = self._faster(budget, best, p)
+        other = self._contender(budget, best)  # NOTE [ Applying a plan ] Rule 10
+        if other is not None:
+            best = self._race(budget, best, other)
         best = self._turns(budget, best)  # NOTE [ Applying a plan ] Rule 9
         self.verified.append(best)
         return best
+
+    def _contender(self, budget: int, best: Plan) -> tuple[Decision, ...] | None:
+        """NOTE [ Applying a plan ] Rule 10: the search's fastest plan within ``budget``, predicted within ``_NEAR`` of
+        ``best``'s prediction, whose blocks' modes differ from ``best``'s in a quarter of them (two at least), measured
+        for this budget unless it was before (none where ``best`` keeps every block); returned where it measured within
+        the budget less the slack and faster than ``best`` by more than ``_TIE``, else ``None``."""
+        mine, ours = _decisions(best), best.measured_step_time
+        assert ours is not None
+        n = len(mine)
+        if all(d.mode == "keep" for d in mine):
+            return None
+        found = [(p.step_s, k, d) for k, (d, p) in enumerate(self.found.plans)
+                 if p.peak_bytes <= budget and p.step_s <= best.step_time * (1 + _NEAR) and d not in self.memo
+                 and sum(a.mode != b.mode for a, b in zip(d, mine)) >= max(2, n // 4)]
+        if not found:
+            return None
+        d = min(found)[2]
+        got = self.step(self._candidate(d, predict(self.found.chain, d), budget), d)
+        if got is None or got[0] > budget - _slack(budget) or got[1] >= ours * (1 - _TIE):
+            return None
+        return d
 
     def _candidate(self, decisions: tuple[Decision, ...], pred: Prediction, budget: int) -> Plan:
         """The plan of the search's ``decisions`` (predicted ``pred``) for ``budget``, named if it is a simple policy."""
@@ -359,7 +384,13 @@ class _Profiled:
                         and not (d in self.fresh and mine in self.fresh))
         if not rivals:
             return best
-        d = rivals[0][2]
+        return self._race(budget, best, rivals[0][2])
+
+    def _race(self, budget: int, best: Plan, d: tuple[Decision, ...]) -> Plan:
+        """``best`` (measured) and the plan of ``d`` (measured), in ``_TURNS`` turns each (``best`` first); the faster
+        median is returned, within ``_TIE`` as NOTE [ Applying a plan ] Rule 8 decides (NOTE [ Applying a plan ]
+        Rules 9-10)."""
+        mine, limit = _decisions(best), budget - _slack(budget)
         name = self.found.simple_name(d)
         rival = self._candidate(d, predict(self.found.chain, d), budget)
         runs: tuple[list[tuple[int, float]], list[tuple[int, float]]] = ([], [])
