@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+from typing import Any
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ckpt_models import Block
 from torchckpt.planner import PlanError
+from torchckpt.planner.calibrate import RECOMPUTE_ALL, REENTRANT_ALL
 from torchckpt.planner.verify import _Profiled
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -216,21 +218,15 @@ class _GatedStack(nn.Module):
         return x.float().square().mean()
 
 
-def test_planning_a_model_reentrant_cannot_run_leaves_it_unmeasured() -> None:
-    """NOTE [ Mechanism costs ] Rule 13: every block Recompute(reentrant=True) raises on this model's blocks; the planner
-    leaves it unmeasured, makes no plan reentrant, and its plans give plain autograd's gradients."""
-    from torchckpt.planner.calibrate import RECOMPUTE_ALL, REENTRANT_ALL
-
-    torch.manual_seed(0)
-    m = _GatedStack(256, 4, 6).cuda().to(torch.bfloat16)
-    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+def _planned(m: nn.Module, x: torch.Tensor) -> tuple[list[torch.Tensor], _Profiled]:
+    """Plain autograd's gradients of ``m`` on ``x``, and ``m`` profiled for planning (the mechanisms measured)."""
     ref = _grads(m, x)
     m.zero_grad(set_to_none=True)
-    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None)
-    assert RECOMPUTE_ALL in planner.measured and REENTRANT_ALL not in planner.measured
-    assert not planner.found.chain.reentrant
-    p = planner.plan((planner.found.floor + planner.found.plans[0][1].peak_bytes) // 2)
-    assert not any(b.reentrant for b in p.blocks) and any(b.mode == "recompute" for b in p.blocks)
+    return ref, _Profiled.prepare(m, (x,), {}, None, None, None, None)
+
+
+def _exact_under(p: Any, m: nn.Module, x: torch.Tensor, ref: list[torch.Tensor]) -> None:
+    """``p`` applied to ``m`` gives ``ref`` bit for bit."""
     m.zero_grad(set_to_none=True)
     a = p.apply(m)
     try:
@@ -239,17 +235,27 @@ def test_planning_a_model_reentrant_cannot_run_leaves_it_unmeasured() -> None:
         a.remove()
 
 
+def test_planning_a_model_reentrant_cannot_run_leaves_it_unmeasured() -> None:
+    """NOTE [ Mechanism costs ] Rule 13: every block Recompute(reentrant=True) raises on this model's blocks; the planner
+    leaves it unmeasured, makes no plan reentrant, and its plans give plain autograd's gradients."""
+    torch.manual_seed(0)
+    m = _GatedStack(256, 4, 6).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 256, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref, planner = _planned(m, x)
+    assert RECOMPUTE_ALL in planner.measured and REENTRANT_ALL not in planner.measured
+    assert not planner.found.chain.reentrant
+    p = planner.plan((planner.found.floor + planner.found.plans[0][1].peak_bytes) // 2)
+    assert not any(b.reentrant for b in p.blocks) and any(b.mode == "recompute" for b in p.blocks)
+    _exact_under(p, m, x, ref)
+
+
 def test_reentrant_measured_faster_plans_recompute_whole_blocks_through_it_exactly() -> None:
     """NOTE [ Mechanism costs ] Rule 13 on the GPU: both mechanisms measured; where reentrant measured slower no plan is
     reentrant; either way the plan gives plain autograd's gradients bit for bit."""
-    from torchckpt.planner.calibrate import RECOMPUTE_ALL, REENTRANT_ALL
-
     torch.manual_seed(0)
     m = Stack(512, 8, 12).cuda().to(torch.bfloat16)
     x = torch.randn(4, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    ref = _grads(m, x)
-    m.zero_grad(set_to_none=True)
-    planner = _Profiled.prepare(m, (x,), {}, None, None, None, None)
+    ref, planner = _planned(m, x)
     assert RECOMPUTE_ALL in planner.measured and REENTRANT_ALL in planner.measured
     fast = planner.measured[REENTRANT_ALL][1] < planner.measured[RECOMPUTE_ALL][1]
     assert planner.found.chain.reentrant == fast
@@ -257,9 +263,4 @@ def test_reentrant_measured_faster_plans_recompute_whole_blocks_through_it_exact
     assert any(b.mode == "recompute" for b in p.blocks)
     if not fast:
         assert not any(b.reentrant for b in p.blocks)
-    m.zero_grad(set_to_none=True)
-    a = p.apply(m)
-    try:
-        assert all(torch.equal(u, v) for u, v in zip(ref, _grads(m, x)))
-    finally:
-        a.remove()
+    _exact_under(p, m, x, ref)

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from ckpt_models import assert_bits_equal, small_pool
-from torchckpt import CheckpointError, SnapshotStore, run_schedule
-from torchckpt.memory import DiskTier, HostPool, gds
+from disk_checks import host_in_use, run_checked
+from torchckpt import CheckpointError, SnapshotStore
+from torchckpt.memory import DiskTier, gds
 from torchckpt.memory import disk as disk_mod
 from torchckpt.schedules import Revolve, Schedule, Tier, ZCut
 
@@ -22,11 +23,6 @@ D = torch.float64
 def snap(n: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(700 + n)
     return [torch.randn(513, generator=g, dtype=D), torch.randint(0, 255, (1001,), generator=g, dtype=torch.uint8)]
-
-
-def host_in_use(pool: HostPool) -> int:
-    pool.free(pool.alloc(1))  # reclaims parked blocks
-    return pool.stats().in_use_bytes
 
 
 class Outs:
@@ -43,33 +39,12 @@ class Outs:
 
 def run(tmp_path: Any, sched: Schedule, device_reads: bool | None, monkeypatch: pytest.MonkeyPatch
         ) -> tuple[Any, list[tuple[int, int]], list[int]]:
-    """``sched`` over 40 steps through a CPU store with a disk tier; every state the backward sees is checked bit for
-    bit. Returns the store's statistics, the slots' (address, bytes) and where the reads went."""
-    n = 40
-    ref = [snap(0)]
-    for k in range(1, n):
-        ref.append([t * 1.25 + k if t.dtype == D else t + k for t in ref[-1]])
+    """``sched`` over 40 steps through a CPU store with a disk tier, every state checked (``run_checked``). Returns the
+    store's statistics, the slots' (address, bytes) and where the reads went."""
     outs = Outs(disk_mod._read_file)
     monkeypatch.setattr(disk_mod, "_read_file", outs)
     tier = DiskTier(tmp_path, direct=False, reads=4, device_reads=device_reads)
-    state = [t.clone() for t in ref[0]]
-    seen: list[int] = []
-
-    def forward(n0: int, n1: int) -> None:
-        for k in range(n0 + 1, n1 + 1):
-            for t in state:
-                t.copy_(t * 1.25 + k if t.dtype == D else t + k)
-
-    def backward(k: int) -> None:
-        assert_bits_equal(state, ref[k])
-        seen.append(k)
-
-    with SnapshotStore("cpu", slots=4, host=small_pool(), disk=tier) as snaps:
-        st = run_schedule(sched, forward=forward, save=lambda k: state, backward=backward, store=snaps, slots=4,
-                          end_forward=tier.wait, restore_into=lambda k: state)
-        slots = [(snaps._slots[s].data_ptr(), snaps._slots[s].numel()) for s in range(len(snaps._slots))]
-        assert seen == list(range(n - 1, -1, -1))
-        assert tier.files() == [] and host_in_use(snaps.host) == 0
+    st, slots = run_checked(sched, tier, snap(0), 40, 1.25, 4)
     tier.close()
     assert os.listdir(tmp_path) == []
     return st, slots, outs.ptrs

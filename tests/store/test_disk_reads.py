@@ -16,17 +16,13 @@ import pytest
 import torch
 
 from ckpt_models import assert_bits_equal, small_pool
+from disk_checks import host_in_use, run_checked
 from torchckpt import CheckpointError, SnapshotStore, run_schedule
-from torchckpt.memory import DiskTier, HostPool
+from torchckpt.memory import DiskTier
 from torchckpt.memory import disk as disk_mod
 from torchckpt.schedules import Revolve, Schedule, Tier, ZCut
 
 D = torch.float64
-
-
-def host_in_use(pool: HostPool) -> int:
-    pool.free(pool.alloc(1))  # reclaims parked blocks
-    return pool.stats().in_use_bytes
 
 
 def snap(n: int) -> list[torch.Tensor]:
@@ -65,33 +61,12 @@ def test_run_schedule_bit_exact_with_reads_in_flight(tmp_path: Any, monkeypatch:
                                                      sched: Schedule) -> None:
     """NOTE [ Snapshot disk tier ] Rule 4: with 6 slots (5 prefetches ahead) and 4 read threads, several files are
     read at once; every state the backward sees equals the plain forward's, bit for bit."""
-    n = 60
-    ref = [snap(0)]
-    for k in range(1, n):
-        ref.append([t * 1.5 + k if t.dtype == D else t + k for t in ref[-1]])
     counter = InFlight(disk_mod._read_file, 0.02)
     monkeypatch.setattr(disk_mod, "_read_file", counter)
     tier = DiskTier(tmp_path, direct=False, reads=4)
-    state = [t.clone() for t in ref[0]]
-    seen: list[int] = []
-
-    def forward(n0: int, n1: int) -> None:
-        for k in range(n0 + 1, n1 + 1):
-            for t in state:
-                t.copy_(t * 1.5 + k if t.dtype == D else t + k)
-
-    def backward(k: int) -> None:
-        assert_bits_equal(state, ref[k])
-        seen.append(k)
-
-    with SnapshotStore("cpu", slots=6, host=small_pool(), disk=tier) as snaps:
-        st = run_schedule(sched, forward=forward, save=lambda k: state, backward=backward, store=snaps, slots=6,
-                          end_forward=tier.wait,  # the forward's writes ended: the backward reads files
-                          restore_into=lambda k: state)
-        assert seen == list(range(n - 1, -1, -1))
-        assert st.disk is not None and st.disk.reads == counter.calls > 2
-        assert counter.most >= 3, counter.most  # reads in flight, beyond the 2 write threads
-        assert tier.files() == [] and host_in_use(snaps.host) == 0
+    st, _ = run_checked(sched, tier, snap(0), 60, 1.5, 6)
+    assert st.disk is not None and st.disk.reads == counter.calls > 2
+    assert counter.most >= 3, counter.most  # reads in flight, beyond the 2 write threads
     tier.close()
     assert os.listdir(tmp_path) == []
 
