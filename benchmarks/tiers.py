@@ -83,7 +83,7 @@ def main() -> int:
     into = DiskTier(directory, device_reads=True)
     try:
         use_into = into.reads_into(torch.device(bench.dev))
-        how = gds.probe()[1] if cuda else "CPU slots"
+        how = gds.probe(into.root, into.direct)[1] if cuda else "CPU slots"
     except CheckpointError as e:
         use_into, how = False, str(e)
     print(f"disk_into: {'reads into the slots (' + how + ')' if use_into else 'skipped: ' + how}", flush=True)

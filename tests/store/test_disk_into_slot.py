@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import os
+import types
 from typing import Any
 
 import pytest
@@ -120,7 +121,7 @@ def test_device_reads_argument_and_where_it_applies(tmp_path: Any, monkeypatch: 
         assert not tiers[False].reads_into(cuda)
         for found, want_none, want_true in (((False, "no CUDA device"), False, None), ((True, "compat"), False, True),
                                             ((True, "gds"), True, True)):
-            monkeypatch.setattr(gds, "probe", lambda found=found: found)
+            monkeypatch.setattr(gds, "probe", lambda directory=None, direct=False, found=found: found)
             assert tiers[None].reads_into(cuda) is want_none
             if want_true is None:
                 with pytest.raises(CheckpointError, match=r"^torchckpt: DiskTier\(device_reads=True\), but cuFile "
@@ -138,3 +139,39 @@ def test_probe_says_why_without_cuda() -> None:
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: tests/store/test_disk_into_slot_cuda.py")
     assert gds.probe() == (False, "no CUDA device")
+
+
+def test_probe_tries_a_file_of_the_directory(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ cuFile reads ] Rule 2: an open driver is not enough; where cuFile registers no file of the directory (the
+    H100 machine's HANDLE_NOT_REGISTERED) the probe says so, ``device_reads=True`` raises and ``None`` reads through host
+    blocks; the probe's file is gone either way, and each directory and mode is tried once."""
+    calls: list[int] = []
+
+    class Refusing:
+        class FileHandleType:
+            OPAQUE_FD = 1
+
+        class Descr:
+            def __init__(self) -> None:
+                self.handle = types.SimpleNamespace(fd=-1)
+                self.ptr = 0
+
+        @staticmethod
+        def handle_register(ptr: int) -> int:
+            calls.append(ptr)
+            raise RuntimeError("HANDLE_NOT_REGISTERED (5027): file descriptor is not registered")
+
+    monkeypatch.setattr(gds, "_state", {"probe": (True, "compat"), "cufile": Refusing})
+    ok, why = gds.probe(str(tmp_path))
+    assert not ok and why.startswith(f"cuFileHandleRegister failed on a file of {os.path.realpath(tmp_path)} "
+                                     "(HANDLE_NOT_REGISTERED (5027)")
+    assert gds.probe(str(tmp_path)) == (ok, why) and len(calls) == 1  # once per directory and mode
+    assert gds.probe() == (True, "compat")  # the driver alone
+    cuda = torch.device("cuda", 0)
+    with DiskTier(tmp_path, direct=False, device_reads=True) as tier:
+        with pytest.raises(CheckpointError, match=r"^torchckpt: DiskTier\(device_reads=True\), but cuFile cannot read "
+                                                  r"here: cuFileHandleRegister failed .*; pass device_reads=None"):
+            tier.reads_into(cuda)
+    with DiskTier(tmp_path, direct=False) as tier:
+        assert not tier.reads_into(cuda)
+    assert os.listdir(tmp_path) == []

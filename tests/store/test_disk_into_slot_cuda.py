@@ -10,22 +10,43 @@ import pytest
 import torch
 
 from ckpt_models import assert_bits_equal
-from torchckpt import SnapshotStore, run_schedule
+from torchckpt import CheckpointError, SnapshotStore, run_schedule
 from torchckpt.memory import DiskTier, HostPool, gds
 from torchckpt.schedules import Revolve, Tier, ZCut
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.fixture(autouse=True)
-def _cufile() -> None:
-    ok, why = gds.probe()
+@pytest.fixture
+def cufile_reads(tmp_path: Any) -> None:
+    ok, why = gds.probe(str(tmp_path))
     if not ok:
         pytest.skip(f"cuFile cannot read here: {why}")
 
 
+def test_where_cufile_cannot_read_true_raises_and_none_reads_through_host(tmp_path: Any) -> None:
+    """NOTE [ cuFile reads ] Rule 2 on a machine whose cuFile opens its driver but registers no file of the directory
+    (the H100 machine: virtio disk, no nvidia-fs): ``device_reads=True`` raises saying what to pass, ``None`` reads
+    through host blocks, bit-exact."""
+    ok, why = gds.probe(str(tmp_path))
+    if ok:
+        pytest.skip(f"cuFile reads files here ({why}): the tests below cover it")
+    cuda = torch.device("cuda")
+    with DiskTier(tmp_path, device_reads=True) as tier:
+        with pytest.raises(CheckpointError, match=r"^torchckpt: DiskTier\(device_reads=True\), but cuFile cannot read "
+                                                  r"here: .*; pass device_reads=None"):
+            tier.reads_into(cuda)
+    with DiskTier(tmp_path) as tier:
+        assert not tier.reads_into(cuda)
+        src = torch.arange(5105, dtype=torch.uint8)
+        tier.write("a", src).result()
+        assert torch.equal(tier.read("a", torch.empty(5105, dtype=torch.uint8, device="cuda")).cpu(), src)
+    assert [f for f in os.listdir(tmp_path) if f.startswith("torchckpt-cufile-")] == []
+
+
 @pytest.mark.parametrize("direct", [False, None])
 @pytest.mark.parametrize("nbytes", [1, 4096, 5105, (8 << 20) + 3])
+@pytest.mark.usefixtures("cufile_reads")
 def test_a_file_read_into_a_cuda_buffer_gives_its_bytes(tmp_path: Any, nbytes: int, direct: bool | None) -> None:
     g = torch.Generator().manual_seed(nbytes)
     src = torch.randint(0, 255, (nbytes,), generator=g, dtype=torch.uint8)
@@ -44,6 +65,7 @@ def test_a_file_read_into_a_cuda_buffer_gives_its_bytes(tmp_path: Any, nbytes: i
 
 @pytest.mark.parametrize("sched", [Revolve(60, 30, tier=Tier.DISK), ZCut(60, segment=1, tier=Tier.DISK)],
                          ids=["revolve", "zcut"])
+@pytest.mark.usefixtures("cufile_reads")
 def test_an_adjoint_reads_its_disk_snapshots_into_the_slots_bit_exact(tmp_path: Any, sched: Any) -> None:
     n = 60
     g = torch.Generator(device="cuda").manual_seed(3)

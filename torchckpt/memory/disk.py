@@ -481,7 +481,7 @@ class DiskTier:
             return False
         if device.type != "cuda":
             return device.type == "cpu"
-        ok, how = gds.probe()  # NOTE [ cuFile reads ] Rule 2
+        ok, how = gds.probe(self._shared.root, self._shared.direct)  # NOTE [ cuFile reads ] Rule 2
         if not ok and self.device_reads:
             raise CheckpointError(f"torchckpt: DiskTier(device_reads=True), but cuFile cannot read here: {how}; "
                                   "pass device_reads=None (GPUDirect Storage where its driver is loaded) or False.")

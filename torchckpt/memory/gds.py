@@ -6,10 +6,13 @@
 #    NumPy), with no host block and no copy to the device after it. With the ``nvidia-fs`` driver loaded the bytes
 #    go from the drive to the GPU by DMA (GPUDirect Storage); without it cuFile runs in compatibility mode, reading
 #    through its own host bounce buffers, which moves the same bytes as the tier's own read and fill.
-# 2. ``probe()`` says, once per process, whether cuFile can be used here and how: ``"gds"`` (the driver is
-#    loaded: ``/proc/driver/nvidia-fs`` exists), ``"compat"`` (cuFile opened without it), or the reason it cannot
-#    (no CUDA, no ``cuda.bindings.cufile``, no NumPy, ``cuFileDriverOpen`` failed). The driver is opened once and left
-#    open for the process.
+# 2. ``probe(directory, direct)`` says whether cuFile can read files of ``directory`` here and how: ``"gds"`` (the
+#    driver is loaded: ``/proc/driver/nvidia-fs`` exists), ``"compat"`` (cuFile reads without it), or the reason it
+#    cannot (no CUDA, no ``cuda.bindings.cufile``, no NumPy, ``cuFileDriverOpen`` failed, or cuFile would not register
+#    a file there). The driver is opened once and left open for the process; the registration is tried once per
+#    directory and mode, on a file the probe writes and removes. Opening the driver is not enough: on the H100 machine
+#    (virtio disk, no nvidia-fs) ``cuFileDriverOpen`` succeeded and every ``cuFileHandleRegister`` failed with
+#    HANDLE_NOT_REGISTERED, with and without O_DIRECT, so a probe of the driver alone sent every read to an error.
 # 3. ``read(path, out, nbytes, direct)`` on an I/O thread: opens the file (``O_DIRECT`` when the tier writes with
 #    it), registers the handle, reads ``nbytes`` into ``out``'s memory, deregisters and closes. ``cuFileRead`` is
 #    synchronous (the bytes are in device memory when it returns) and releases the GIL. A short read, or a file
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import errno
 import os
+import tempfile
 import threading
 from typing import Any
 
@@ -30,16 +34,24 @@ __all__ = ["probe", "read"]
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 _lock = threading.Lock()
-_state: dict[str, Any] = {}
+_state: dict[Any, Any] = {}  # "probe", "cufile", and (directory, direct) -> its probe
 
 
-def probe() -> tuple[bool, str]:
-    """NOTE [ cuFile reads ] Rule 2: ``(True, "gds" | "compat")`` where cuFile can read here, else ``(False, why)``."""
+def probe(directory: str | None = None, direct: bool = False) -> tuple[bool, str]:
+    """NOTE [ cuFile reads ] Rule 2: ``(True, "gds" | "compat")`` where cuFile can read files of ``directory`` (opened
+    with O_DIRECT if ``direct``) here, else ``(False, why)``; ``None``: the driver alone."""
     with _lock:
         if "probe" not in _state:
             _state["probe"] = _probe()
         got: tuple[bool, str] = _state["probe"]
-        return got
+        if not got[0] or directory is None:
+            return got
+        key = (os.path.realpath(directory), bool(direct))
+        if key not in _state:
+            why = _registers(key[0], key[1])
+            _state[key] = got if why is None else (False, why)
+        found: tuple[bool, str] = _state[key]
+        return found
 
 
 def _probe() -> tuple[bool, str]:
@@ -58,6 +70,41 @@ def _probe() -> tuple[bool, str]:
     return True, "gds" if os.path.exists("/proc/driver/nvidia-fs") else "compat"
 
 
+def _registers(directory: str, direct: bool) -> str | None:
+    """``None`` where cuFile registers a file of ``directory`` opened as the tier opens its files, else why not."""
+    fd, path = tempfile.mkstemp(prefix="torchckpt-cufile-", dir=directory)
+    try:
+        os.write(fd, bytes(4096))
+        os.close(fd)
+        fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0) | getattr(os, "O_CLOEXEC", 0))
+        try:
+            fh = _register(fd)
+            _state["cufile"].handle_deregister(fh)
+        except Exception as e:  # noqa: BLE001 - cuFileError and the like: no cuFile reads for this directory
+            return f"cuFileHandleRegister failed on a file of {directory} ({e})"
+        return None
+    except OSError as e:
+        return f"no file could be written and opened in {directory} to try cuFile on ({e})"
+    finally:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def _register(fd: int) -> Any:
+    """``fd``'s cuFile handle (deregister it with ``cufile.handle_deregister``)."""
+    descr = _state["cufile"].Descr()
+    descr.type = _state["cufile"].FileHandleType.OPAQUE_FD
+    descr.handle.fd = fd
+    descr.fs_ops = 0  # no file-system callbacks: cuFile's own for the descriptor's file
+    return _state["cufile"].handle_register(descr.ptr)
+
+
 def read(path: str, out: torch.Tensor, nbytes: int, direct: bool) -> None:
     """NOTE [ cuFile reads ] Rule 3: the first ``nbytes`` bytes of the file at ``path`` into CUDA ``out``."""
     cufile = _state["cufile"]
@@ -65,10 +112,7 @@ def read(path: str, out: torch.Tensor, nbytes: int, direct: bool) -> None:
     try:
         if os.fstat(fd).st_size < nbytes:
             raise OSError(errno.EIO, f"the file holds {os.fstat(fd).st_size} of {nbytes} bytes")
-        descr = cufile.Descr()
-        descr.type = cufile.FileHandleType.OPAQUE_FD
-        descr.handle.fd = fd
-        fh = cufile.handle_register(descr.ptr)
+        fh = _register(fd)
         try:
             with torch.cuda.device(out.device):
                 got = cufile.read(fh, out.data_ptr(), nbytes, 0, 0)
