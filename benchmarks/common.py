@@ -365,3 +365,10 @@ def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float
         ax.set_title(name)
     fig.suptitle(title, fontsize=10)
     save_figure(fig, path)
+
+
+def profile_record(planned: Any) -> dict[str, Any]:
+    """What ``benchmarks/replan.py`` plans from offline: a ``_Profiled``'s host link, measured profile and the
+    policies it measured on the device (NOTE [ Mechanism costs ], by name); no codec."""
+    return {"link": [planned.link.d2h, planned.link.h2d], "codec": None, "profile": json.loads(planned.prof.to_json()),
+            "measured": planned.measured}

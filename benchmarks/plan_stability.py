@@ -2,7 +2,7 @@
 
 Issue 24's Deliver 3: the same model, batch and budget planned in three separate processes should measure within
 3% of each other. Each process builds the model of ``benchmarks/architectures.py`` (same seed, same batch), plans
-every budget with ``torchckpt.planner.plans`` (one profile, verification on the device), then measures each plan
+every budget as ``torchckpt.planner.plans`` does (one profile, verification on the device), then measures each plan
 applied and plain autograd in the same way as ``benchmarks/zoo.py`` (2 warm-up steps, the median of ``--reps``),
 and writes what it planned and measured. The parent prints, per budget, each process's decisions, predicted and
 measured step, and the spread of the measured steps (max / min - 1), with no checkpointing's spread beside it (the
@@ -10,8 +10,9 @@ device's own noise between processes). Then (``--turns``, default 5) one more pr
 plan of each budget in turns (plan 0, plan 1, plan 2, plan 0, ...; a warm-up step and the median of 5 a turn): the
 spread of their medians is what the plans differ by, apart from the speed of the process that made them (the
 claim's figure; the spread in their own processes is kept beside it). Processes that returned the identical plan are
-named, with that plan's spread in the turns: what the turns themselves vary by. Writes ``plan_stability_<model>.json`` and a
-plot.
+named, with that plan's spread in the turns: what the turns themselves vary by. Writes ``plan_stability_<model>.json``, a
+plot, and each process's profile and measured policies, ``profile_<model>_proc<k>.json``, from which
+``benchmarks/replan.py`` makes that process's plans again offline (what its measurements made the search choose).
 
     python benchmarks/plan_stability.py --model llama --budgets 5.29,9 [--procs 3] [--reps 7] [--turns 5] [--out DIR]
     python benchmarks/plan_stability.py --tiny          # the CPU, tiny sizes (times only)
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from common import GiB, block_decisions, finish_figure, measure_steps, out_dir, pyplot
+from common import GiB, block_decisions, finish_figure, measure_steps, out_dir, profile_record, pyplot
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -44,7 +45,9 @@ def _decisions(p: Any) -> str:
 def child(args: argparse.Namespace) -> None:
     sys.path.insert(0, HERE)
     from architectures import build
-    from torchckpt.planner import PlanError, plans
+    from torchckpt.planner import PlanError
+    from torchckpt.planner.restore import untouched
+    from torchckpt.planner.verify import _Profiled
 
     cuda = torch.cuda.is_available() and not args.tiny
     dev = torch.device("cuda" if cuda else "cpu")
@@ -62,10 +65,14 @@ def child(args: argparse.Namespace) -> None:
     budgets = [int(float(v) * GiB) for v in args.budgets.split(",")]
     t0 = time.perf_counter()
     got = {}
-    try:
-        got = plans(b.model, *b.args, budgets=budgets, loss_fn=b.loss, blocks=b.blocks, **b.kwargs)
-    except PlanError as e:
-        out["error"] = str(e)
+    with untouched(b.model, (b.args, b.kwargs)):  # the body of torchckpt.plans, keeping the profile for replan.py
+        planned = _Profiled.prepare(b.model, b.args, b.kwargs, None, b.blocks, b.loss, None, call="plans")
+        for budget in budgets:
+            try:
+                got[budget] = planned.plan(budget)
+            except PlanError as e:
+                out.setdefault("errors", {})[str(budget)] = str(e)
+    out["profile"] = profile_record(planned)
     out["plan_s"] = time.perf_counter() - t0
     for budget in budgets:
         p = got.get(budget)
@@ -159,6 +166,8 @@ def main() -> None:
         with open(path) as f:
             runs.append(json.load(f))
         os.remove(path)
+        with open(os.path.join(out, f"profile_{args.model}_proc{k}.json"), "w") as f:  # benchmarks/replan.py's input
+            json.dump(runs[-1].pop("profile"), f)
         print(f"process {k}: {time.perf_counter() - t0:.1f} s (planning {runs[-1]['plan_s']:.1f} s); none "
               f"{runs[-1]['none']['step_s'] * 1e3:.1f} ms", flush=True)
     turns: list[list[list[float]]] = []

@@ -63,7 +63,7 @@ from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint
 import torchckpt
 from architectures import ARCHS, PACKAGE, Built, build, torch_checkpoint, wrap_blocks
 from common import (GiB, block_decisions, fmt, measure_steps, measured_under, more_turns, out_dir, plot_frontier,
-                    print_table)
+                    print_table, profile_record)
 from torchckpt.planner import PlanError
 from torchckpt.planner.op_timing import SAC_OPS
 from torchckpt.planner.verify import _Profiled
@@ -240,9 +240,7 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
             planned = _Profiled.prepare(m, built.args, built.kwargs, None, built.blocks, built.loss, None,
                                         progress=args.progress, call="plans")
             with open(os.path.join(out, f"profile_{name}.json"), "w") as f:  # benchmarks/replan.py plans from it
-                json.dump({"link": [planned.link.d2h, planned.link.h2d], "codec": None,
-                           "profile": json.loads(planned.prof.to_json()),
-                           "measured": planned.measured}, f)  # NOTE [ Mechanism costs ]: by policy name
+                json.dump(profile_record(planned), f)
             none = next((r for r in rows if r["name"] == "none" and r.get("peak_GiB") is not None), None)
             top = none["peak_GiB"] * GiB if none else planned.prof.peak_none
             budgets = budgets_between(planned.found.floor, top, args.budgets)

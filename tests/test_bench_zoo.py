@@ -186,6 +186,11 @@ def test_plan_stability_tiny_measures_every_process_plan_in_turns(tmp_path: path
         assert b["turn_spread"] == max(b["turn_medians_s"]) / min(b["turn_medians_s"]) - 1
         assert isinstance(b["same_decisions"], bool)
     assert "measured in turns in one process" in res.stdout
+    for k in range(2):  # each process's profile and measured policies, for benchmarks/replan.py
+        with open(tmp_path / f"profile_llama_proc{k}.json") as f:
+            prof = json.load(f)
+        assert set(prof) == {"link", "codec", "profile", "measured"} and len(prof["profile"]["names"]) == 4
+    assert "profile" not in json.dumps(got["budgets"])
 
 
 def test_ratio_error_compares_the_models_ratio_with_the_paired_turns() -> None:
