@@ -10,6 +10,7 @@ from torch import nn
 
 import torchckpt
 from torchckpt import Offload
+from torchckpt.memory.factory import shared_host_pool
 from torchckpt.planner import Decision, Link, Plan, PlanError, find_blocks, plan, plans, profile
 from torchckpt.planner.verify import _make
 from torchckpt.planner.costs import Prediction
@@ -102,6 +103,13 @@ def test_every_decision_gives_plain_autograd_gradients_bit_for_bit(p: float) -> 
         assert applied.store is not None and applied.store.stats().offloaded > 0
     finally:
         applied.remove()
+    again = pl.apply(m)  # NOTE [ Applying a plan ] Rule 2: each store made for a plan takes the process's shared pool
+    try:
+        assert again.store is not None and again.store is not applied.store
+        assert again.store.host is applied.store.host is shared_host_pool(pin=False)
+        assert all(torch.equal(a, b) for a, b in zip(ref, _grads(m, x)))
+    finally:
+        again.remove()
     assert all(torch.equal(a, b) for a, b in zip(ref, got))
     assert all(torch.equal(a, b) for a, b in zip(ref, _grads(m, x)))  # removed: plain again
     assert all("forward" not in blk.__dict__ for blk in m.h)
