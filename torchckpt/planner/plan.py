@@ -22,9 +22,10 @@
 #    Qwen2 and Mixtral (the inputs of 13 of 16, 16 of 16 and 12 of 12 blocks on host) measured 182.6-188.5,
 #    162.1-172.4 and 166.6 ms while planning and 172.7, 157.4 and 152.9 ms in the zoo's rows of the same process (two
 #    warm-up steps, the median of seven), where their plans that sent nothing to host measured within 1.2% of their
-#    rows (ResNet-152's plan with inputs on host went the other way, 145.2-158.7 against 175.3 ms, on a model whose
-#    steps vary 20-40%). With one shared pool what one measurement pinned is pinned for the next and for training
-#    (whether that closes the gap is not measured yet).
+#    rows (not everywhere: GPT-NeoX's floor, every block's inputs on host, measured 137.6-143.3 ms while planning and
+#    143.3 in its row; ResNet-152's plan with inputs on host 145.2-158.7 against 175.3 ms, on a model whose steps vary
+#    20-40%). With one shared pool what one measurement pinned is pinned for the next and for training (whether that
+#    closes the gap is not measured yet).
 # 3. Every decision moves a saved tensor through the store or recomputes it exactly, so gradients
 #    are those of plain autograd whatever the plan, except with a lossy codec, which ``explain``
 #    and ``Plan.lossy`` state with its bound. If a block saves another number of tensors than
