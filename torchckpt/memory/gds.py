@@ -72,24 +72,27 @@ def _probe() -> tuple[bool, str]:
 
 def _registers(directory: str, direct: bool) -> str | None:
     """``None`` where cuFile registers a file of ``directory`` opened as the tier opens its files, else why not."""
-    fd, path = tempfile.mkstemp(prefix="torchckpt-cufile-", dir=directory)
     try:
-        os.write(fd, bytes(4096))
-        os.close(fd)
+        fd, path = tempfile.mkstemp(prefix="torchckpt-cufile-", dir=directory)
+    except OSError as e:
+        return f"no file could be written in {directory} to try cuFile on ({e})"
+    try:
+        try:
+            os.write(fd, bytes(4096))
+        finally:
+            os.close(fd)
         fd = os.open(path, os.O_RDONLY | (_O_DIRECT if direct else 0) | getattr(os, "O_CLOEXEC", 0))
         try:
             fh = _register(fd)
             _state["cufile"].handle_deregister(fh)
         except Exception as e:  # noqa: BLE001 - cuFileError and the like: no cuFile reads for this directory
             return f"cuFileHandleRegister failed on a file of {directory} ({e})"
+        finally:
+            os.close(fd)  # only the descriptor this function opened, once
         return None
     except OSError as e:
         return f"no file could be written and opened in {directory} to try cuFile on ({e})"
     finally:
-        try:
-            os.close(fd)
-        except OSError:
-            pass
         try:
             os.unlink(path)
         except OSError:
