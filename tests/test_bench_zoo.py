@@ -10,25 +10,19 @@ import importlib
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 
 pytest.importorskip("transformers")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BENCH = os.path.join(ROOT, "benchmarks")
+from bench_run import BENCH, run_bench  # noqa: E402
+
 MODELS = ["llama", "t5", "vit_l", "resnet152"]
 EAGER = ["none", "library", "sac", "every_other", "recompute"]
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
-    res = subprocess.run([sys.executable, os.path.join(BENCH, script), *args], cwd=ROOT, env=env, capture_output=True,
-                         text=True, timeout=240)
-    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    return res
+_run = run_bench
 
 
 def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> None:
@@ -216,19 +210,3 @@ def test_ratio_error_compares_the_models_ratio_with_the_paired_turns() -> None:
     del rows[1]["pred_step_s"]
     assert zoo.summarize({"model": "m", "device": "gpu", "rows": rows})[0]["ratio_err_pct"] is None
 
-
-def test_replan_noise_names_the_plans_each_draw_chose() -> None:
-    """``benchmarks/replan.py --noise``: on the H100's GPT-NeoX profile (with the policies its planner measured), each
-    budget lists the distinct plans the draws chose, their counts summing to the draws, each with its step predicted
-    by the calibration on the measurements as they were; without noise the same budget gives one plan."""
-    prof = os.path.join(ROOT, "docs", "results", "zoo_h100_2026-11-27_rule10", "profile_gpt_neox.json")
-    res = _run("replan.py", prof, "--budgets", "7.75,14", "--noise", "0.03", "--draws", "3")
-    lines = res.stdout.splitlines()
-    heads = [k for k, ln in enumerate(lines) if "distinct plans in 3 draws at 0.03 noise" in ln]
-    assert len(heads) == 2
-    for a, b in zip(heads, heads[1:] + [len(lines)]):
-        counts = [int(ln.split("x", 1)[0]) for ln in lines[a + 1:b] if ln.strip()]
-        assert sum(counts) == 3 and len(counts) == int(lines[a].split()[2])
-        assert all(" ms  " in ln for ln in lines[a + 1:b] if ln.strip())
-    plain = _run("replan.py", prof, "--budgets", "7.75").stdout
-    assert "7.75 GiB  peak" in plain
