@@ -104,7 +104,7 @@ def check(directory: str) -> list[list[str]]:
             continue
         with open(os.path.join(directory, name)) as f:
             zoo = json.load(f)
-        _, chain = load(profile)
+        _, chain, _, _ = load(profile)
         found = search(chain)
         at = [chain.bwd_fixed(i) for i in range(len(chain.blocks))]
         print(f"{model}: fixed {chain.fixed_bytes / GiB:.3f}, other saved {chain.other_saved_bytes / GiB:.3f}, backward's "
