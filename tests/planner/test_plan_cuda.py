@@ -164,7 +164,7 @@ def test_recompute_in_parts_at_the_profiled_cuts_holds_one_part_and_is_exact() -
             for b in m.blocks:
                 b.__dict__.pop("forward", None)
     # The step's own peak is not the blocks' backward at this size (the two measured within 0.5 MB of each other,
-    # either way round, on an H100); the GPT stack's frontier measures it at scale (docs/notes/2026-11-25-planner-runs-1-4.md, run 4).
+    # either way round, on an H100); the GPT stack's frontier measures it at scale (docs/notes/2026-11-25-planner-frontier.md, run 4).
     assert len(meter.blocks) == len(m.blocks) and meter.recomputations == 2 * len(m.blocks)
     for st in meter.blocks:
         assert st.peak_bytes == max(st.part_bytes) < sum(st.part_bytes), (st.part_bytes, st.peak_bytes)
