@@ -2,19 +2,38 @@
 (tests/store/test_disk_reads.py, test_disk_into_slot.py)."""
 from __future__ import annotations
 
+import errno
+from typing import Any
 
+import pytest
 import torch
 
 from ckpt_models import assert_bits_equal, small_pool
 from torchckpt import SnapshotStore, run_schedule
 from torchckpt.store import SnapshotStats
 from torchckpt.memory import DiskTier, HostPoolBase
+from torchckpt.memory import disk as disk_mod
 from torchckpt.schedules import Schedule
 
 
 def host_in_use(pool: HostPoolBase) -> int:
     pool.free(pool.alloc(1))  # reclaims parked blocks
     return pool.stats().in_use_bytes
+
+
+def fail_read(monkeypatch: pytest.MonkeyPatch, snaps: SnapshotStore, tier: DiskTier, n: int) -> str:
+    """Every later read of snapshot ``n``'s file fails with an injected EIO (the other files read as they are); returns
+    that file's path."""
+    real = disk_mod._read_file
+    bad = tier._files[snaps._key(n)].name
+
+    def failing(shared: Any, path: str, out: torch.Tensor) -> None:
+        if path == bad:
+            raise OSError(errno.EIO, "Input/output error (injected)")
+        real(shared, path, out)
+
+    monkeypatch.setattr(disk_mod, "_read_file", failing)
+    return bad
 
 
 def run_checked(sched: Schedule, tier: DiskTier, first: list[torch.Tensor], n: int, rate: float, slots: int

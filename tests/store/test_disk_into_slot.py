@@ -3,7 +3,6 @@ a prefetch's read fills its slot with no host block; restores stay bit-exact, a 
 reaches its own restore only; ``device_reads`` is checked, and CUDA without cuFile is refused or passed over."""
 from __future__ import annotations
 
-import errno
 import os
 import types
 from typing import Any
@@ -12,7 +11,7 @@ import pytest
 import torch
 
 from ckpt_models import assert_bits_equal, small_pool
-from disk_checks import host_in_use, run_checked
+from disk_checks import fail_read, host_in_use, run_checked
 from torchckpt import CheckpointError, SnapshotStore
 from torchckpt.memory import DiskTier, gds
 from torchckpt.memory import disk as disk_mod
@@ -74,20 +73,12 @@ def test_a_failed_read_into_a_slot_gives_the_slot_back(tmp_path: Any, monkeypatc
     """NOTE [ Snapshot disk tier ] Rules 5-6: snapshot 1's read into its slot fails: restoring 2 succeeds, restoring 1
     raises the tier's error naming the file, the slot is free again (a later prefetch and restore use it), close
     leaves nothing."""
-    real = disk_mod._read_file
     tier = DiskTier(tmp_path, direct=False, reads=4, device_reads=True)
     snaps = SnapshotStore("cpu", slots=3, host=small_pool(), disk=tier)
     for k in range(8):  # 0-4 leave the 3 slots: read back from their files
         snaps.save(k, Tier.DISK, snap(k))
     tier.wait()
-    bad = tier._files[snaps._key(1)].name
-
-    def failing(shared: Any, path: str, out: torch.Tensor) -> None:
-        if path == bad:
-            raise OSError(errno.EIO, "Input/output error (injected)")
-        real(shared, path, out)
-
-    monkeypatch.setattr(disk_mod, "_read_file", failing)
+    bad = fail_read(monkeypatch, snaps, tier, 1)
     for k in (2, 1):
         snaps.prefetch(k, Tier.DISK, Tier.GPU)
         assert k in snaps._into_slot  # read into the slot (an earlier one may be collected by this action)

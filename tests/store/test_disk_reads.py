@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from ckpt_models import assert_bits_equal, small_pool
-from disk_checks import host_in_use, run_checked
+from disk_checks import fail_read, host_in_use, run_checked
 from torchckpt import CheckpointError, SnapshotStore, run_schedule
 from torchckpt.memory import DiskTier
 from torchckpt.memory import disk as disk_mod
@@ -74,21 +74,13 @@ def test_run_schedule_bit_exact_with_reads_in_flight(tmp_path: Any, monkeypatch:
 def test_read_error_reaches_its_own_restore_only(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     """NOTE [ Snapshot disk tier ] Rule 5: snapshot 1's read fails; restoring 2 (whose action finds 1's read ended)
     succeeds, restoring 1 raises a ``torchckpt:`` error naming 1's file, 0 still restores, close leaves nothing."""
-    real = disk_mod._read_file
     snaps = SnapshotStore("cpu", slots=4, host=small_pool(), disk=DiskTier(tmp_path, direct=False, reads=4))
     tier = snaps.disk
     assert tier is not None
     for k in range(10):  # 0-5 leave the 4 slots: read back from their files
         snaps.save(k, Tier.DISK, snap(k))
     tier.wait()
-    bad = tier._files[snaps._key(1)].name
-
-    def failing(shared: Any, path: str, out: torch.Tensor) -> None:
-        if path == bad:
-            raise OSError(errno.EIO, "Input/output error (injected)")
-        real(shared, path, out)
-
-    monkeypatch.setattr(disk_mod, "_read_file", failing)
+    bad = fail_read(monkeypatch, snaps, tier, 1)
     for k in (2, 1, 0):
         snaps.prefetch(k, Tier.DISK, Tier.GPU)
     tier.wait()  # every read has ended, 1's with its error
