@@ -46,9 +46,9 @@ def probe(directory: str | None = None, direct: bool = False) -> tuple[bool, str
         got: tuple[bool, str] = _state["probe"]
         if not got[0] or directory is None:
             return got
-        key = (os.path.realpath(directory), bool(direct))
+        key = (directory, bool(direct))  # as given: a store asks at every prefetch, so no path walk here
         if key not in _state:
-            why = _registers(key[0], key[1])
+            why = _registers(os.path.realpath(directory), bool(direct))
             _state[key] = got if why is None else (False, why)
         found: tuple[bool, str] = _state[key]
         return found
