@@ -448,3 +448,33 @@ def test_unopenable_node_lock_warns_with_lock_advice(tmp_path: object) -> None:
     assert len(msgs) == 1 and "node registration lock" in msgs[0] and "TORCHCKPT_REGISTER_LOCK" in msgs[0]
     assert "RLIMIT_MEMLOCK" not in msgs[0]
     p.close()
+
+
+@native
+def test_settle_waits_for_the_chunks_the_limit_reaches_and_no_further() -> None:
+    # NOTE [ Lazy host pool ] Rule 11; 1 MiB chunks, 2 ms a fake registration: the limit (first chunk + 8 MiB) reaches 9.
+    p = make(capacity=64 * MiB, chunk=MiB, first=MiB, mode="fake", ahead_bytes=8 * MiB)
+    assert p.settle(timeout=10.0)
+    states = p.chunk_states()
+    assert states[:9] == [REGISTERED] * 9 and states[9:] == [UNTOUCHED] * (len(states) - 9)
+    blocks = [p.alloc(MiB) for _ in range(12)]  # chunks 0-11: the limit moves to 12 + 8 MiB
+    assert blocks[-1].chunk == 11
+    assert p.settle(timeout=10.0)
+    states = p.chunk_states()
+    assert states[:20] == [REGISTERED] * 20 and states[20:] == [UNTOUCHED] * (len(states) - 20)
+    for b in blocks:
+        p.free(b)
+    p.close()
+
+
+@native
+def test_settle_gives_up_after_its_timeout_and_is_true_without_pinning() -> None:
+    p = make(capacity=16 * MiB, chunk=4 * MiB, first=MiB, mode="none")
+    assert p.settle(timeout=0.0)  # nothing is registered without pinning: nothing to wait for
+    p.close()
+    q = make(capacity=256 * MiB, chunk=MiB, first=MiB, mode="fake")  # 2 ms a registration, 256 chunks
+    assert not q.settle(timeout=0.01)
+    assert q.settle(timeout=30.0)
+    assert all(s == REGISTERED for s in q.chunk_states())
+    q.close()
+    assert HostPool(capacity_bytes=MiB, chunk_bytes=MiB, pin=False).settle(timeout=0.0)

@@ -419,6 +419,11 @@ class HostPoolBase(abc.ABC):
         """Hear of a copy just issued on ``stream`` to or from this pool (NOTE [ Mover ] Rule 3)."""
         return None
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until no background work of this pool can hold up the process's CUDA calls; ``True`` when none is
+        left (NOTE [ Lazy host pool ] Rule 11). A pool pinned when it allocates has none."""
+        return True
+
     def __deepcopy__(self, memo: dict[int, Any]) -> HostPoolBase:
         return self  # pinned memory is a shared resource
 

@@ -54,6 +54,11 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 # 10. The default size (``capacity_bytes=None``) is this process's share of the node (NOTE [ Host pool ] Rule 6):
 #    half of physical RAM, at most 80% of the memory available now, divided by the processes of the job on this
 #    node (``LOCAL_WORLD_SIZE``). Rule 5's check that the memory touched up front fits applies to that share.
+# 11. ``settle()`` waits until every chunk the worker is set to reach now (those Rule 5's limit reaches) is registered
+#    or failed, so that no registration holds up the CUDA calls after it (Rule 9). A measurement of steps that use the
+#    pool calls it after a warm-up step, whose blocks moved the limit: on an H100 the planner measured a Qwen2's every
+#    block ``Recompute(store=...)`` (512 MiB of inputs on host a step) at 168.6 ms in the first steps that used the
+#    process's shared pool, and 157.3 ms in turns a few seconds later (NOTE [ Applying a plan ] Rule 4).
 """
 from __future__ import annotations
 
@@ -276,6 +281,7 @@ class LazyHostPool(HostPoolBase):
         start = "concurrent" if strategy == "auto" else strategy
         self._sequential = start == "sequential"  # the strategy the worker runs, as Python set it
         limit = -1 if ahead_bytes is None else first_chunk_bytes + ahead_bytes
+        self._touch_limit = capacity_bytes if limit < 0 else limit  # how far the worker is set to go (Rule 5)
         self._native = native_host_pool(
             nbytes=capacity_bytes, chunk_bytes=self.chunk_bytes, first_chunk_bytes=self.first_chunk_bytes,
             strategy=start, register_mode=register_mode, node_lock=bool(node_lock),
@@ -360,7 +366,8 @@ class LazyHostPool(HostPoolBase):
             if ci > self._high_chunk:
                 self._high_chunk = ci
                 if self.ahead_bytes is not None and self._native is not None:
-                    self._native.set_touch_limit(self._ends[ci] + self.ahead_bytes)  # NOTE [ Lazy host pool ] Rule 5
+                    self._touch_limit = self._ends[ci] + self.ahead_bytes
+                    self._native.set_touch_limit(self._touch_limit)  # NOTE [ Lazy host pool ] Rule 5
             return LazyHostBlock(b.chunks[ci].buf[off : off + nbytes], ci, off, need, self)
 
     def free(self, block: HostBlock, event: Any = None) -> None:
@@ -417,6 +424,25 @@ class LazyHostPool(HostPoolBase):
         if not self._registered(block.chunk):
             self._native.wait_registered(block.chunk, -1 if timeout is None else int(timeout * 1e3))
         return self._registered(block.chunk)
+
+    def settle(self, timeout: float | None = None) -> bool:
+        """Wait until every chunk the worker is set to reach now is registered or failed (NOTE [ Lazy host pool ]
+        Rule 11); ``False`` when ``timeout`` seconds passed first (``None``: no limit). Without pinning, ``True`` at
+        once: touching pages holds up no CUDA call."""
+        native = self._native
+        if native is None or not self.pin:
+            return True
+        limit = self._touch_limit
+        end = None if timeout is None else time.monotonic() + timeout
+        for i, e in enumerate(self._ends):
+            if e - self._blocks.chunks[i].size >= limit:
+                break
+            if self._registered(i):
+                continue
+            left = -1 if end is None else max(0, int((end - time.monotonic()) * 1e3))
+            if native.wait_registered(i, left) < REGISTERED:
+                return False
+        return True
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         """Wait until the worker has finished (every chunk registered, failed or left touched)."""

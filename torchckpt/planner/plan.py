@@ -24,8 +24,10 @@
 #    warm-up steps, the median of seven), where their plans that sent nothing to host measured within 1.2% of their
 #    rows (not everywhere: GPT-NeoX's floor, every block's inputs on host, measured 137.6-143.3 ms while planning and
 #    143.3 in its row; ResNet-152's plan with inputs on host 145.2-158.7 against 175.3 ms, on a model whose steps vary
-#    20-40%). With one shared pool what one measurement pinned is pinned for the next and for training (whether that
-#    closes the gap is not measured yet).
+#    20-40%). With one shared pool what one measurement pinned is pinned for the next and for training. Measured
+#    after (H100): Mixtral's floor 125.8 ms while planning and 122.9 in its row; Qwen2's 168.6 at the pool's first
+#    measurement, 157.3 in turns seconds later and 157.7 in its row: the first steps on the pool still ran beside
+#    its worker registering the chunks they had reached, hence Rule 4's settle.
 # 3. Every decision moves a saved tensor through the store or recomputes it exactly, so gradients
 #    are those of plain autograd whatever the plan, except with a lossy codec, which ``explain``
 #    and ``Plan.lossy`` state with its bound. If a block saves another number of tensors than
@@ -34,7 +36,9 @@
 #    it, after the allocator's cached blocks are released (``torch.cuda.empty_cache()``: the steps of other plans
 #    leave blocks of other sizes behind; on an H200 the planner's measurements of ResNet-152 plans were 25-57%
 #    slower than the same plans measured in the same process after emptying the cache), one that builds the
-#    store's prefetch plan, then ``_VERIFY_STEPS`` whose largest peak is kept and whose median time is the
+#    store's prefetch plan, then the wait for the store's host pool to settle (``settle()``, at most ``_SETTLE_S``:
+#    its registrations hold up the process's CUDA calls, NOTE [ Lazy host pool ] Rule 11), then ``_VERIFY_STEPS``
+#    whose largest peak is kept and whose median time is the
 #    plan's, and while those times spread over 10% (largest over smallest), more steps, up to ``_VERIFY_MOST``
 #    (``more_steps``; a rank alone: ranks planning together run the same steps): on an H100 host, eight steps in a
 #    row of every block ``Recompute()`` on ConvNeXt-B took 126-195 ms where keeping everything took 81-82 ms, so

@@ -36,6 +36,7 @@ from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
 __all__ = ["plan", "plans"]
 
 _REPLANS = 3  # NOTE [ Applying a plan ] Rule 4: plans made again after a measured step over the budget
+_SETTLE_S = 30.0  # NOTE [ Applying a plan ] Rule 4: at most this long for a store's host pool to settle
 _VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one that builds the store's prefetch plan
 _SPREAD, _VERIFY_MOST = 0.10, 9  # NOTE [ Applying a plan ] Rule 4: more steps, up to this many, while they spread over 10%
 _CLOSE, _TIE = 0.03, 0.01  # NOTE [ Applying a plan ] Rule 8: measured steps this close are measured again; then a tie
@@ -228,6 +229,8 @@ class _Profiled:
                 out = model(*args, **kwargs)
                 loss_of(out).backward()
                 del out
+                if a.store is not None:  # NOTE [ Applying a plan ] Rule 4: no registration of its host pool in the timed steps
+                    a.store.host.settle(timeout=_SETTLE_S)
 
                 def one() -> tuple[int, float]:
                     model.zero_grad(set_to_none=True)  # NOTE [ Profiling step ] Rule 4
