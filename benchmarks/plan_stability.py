@@ -11,8 +11,9 @@ plan of each budget in turns (plan 0, plan 1, plan 2, plan 0, ...; a warm-up ste
 spread of their medians is what the plans differ by, apart from the speed of the process that made them (the
 claim's figure; the spread in their own processes is kept beside it). Processes that returned the identical plan are
 named, with that plan's spread in the turns: what the turns themselves vary by. Writes ``plan_stability_<model>.json``, a
-plot, and each process's profile and measured policies, ``profile_<model>_proc<k>.json``, from which
-``benchmarks/replan.py`` makes that process's plans again offline (what its measurements made the search choose).
+plot, each process's profile and measured policies, ``profile_<model>_proc<k>.json``, from which
+``benchmarks/replan.py`` makes that process's plans again offline (what its measurements made the search choose), and
+its planner's messages, ``plan_<model>_proc<k>.log`` (which rule of verification decided each budget's plan).
 
     python benchmarks/plan_stability.py --model llama --budgets 5.29,9 [--procs 3] [--reps 7] [--turns 5] [--out DIR]
     python benchmarks/plan_stability.py --tiny          # the CPU, tiny sizes (times only)
@@ -66,7 +67,8 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     got = {}
     with untouched(b.model, (b.args, b.kwargs)):  # the body of torchckpt.plans, keeping the profile for replan.py
-        planned = _Profiled.prepare(b.model, b.args, b.kwargs, None, b.blocks, b.loss, None, call="plans")
+        planned = _Profiled.prepare(b.model, b.args, b.kwargs, None, b.blocks, b.loss, None, progress=True,
+                                    call="plans")  # its messages: the parent's plan_<model>_proc<k>.log
         for budget in budgets:
             try:
                 got[budget] = planned.plan(budget)
@@ -162,7 +164,8 @@ def main() -> None:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--model", args.model, "--budgets", args.budgets,
                "--reps", str(args.reps), "--json", path] + (["--tiny"] if args.tiny else [])
         t0 = time.perf_counter()
-        subprocess.run(cmd, check=True)
+        with open(os.path.join(out, f"plan_{args.model}_proc{k}.log"), "w") as log:  # what the planner measured and chose
+            subprocess.run(cmd, check=True, stderr=log)
         with open(path) as f:
             runs.append(json.load(f))
         os.remove(path)

@@ -184,6 +184,8 @@ def test_plan_stability_tiny_measures_every_process_plan_in_turns(tmp_path: path
         with open(tmp_path / f"profile_llama_proc{k}.json") as f:
             prof = json.load(f)
         assert set(prof) == {"link", "codec", "profile", "measured"} and len(prof["profile"]["names"]) == 4
+        log = (tmp_path / f"plan_llama_proc{k}.log").read_text()  # its planner's messages
+        assert "torchckpt: profiling one step of" in log and "searched" in log
     assert "profile" not in json.dumps(got["budgets"])
 
 

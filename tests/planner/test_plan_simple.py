@@ -308,17 +308,20 @@ def test_close_measurements_are_measured_again(prof: Profile, again_s: float, to
 
 
 @pytest.mark.parametrize("again_s, took", [(3.0, False), (1.5, True), (2.0, False)])
-def test_a_smaller_budgets_plan_close_in_time_is_measured_again(prof: Profile, again_s: float, took: bool) -> None:
-    """NOTE [ Applying a plan ] Rule 6 with Rule 8: the larger budget's plan measures 2.0 s; the smaller budget's,
-    verified first at 1.99 s (within 3%), runs again (``again_s``) after the larger's (2.0 again) and the means
-    decide. At 2.0 the means are within 1% and the model decides: the larger budget's plan, predicted faster."""
-    small_budget: list[int] = []
+def test_a_smaller_budgets_plan_close_in_time_runs_in_turns(prof: Profile, again_s: float, took: bool) -> None:
+    """NOTE [ Applying a plan ] Rule 6 with Rule 9's turns: the larger budget's plan measures 2.0 s; the smaller
+    budget's, verified first at 1.99 s (within 3%), runs in turns with it, measuring ``again_s`` in each, and the
+    turns' medians decide. At 2.0 they are within 1% and the model decides: the larger budget's plan, predicted
+    faster."""
+    from torchckpt.planner.verify import _TURNS, _decisions
+
+    small_plan: list[tuple] = []
     runs: list[int] = []
 
     def step(p: Plan) -> tuple[int, float]:
         if p.simple:  # the simple policies measure slow: Rule 7 keeps each budget's plan
             return p.peak_bytes, 5.0
-        if p.budget in small_budget:
+        if _decisions(p) in small_plan:
             runs.append(p.budget)
             return p.peak_bytes, 1.99 if len(runs) == 1 else again_s
         return p.peak_bytes, 2.0
@@ -331,13 +334,16 @@ def test_a_smaller_budgets_plan_close_in_time_is_measured_again(prof: Profile, a
         return not found.simple_name(d) and not any(x.offload or x.host for x in d) and pred.peak_bytes <= b - _slack(b)
     budgets = [b for b in sorted({pred.peak_bytes * 10 // 9 + 1 for _, pred in found.plans}) if plain(b)]
     large_budget = budgets[-1]
-    small_budget.append(next(b for b in budgets if found.best(b)[1].step_s > found.best(large_budget)[1].step_s))
-    small = planner.plan(small_budget[0])
+    small_budget = next(b for b in budgets if found.best(b)[1].step_s > found.best(large_budget)[1].step_s)
+    small_plan.append(found.best(small_budget)[0])
+    small = planner.plan(small_budget)
+    assert _decisions(small) == small_plan[0] and not small.simple
     large = planner.plan(large_budget)
-    assert not small.simple and large.budget == large_budget
-    assert len(runs) == 2  # measured again
+    assert large.budget == large_budget
+    assert len(runs) == 1 + _TURNS  # verified, then in turns
     assert (large.blocks == small.blocks) == took
-    assert large.measured_step_time == pytest.approx((1.99 + again_s) / 2 if took else 2.0)
+    assert large.measured_step_time == pytest.approx(again_s if took else 2.0)
+    assert [t.step_time for t in large.turns] == pytest.approx([again_s, 2.0] if took else [2.0, again_s])
 
 
 class _Broken(nn.Module):

@@ -62,9 +62,12 @@
 #    than one verified for another budget, whose measured peak is within this budget's slack, gets that plan
 #    (measurements of one plan differ by a few percent between steps; the model's predictions are monotone
 #    by NOTE [ Plan search ] Rule 3, the measurements need this). Where the two measured within 3% of each other,
-#    both are measured again and decided as in Rule 8 (on an H100, ConvNeXt-B's plan for 7.79 GiB, predicted 95.1
-#    ms and measured 94.3, gave way to the 4.92 GiB plan measured 93.2 and predicted 104.5, which measured 102-105
-#    ms in turns after, where every other block measured 95).
+#    they run in turns as Rule 9 runs them, within 1% decided as in Rule 8 (on an H100, ConvNeXt-B's plan for 7.79
+#    GiB, predicted 95.1 ms and measured 94.3, gave way to the 4.92 GiB plan measured 93.2 and predicted 104.5, which
+#    measured 102-105 ms in turns after, where every other block measured 95; when the two were measured once more
+#    each, one after the other, one of three processes planning GPT-NeoX for 9.84 GiB returned its 7.75 GiB plan,
+#    which measured 130.8 ms in turns after against 126.3 and 128.0 for the 9.84 GiB plan the other two returned: a
+#    second figure measured after the first carries the host's drift as much as the first).
 # 7. The policies a user writes in one line are measured too, not only predicted (NOTE [ Plan search ] Rule 7):
 #    beside the plan Rule 5 returns, verification runs the fastest simple policy for the budget, once, as in Rule 4
 #    but never made again: one measured while planning (NOTE [ Mechanism costs ]) ranks by its measured step if its

@@ -405,7 +405,8 @@ class _Profiled:
                 got.append(m)
         (pa, ta), (pb, tb) = ((max(x[0] for x in r), sorted(x[1] for x in r)[len(r) // 2]) for r in runs)
         self.memo[mine] = (max(pa, self.memo.get(mine, (0, 0.0))[0]), ta)
-        self.memo[d] = (max(pb, self.memo[d][0]), tb)
+        self.memo[d] = (max(pb, self.memo.get(d, (0, 0.0))[0]), tb)
+        self.fresh.update((mine, d))  # both measured for this budget now (NOTE [ Applying a plan ] Rule 9)
         fits = pb <= limit
         tie = abs(ta - tb) <= min(ta, tb) * _TIE
         took = fits and (_on_tie(best, rival) if tie else tb < ta)
@@ -421,22 +422,16 @@ class _Profiled:
 
     def _faster(self, budget: int, best: Plan, p: Plan) -> Plan:
         """NOTE [ Applying a plan ] Rule 6: ``best`` (this budget's, measured) or ``p`` (verified for another budget,
-        measured faster, its peak within this one's), whichever measures faster; figures within 3% of each other are
-        measured again (``best`` first), and within 1% decided as NOTE [ Applying a plan ] Rule 8 decides."""
+        measured faster, its peak within this one's), whichever measures faster; figures within 3% of each other run
+        in turns (``_race``), and within 1% there are decided as NOTE [ Applying a plan ] Rule 8 decides."""
         ours, theirs = best.measured_step_time, p.measured_step_time
         assert ours is not None and theirs is not None
-        took = True
-        if ours - theirs <= theirs * _CLOSE and p.blocks != best.blocks:
-            a, b = self._timed(best), self._timed(p)
-            if a is not None and b is not None:
-                ours, theirs = (ours + a[1]) / 2, (theirs + b[1]) / 2
-                tie = abs(ours - theirs) <= min(ours, theirs) * _TIE
-                took = _on_tie(best, p) if tie else theirs < ours
         asked, other = format_bytes_apart(budget, p.budget)
+        close = ours - theirs <= theirs * _CLOSE and p.blocks != best.blocks
         self.say(f"budget {asked}: the plan verified for {other} fits and measured "
-                 f"{theirs * 1e3:.1f} against {ours * 1e3:.1f} ms: " + ("took it" if took else "kept this budget's"))
-        if not took:
-            return dataclasses.replace(best, measured_step_time=ours)
+                 f"{theirs * 1e3:.1f} against {ours * 1e3:.1f} ms: " + ("the two in turns" if close else "took it"))
+        if close:
+            return self._race(budget, best, _decisions(p))
         return dataclasses.replace(p, budget=budget, measured_step_time=theirs)
 
     def step(self, p: Plan, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
