@@ -202,6 +202,26 @@ def test_auto_strategy_measures_and_chooses() -> None:
     pool.close()
 
 
+def test_settle_waits_for_the_links_measurement_and_the_chunks_in_reach(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Lazy host pool ] Rule 11: at the device's first pool, strategy="auto" measures the link in a thread of
+    its own; settle() returns once it has ended and every chunk within the touch limit is registered."""
+    from torchckpt.memory import link_model
+
+    monkeypatch.setattr(link_model, "_profiles", {})  # as at a process's first pool: no measured link to reuse
+    pool = LazyHostPool(capacity_bytes=1024 * MiB, chunk_bytes=128 * MiB, first_chunk_bytes=32 * MiB, strategy="auto",
+                        ahead_bytes=64 * MiB)
+    assert pool._model_thread is not None
+    block = pool.alloc(100 * MiB)  # chunk 2 (32 + 64 + 128 MiB): the limit moves to 288 MiB
+    assert block.chunk == 2
+    assert pool.settle(timeout=60.0)
+    assert not pool._model_thread.is_alive() and pool.profile is not None
+    states = pool.chunk_states()
+    assert states[:4] == [REGISTERED] * 4  # chunk 3 starts at 224 MiB, under the limit
+    assert all(s != REGISTERED for s in states[4:])
+    pool.free(block)
+    pool.close()
+
+
 def test_whole_strategy_registers_once() -> None:
     pool = LazyHostPool(capacity_bytes=512 * MiB, chunk_bytes=128 * MiB, first_chunk_bytes=128 * MiB,
                         strategy="whole")

@@ -55,7 +55,9 @@ that hands freed memory back to its host, a pool's first touch costs several tim
 #    half of physical RAM, at most 80% of the memory available now, divided by the processes of the job on this
 #    node (``LOCAL_WORLD_SIZE``). Rule 5's check that the memory touched up front fits applies to that share.
 # 11. ``settle()`` waits until every chunk the worker is set to reach now (those Rule 5's limit reaches) is registered
-#    or failed, so that no registration holds up the CUDA calls after it (Rule 9). A measurement of steps that use the
+#    or failed, and until ``strategy="auto"``'s measurement of the link (``measure_link_profile``, in a thread of its
+#    own at the first pool of a device: it registers, copies and unregisters memory of its own) has ended, so that
+#    no registration holds up the CUDA calls after it (Rule 9). A measurement of steps that use the
 #    pool calls it after a warm-up step, whose blocks moved the limit: on an H100 the planner measured a Qwen2's every
 #    block ``Recompute(store=...)`` (512 MiB of inputs on host a step) at 168.6 ms in the first steps that used the
 #    process's shared pool, and 157.3 ms in turns a few seconds later (NOTE [ Applying a plan ] Rule 4).
@@ -301,13 +303,15 @@ class LazyHostPool(HostPoolBase):
         self._blocks.reserved = capacity_bytes
         self._high_chunk = -1
         self.profile: LinkProfile | None = None
+        self._model_thread: threading.Thread | None = None  # measuring the link for strategy="auto"
         _live.add(self)
         if strategy == "auto" and register_mode == "cuda":
             cached = cached_profile(dev_index)
             if cached is not None:
                 self._apply_profile(cached)
             else:
-                threading.Thread(target=self._auto, name="torchckpt-lazy-pool-model", daemon=True).start()
+                self._model_thread = threading.Thread(target=self._auto, name="torchckpt-lazy-pool-model", daemon=True)
+                self._model_thread.start()
 
     # -- the strategy model ----------------------------------------------------------------
     def __reduce__(self) -> tuple[Any, ...]:
@@ -426,14 +430,19 @@ class LazyHostPool(HostPoolBase):
         return self._registered(block.chunk)
 
     def settle(self, timeout: float | None = None) -> bool:
-        """Wait until every chunk the worker is set to reach now is registered or failed (NOTE [ Lazy host pool ]
-        Rule 11); ``False`` when ``timeout`` seconds passed first (``None``: no limit). Without pinning, ``True`` at
-        once: touching pages holds up no CUDA call."""
+        """Wait until every chunk the worker is set to reach now is registered or failed and the link's measurement
+        for ``strategy="auto"`` has ended (NOTE [ Lazy host pool ] Rule 11); ``False`` when ``timeout`` seconds passed
+        first (``None``: no limit). Without pinning, ``True`` at once: touching pages holds up no CUDA call."""
         native = self._native
         if native is None or not self.pin:
             return True
-        limit = self._touch_limit
         end = None if timeout is None else time.monotonic() + timeout
+        model = self._model_thread  # its measurement registers, copies and unregisters pools of its own
+        if model is not None:
+            model.join(None if end is None else max(0.0, end - time.monotonic()))
+            if model.is_alive():
+                return False
+        limit = self._touch_limit
         for i, e in enumerate(self._ends):
             if e - self._blocks.chunks[i].size >= limit:
                 break
