@@ -82,17 +82,20 @@ _UNINITIALISED = frozenset(  # NOTE [ Selective recompute ] Rule 2: their output
     for name in ("empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"))
 
 
-_BY_SCHEMA: dict[Any, tuple[bool, bool]] = {}  # op -> (its schema lets it be kept, it is seeded): fixed per op
+_BY_SCHEMA: dict[Any, tuple[bool, bool, int | None]] = {}  # op -> (may be kept, seeded, dropout_p at): fixed per op
 
 
-def _by_schema(func: Any) -> tuple[bool, bool]:
+def _by_schema(func: Any) -> tuple[bool, bool, int | None]:
     """What ``func``'s schema says for NOTE [ Selective recompute ] Rule 2, once per op: whether it may be kept (it writes
-    no argument, makes no uninitialised memory, returns no alias), and whether it draws from the RNG."""
+    no argument, makes no uninitialised memory, returns no alias), whether it draws from the RNG, and the position of
+    its ``dropout_p`` argument (``None``: it has none)."""
     got = _BY_SCHEMA.get(func)
     if got is None:
-        may = not (func in _UNINITIALISED or func._schema.is_mutable
-                   or any(r.alias_info is not None for r in func._schema.returns))
-        got = _BY_SCHEMA[func] = (may, torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()))
+        schema = func._schema
+        may = not (func in _UNINITIALISED or schema.is_mutable or any(r.alias_info is not None for r in schema.returns))
+        names = [a.name for a in schema.arguments]
+        got = _BY_SCHEMA[func] = (may, torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()),
+                                  names.index("dropout_p") if "dropout_p" in names else None)
     return got
 
 
@@ -127,24 +130,38 @@ def keepable(func: Any, args: Any, kwargs: Any, out: Any) -> bool:
     """Whether a call's outputs may stand in for running ``func`` again (NOTE [ Selective recompute ] Rule 2): it writes
     no argument, draws nothing from the RNG, makes no uninitialised memory, and returns only new memory (no view, no
     output sharing an input's storage), some of it."""
-    may, seeded = _by_schema(func)
-    if not may or (seeded and not _no_dropout(func, args, kwargs)):
-        return False
+    return _kept_storages(func, args, kwargs, out) is not None
+
+
+def _kept_storages(func: Any, args: Any, kwargs: Any, out: Any) -> list[int] | None:
+    """The storages of a call's output tensors, in order, where ``keepable`` holds; ``None`` where it does not (the
+    forward's mode records them for NOTE [ Selective recompute ] Rule 4 without asking the tensors again)."""
+    may, seeded, dropout = _by_schema(func)
+    if not may or (seeded and not _no_dropout(func, dropout, args, kwargs)):
+        return None
     outs = tensors_of(out)
     if not any(t.numel() for t in outs):  # nothing to keep; zero-size storages share the null address
-        return False
-    ins = {t.untyped_storage().data_ptr() for t in tensors_of(args) + tensors_of(kwargs)}
-    return all(t.untyped_storage().data_ptr() not in ins for t in outs)
+        return None
+    ins = {t.untyped_storage().data_ptr() for t in tensors_of(args)}
+    if kwargs:
+        ins.update(t.untyped_storage().data_ptr() for t in tensors_of(kwargs))
+    ptrs: list[int] = []
+    for t in outs:
+        p = t.untyped_storage().data_ptr()
+        if p in ins:
+            return None
+        ptrs.append(p)
+    return ptrs
 
 
-def _no_dropout(func: Any, args: Any, kwargs: Any) -> bool:
-    """Whether a seeded op draws nothing here: its randomness is a ``dropout_p`` argument, and it is 0
-    (NOTE [ Selective recompute ] Rule 2: attention kernels, whose schema is seeded for the dropout they may apply)."""
-    names = [a.name for a in func._schema.arguments]
-    if "dropout_p" not in names:
+def _no_dropout(func: Any, at: int | None, args: Any, kwargs: Any) -> bool:
+    """Whether a seeded op draws nothing here: its randomness is a ``dropout_p`` argument (at position ``at``), and it
+    is 0 (NOTE [ Selective recompute ] Rule 2: attention kernels, whose schema is seeded for the dropout they may
+    apply)."""
+    if at is None:
         return False
-    i = names.index("dropout_p")
-    p = kwargs.get("dropout_p", args[i] if i < len(args) else func._schema.arguments[i].default_value)
+    p = kwargs["dropout_p"] if "dropout_p" in kwargs else args[at] if at < len(args) else (
+        func._schema.arguments[at].default_value)
     return isinstance(p, (int, float)) and not isinstance(p, bool) and p == 0
 
 
@@ -176,6 +193,29 @@ def _detach(x: Any, aliases: bool) -> Any:
     return x
 
 
+class _Slot:
+    """One kept output as the cache holds it (a store handle, or ``Kept``)."""
+
+    __slots__ = ("h",)
+
+    def __init__(self, h: Any) -> None:
+        self.h = h
+
+
+_LEAVES = (torch.Tensor, _Slot, int, float, bool, type(None))  # what pytree takes as leaves, among what aten ops return
+
+
+def _map(f: Any, x: Any) -> Any:
+    """``tree_map(f, x)`` over an aten op's outputs or what the cache holds of them: a leaf, or a flat tuple or list of
+    leaves, without pytree's per-node cost (the dispatch modes run this for every kept op); anything else through
+    ``tree_map``."""
+    if isinstance(x, _LEAVES):
+        return f(x)
+    if type(x) in (tuple, list) and all(isinstance(y, _LEAVES) for y in x):
+        return type(x)([f(y) for y in x])
+    return tree_map(f, x)
+
+
 class _Keeping(OpCounter):
     """The forward's mode: run every op, keep the chosen ones' outputs (NOTE [ Selective recompute ] Rules 1-2)."""
 
@@ -188,16 +228,20 @@ class _Keeping(OpCounter):
     def put(self, x: torch.Tensor) -> Any:
         return self.store.pack(x, codec=self.codec) if self.store is not None else Kept(x)
 
+    def slot(self, x: Any) -> Any:
+        return _Slot(self.put(_detach(x, False))) if isinstance(x, torch.Tensor) else x
+
     def op(self, k: int, func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         out = func(*args, **kwargs)
         if self.where and func._schema.is_mutable:
             self.forget_written(func, args, kwargs)
-        if (k in self.save or func in self.save) and keepable(func, args, kwargs, out):
-            self.cache[k] = (func, tree_map(
-                lambda x: _Slot(self.put(_detach(x, False))) if isinstance(x, torch.Tensor) else x, out))
-            self.kept.add(k)
-            for t in tensors_of(out):
-                self.where.setdefault(t.untyped_storage().data_ptr(), set()).add(k)
+        if k in self.save or func in self.save:
+            ptrs = _kept_storages(func, args, kwargs, out)
+            if ptrs is not None:
+                self.cache[k] = (func, _map(self.slot, out))
+                self.kept.add(k)
+                for p in ptrs:
+                    self.where.setdefault(p, set()).add(k)
         return out
 
     def forget_written(self, func: Any, args: Any, kwargs: Any) -> None:
@@ -210,15 +254,6 @@ class _Keeping(OpCounter):
             for k in self.where.pop(x.untyped_storage().data_ptr(), ()):
                 self.cache.pop(k, None)
                 self.kept.discard(k)
-
-
-class _Slot:
-    """One kept output as the cache holds it (a store handle, or ``Kept``)."""
-
-    __slots__ = ("h",)
-
-    def __init__(self, h: Any) -> None:
-        self.h = h
 
 
 class _Reusing(OpCounter):
@@ -250,7 +285,7 @@ class _Reusing(OpCounter):
         if k in self.cache:
             op, kept = self.take(k)
             try:
-                return tree_map(self.get, kept)
+                return _map(self.get, kept)
             except RuntimeError as e:
                 if "modified by an inplace operation" not in str(e):
                     raise
