@@ -283,7 +283,8 @@ class LazyHostPool(HostPoolBase):
         start = "concurrent" if strategy == "auto" else strategy
         self._sequential = start == "sequential"  # the strategy the worker runs, as Python set it
         limit = -1 if ahead_bytes is None else first_chunk_bytes + ahead_bytes
-        self._touch_limit = capacity_bytes if limit < 0 else limit  # how far the worker is set to go (Rule 5)
+        # how far the worker is set to go (NOTE [ Lazy host pool ] Rule 5)
+        self._touch_limit = capacity_bytes if limit < 0 else limit
         self._native = native_host_pool(
             nbytes=capacity_bytes, chunk_bytes=self.chunk_bytes, first_chunk_bytes=self.first_chunk_bytes,
             strategy=start, register_mode=register_mode, node_lock=bool(node_lock),
