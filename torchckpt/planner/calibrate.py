@@ -11,9 +11,13 @@
 #    attention)`` (where no block has those ops, a CNN's: ``save=`` the op each block's ladder keeps first, so
 #    that the dispatch mode is measured on every model: ResNet-152's plans that kept convolutions' outputs
 #    measured 216-272 ms on an H100 where the step model, with no such term, said 75-85 ms), every block
-#    ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak of three;
-#    NOTE [ Applying a plan ] Rule 4). A policy that cannot run (out of memory, no block may be recomputed) is
-#    left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, right after
+#    ``Recompute(store=...)``: each as verification measures a plan (a step, then the median time and largest peak;
+#    NOTE [ Applying a plan ] Rule 4), of as many timed steps as last about 0.8 s of the plain step, three to nine
+#    (``calibration_steps``): a host-bound model's recomputing steps spread widely (on an H100, ConvNeXt-B's every
+#    block ``Recompute()`` took 126-195 ms in eight steps in a row), and with the median of three the same policies
+#    measured 6-11% apart while planning and in the zoo's rows a minute before (Mixtral, ViT-L, ConvNeXt-B,
+#    ResNet-152; within 1.3% on a Llama of 135 ms steps). A policy that cannot run (out of memory, no block may be
+#    recomputed) is left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, right after
 #    every block ``Recompute()``: Rule 13 prices each by its own.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
 #    (``StepCosts.other_bwd_s``, then ``other_fwd_s``, neither below 0; what is still to take off scales every

@@ -8,6 +8,7 @@ measured beside the plan, and the mechanisms measured once after the profile (NO
 from __future__ import annotations
 
 import dataclasses
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +40,7 @@ _REPLANS = 3  # NOTE [ Applying a plan ] Rule 4: plans made again after a measur
 _SETTLE_S = 30.0  # NOTE [ Applying a plan ] Rule 4: at most this long for a store's host pool to settle
 _VERIFY_STEPS = 3  # NOTE [ Applying a plan ] Rule 4: measured steps, after one that builds the store's prefetch plan
 _SPREAD, _VERIFY_MOST = 0.10, 9  # NOTE [ Applying a plan ] Rule 4: more steps, up to this many, while they spread over 10%
+_CALIBRATE_S = 0.8  # NOTE [ Mechanism costs ] Rule 1: a measured policy's timed steps last about this long of plain steps
 _CLOSE, _TIE = 0.03, 0.01  # NOTE [ Applying a plan ] Rule 8: measured steps this close are measured again; then a tie
 _RIVAL, _TURNS = 0.30, 3  # NOTE [ Applying a plan ] Rule 9: a rival measured at another time this close runs in turns
 _NEAR = 0.05  # NOTE [ Applying a plan ] Rule 10: another shape of plan predicted this close is measured too
@@ -266,7 +268,7 @@ class _Profiled:
                     return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
                 t1 = time.perf_counter()
                 # NOTE [ Mechanism costs ] Rules 10 and 12: one step for these, measured for their peaks
-                reps[0] = 1 if name in (floor, PARTS_FLOOR) else _VERIFY_STEPS
+                reps[0] = 1 if name in (floor, PARTS_FLOOR) else calibration_steps(prof.step_s)
                 try:
                     got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
                 except torch.cuda.OutOfMemoryError:
@@ -540,6 +542,18 @@ def measured_steps(one: Callable[[], tuple[int, float]], reps: int, alone: bool 
         peaks.append(peak)
         times.append(seconds)
     return max(peaks), sorted(times)[len(times) // 2]
+
+
+def calibration_steps(step_s: float) -> int:
+    """NOTE [ Mechanism costs ] Rule 1: the timed steps of a measured policy, for a model whose plain step takes
+    ``step_s``: as many as last about ``_CALIBRATE_S`` of plain steps, from ``_VERIFY_STEPS`` to ``_VERIFY_MOST``.
+
+    Example::
+
+        >>> calibration_steps(0.395), calibration_steps(0.135), calibration_steps(0.079)
+        (3, 6, 9)
+    """
+    return max(_VERIFY_STEPS, min(_VERIFY_MOST, math.ceil(_CALIBRATE_S / max(step_s, 1e-9))))
 
 
 def more_steps(times: Sequence[float], reps: int) -> bool:
