@@ -55,15 +55,15 @@ def ablate(name: str, turns: int, trace: int) -> None:
 
     @contextlib.contextmanager
     def without(guard: bool, state: bool) -> Any:
-        old = api.guarded, api.CallState
+        old = api.guarded, api.watched
         if guard:
             api.guarded = lambda fn, module: fn  # type: ignore[assignment]
         if state:
-            api.CallState = type("NoState", (), {"of": staticmethod(lambda *a: None)})  # type: ignore[assignment,misc]
+            api.watched = lambda *a: None  # type: ignore[assignment]
         try:
             yield
         finally:
-            api.guarded, api.CallState = old
+            api.guarded, api.watched = old
 
     def ours(guard: bool = False, state: bool = False) -> Any:
         def setup() -> Any:

@@ -49,7 +49,7 @@ from torchckpt.schedules import Schedule
 from torchckpt.store import SnapshotStats, SnapshotStore, Store, default_store
 from torchckpt.recompute.buffers import guarded
 from torchckpt.recompute.chain import ChainRuntime, ChainStats
-from torchckpt.recompute.mutation import CallState, check_recomputed
+from torchckpt.recompute.mutation import check_recomputed, watched
 from torchckpt.recompute.parts import run_in_parts
 from torchckpt.recompute.reentrant import run_reentrant
 from torchckpt.recompute.selective import selective_contexts
@@ -220,7 +220,7 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     ctx: Any = contextlib.nullcontext()
     if policy.store is not None:
         ctx = policy.store.hooks(_module_tensors(module))
-    state = None if torch.compiler.is_compiling() else CallState.of(fn, args, kwargs)  # NOTE [ Mutating forwards ]
+    state = None if torch.compiler.is_compiling() else watched(fn, args, kwargs)  # NOTE [ Mutating forwards ] Rules 2, 7
     fn = guarded(fn, module)  # NOTE [ Buffers written in a forward ]: recomputations leave the buffers as plain autograd
     with ctx:  # the inputs saved at the boundary go to the store
         done = False

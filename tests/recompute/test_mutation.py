@@ -3,10 +3,16 @@ Rules 1-4): a clear ``torchckpt:`` error in the forward, never a cache holding t
 backward or a wrong gradient; Offload and Keep run the forward once and need no check."""
 from __future__ import annotations
 
+import enum
+import functools
+from typing import Any
+
 import pytest
 import torch
 
 import torchckpt
+from torchckpt.recompute.buffers import BufferGuard
+from torchckpt.recompute.mutation import CallState, watched
 from cache_models import (
     LLAMA_IDS, T, CacheNet, batch, cache_of, grads, llama, llama_grads, same, toy,
 )
@@ -152,3 +158,60 @@ def test_checkpoint_chain_on_llama_layers_with_use_cache_raises_in_the_forward(a
     assert same(llama_grads(m, use_cache=False), llama_grads(plain, use_cache=False))
     assert chain.stats.advances > 0
     chain.remove()
+
+
+class _Mode(enum.Enum):
+    A = 1
+
+
+FIXED_ROOTS = {  # NOTE [ Mutating forwards ] Rule 7: roots whose token depends on the object alone
+    "tensor": lambda: torch.ones(2), "int": lambda: 3, "float nan": lambda: float("nan"), "str": lambda: "a",
+    "None": lambda: None, "bool": lambda: True, "dtype": lambda: torch.float16, "device": lambda: torch.device("cpu"),
+    "enum": lambda: _Mode.A, "module": lambda: torch.nn.Linear(2, 2), "function": lambda: _append,
+    "builtin": lambda: len, "class": lambda: list, "partial": lambda: functools.partial(_append),
+}
+WALKED_ROOTS = {  # roots Rule 1 walks into: a change inside them is a change
+    "list": lambda: [], "dict": lambda: {}, "set": lambda: set(), "tuple of a tensor": lambda: (torch.ones(2),),
+    "object": lambda: _StaticCache(), "empty tuple": lambda: (),
+}
+
+
+@pytest.mark.parametrize("kind", list(FIXED_ROOTS) + list(WALKED_ROOTS))
+@pytest.mark.parametrize("where", ["argument", "keyword", "bound argument", "bound keyword"])
+def test_watched_skips_only_calls_whose_state_cannot_change(kind: str, where: str) -> None:
+    """NOTE [ Mutating forwards ] Rule 7: ``watched`` is ``None`` exactly where every root is a tensor, a value or an
+    object counted by identity, and there ``CallState.of`` has one token per root and nothing below it."""
+    x = {**FIXED_ROOTS, **WALKED_ROOTS}[kind]()
+    fn: Any = lambda *a, **k: None  # noqa: E731
+    args: tuple[Any, ...] = (torch.ones(2),)
+    kwargs: dict[str, Any] = {}
+    if where == "argument":
+        args += (x,)
+    elif where == "keyword":
+        kwargs["x"] = x
+    elif where == "bound argument":
+        fn = functools.partial(fn, x)
+    else:
+        fn = functools.partial(functools.partial(fn, y=1), x=x)
+    for f in (fn, BufferGuard(fn, [], [])):  # the block as api.run hands it, or as checkpoint_chain guards it
+        state = watched(f, args, kwargs)
+        if kind in FIXED_ROOTS:
+            assert state is None
+            full = CallState.of(f, args, kwargs)
+            assert len(full.before) == len(full.roots) and all(t[0] in ("value", "object") for t in full.before.values())
+        else:
+            assert isinstance(state, CallState) and state.changes() == []
+
+
+def test_recompute_still_refuses_an_in_place_write_through_a_tuple() -> None:
+    """A tuple is walked (NOTE [ Mutating forwards ] Rule 1), so Rule 7 does not skip it: a tensor inside it
+    written in place is a change (NOTE [ Mutating forwards ] Rule 2)."""
+    lin = torch.nn.Linear(4, 4)
+
+    def block(x: torch.Tensor, pair: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        pair[0].add_(1)
+        return lin(x) * pair[1]
+
+    x = torch.randn(3, 4, requires_grad=True)
+    with pytest.raises(torchckpt.CheckpointError, match=r"argument 1 `pair` \(tuple\): argument 1\[0\]"):
+        torchckpt.checkpoint(block, x, (torch.zeros(4), torch.ones(4)), policy=torchckpt.Recompute())

@@ -133,8 +133,8 @@ class BufferGuard:
                 now = _copies([b for b, _ in written])
                 torch._foreach_copy_([b.data for b, _ in written], [v for _, v in written])
             own = [d[n] for d, n in norms]
-            for (d, n), t in zip(norms, own):
-                d[n] = _scratch(t)
+            for (d, n), t in zip(norms, _scratch(own)):
+                d[n] = t
         try:
             return self.fn(*args, **kwargs)
         finally:
@@ -145,13 +145,14 @@ class BufferGuard:
                     torch._foreach_copy_([b.data for b, _ in written], now)
 
 
-def _scratch(t: torch.Tensor) -> torch.Tensor:
-    """What a recomputation's norm writes instead of ``t`` (NOTE [ Buffers written in a forward ] Rule 2): a fresh
-    tensor like it; for the 0-dim count (``num_batches_tracked``) a zero on the CPU, which the stock ``forward``
-    counts up and may read with ``float()``: no launch, no synchronization, never a division by zero."""
-    if t.dim() == 0 and not t.is_floating_point():
-        return torch.zeros((), dtype=t.dtype)
-    return torch.empty_like(t)
+def _scratch(ts: list[torch.Tensor]) -> list[torch.Tensor]:
+    """What a recomputation's norms write instead of ``ts`` (NOTE [ Buffers written in a forward ] Rule 2): a fresh
+    tensor like each; for the 0-dim count (``num_batches_tracked``) a zero on the CPU, which the stock ``forward``
+    counts up and may read with ``float()``: no launch, no synchronization, never a division by zero. All are made
+    before any is put in place."""
+    return [torch.empty_like(t) if t.dim() or t.is_floating_point()
+            else torch.scalar_tensor(0, dtype=t.dtype)  # torch.zeros((), dtype=...) less its shape parsing
+            for t in ts]
 
 
 def _copies(ts: list[torch.Tensor]) -> list[torch.Tensor]:

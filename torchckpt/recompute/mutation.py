@@ -49,6 +49,11 @@ turns ``use_cache`` off in training, with a warning.
 #    and no plan recomputes a block that appends to one. ``auto``'s first call, whose pre-hooks ran before
 #    the plan was applied, is turned off too. Evaluation and no-grad forwards keep the cache, as in
 #    transformers; a recomputed block handed it in evaluation with grad enabled raises by Rule 2.
+# 7. A call whose every root (Rule 1: each argument, keyword and ``functools.partial`` binding) is a tensor, a value
+#    or an object counted by identity only (a module's ``forward`` called with tensors: its one binding is the
+#    module) is not walked: the walk would leave the tensors out and give each other root a token that depends on
+#    the object alone (its value, or its id), and the state holds the same objects before and after the forward, so
+#    it cannot change. ``watched`` returns ``None`` for it, and Rule 2's check has nothing to compare.
 """
 from __future__ import annotations
 
@@ -66,13 +71,14 @@ from torch.utils._pytree import tree_flatten
 from torchckpt._errors import CheckpointError
 from torchckpt.recompute.buffers import BufferGuard
 
-__all__ = ["DEPTH", "LIMIT", "CallState", "check_recomputed", "is_transformers_cache", "module_state"]
+__all__ = ["DEPTH", "LIMIT", "CallState", "check_recomputed", "is_transformers_cache", "module_state", "watched"]
 
 DEPTH = 4  # NOTE [ Mutating forwards ] Rule 1: levels walked below an argument
 LIMIT = 4096  # NOTE [ Mutating forwards ] Rule 1: entries taken per state
 _VALUES = (int, float, complex, str, bytes, bool, type(None), torch.device, torch.dtype, enum.Enum)
 _OPAQUE = (nn.Module, type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
            functools.partial)
+_FIXED = (torch.Tensor, *_VALUES, *_OPAQUE)  # NOTE [ Mutating forwards ] Rule 7: roots whose token never changes
 # NOTE [ Mutating forwards ] Rule 5: nn.Module's own bookkeeping (what a fresh Module holds), the forward a wrapper
 # installs, torch.compile's.
 _MODULE_OWN = frozenset(vars(nn.Module()).keys()) | {"forward", "_compiled_call_impl"}
@@ -156,6 +162,28 @@ def _call_roots(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Itera
         fn = fn.func
     yield from ((f"argument {k}", a) for k, a in enumerate(args))
     yield from kwargs.items()
+
+
+def _fixed(roots: Iterable[Any]) -> bool:
+    """Every object of ``roots`` has a token that never changes (NOTE [ Mutating forwards ] Rule 7)."""
+    for x in roots:
+        if not isinstance(x, _FIXED):
+            return False
+    return True
+
+
+@torch.compiler.disable  # as CallState.of: run eagerly inside a compiled region, it hands Dynamo no frame
+def watched(fn: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallState | None:
+    """``CallState.of(fn, args, kwargs)`` for ``check_recomputed``, or ``None`` where the state of the call cannot
+    change (NOTE [ Mutating forwards ] Rule 7). Looks at the roots ``_call_roots`` would give, and walks nothing."""
+    f = fn.fn if isinstance(fn, BufferGuard) else fn
+    while isinstance(f, functools.partial):
+        if not (_fixed(f.args) and _fixed(f.keywords.values())):
+            return CallState.of(fn, args, kwargs)
+        f = f.func
+    if _fixed(args) and _fixed(kwargs.values()):
+        return None
+    return CallState.of(fn, args, kwargs)
 
 
 class CallState:
