@@ -57,8 +57,13 @@ def main() -> None:
             del out
             b.model.zero_grad(set_to_none=True)
 
+        def recomputed(store: torchckpt.Store | None) -> Any:
+            """Every block under ``Recompute(store=store)``; returns the undo."""
+            return wrap_blocks(b.blocks, lambda i, f: functools.partial(
+                torchckpt.checkpoint, f, policy=torchckpt.Recompute(store=store)))
+
         def run(label: str, store: torchckpt.Store | None, reps: int = 7) -> None:
-            undo = wrap_blocks(b.blocks, lambda i, f: functools.partial(torchckpt.checkpoint, f, policy=torchckpt.Recompute(store=store)))
+            undo = recomputed(store)
             ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
             tot, fwd, bwd = [], [], []
             try:
@@ -92,8 +97,7 @@ def main() -> None:
         run("store, no prefetch", torchckpt.Store(dev, gpu_bytes=cache, min_bytes=0, prefetch=False))
         run("store, timing=False", torchckpt.Store(dev, gpu_bytes=cache, min_bytes=0, timing=False))
         run("Recompute() again", None)
-        store = torchckpt.Store(dev, gpu_bytes=cache, min_bytes=0)
-        undo = wrap_blocks(b.blocks, lambda i, f: functools.partial(torchckpt.checkpoint, f, policy=torchckpt.Recompute(store=store)))
+        undo = recomputed(torchckpt.Store(dev, gpu_bytes=cache, min_bytes=0))
         for _ in range(2):
             step()
         torch.cuda.synchronize()

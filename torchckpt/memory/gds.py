@@ -101,11 +101,12 @@ def _registers(directory: str, direct: bool) -> str | None:
 
 def _register(fd: int) -> Any:
     """``fd``'s cuFile handle (deregister it with ``cufile.handle_deregister``)."""
-    descr = _state["cufile"].Descr()
-    descr.type = _state["cufile"].FileHandleType.OPAQUE_FD
+    cufile = _state["cufile"]
+    descr = cufile.Descr()
+    descr.type = cufile.FileHandleType.OPAQUE_FD
     descr.handle.fd = fd
     descr.fs_ops = 0  # no file-system callbacks: cuFile's own for the descriptor's file
-    return _state["cufile"].handle_register(descr.ptr)
+    return cufile.handle_register(descr.ptr)
 
 
 def read(path: str, out: torch.Tensor, nbytes: int, direct: bool) -> None:

@@ -444,8 +444,8 @@ class LazyHostPool(HostPoolBase):
             if model.is_alive():
                 return False
         limit = self._touch_limit
-        for i, e in enumerate(self._ends):
-            if e - self._blocks.chunks[i].size >= limit:
+        for i, (start, _) in enumerate(self.chunk_bounds()):
+            if start >= limit:
                 break
             if self._registered(i):
                 continue
