@@ -358,6 +358,58 @@ def test_scratch_buffer_written_through_data(budget: int) -> None:
     check_steps(loss, [w], lambda: torchckpt.offload(store))
 
 
+def _gate_up(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    # A fused gate/up projection as in Mixtral's experts: SiLU saves the gate half, the product the up half
+    # (two nodes, two non-dense halves of one storage).
+    gate, up = (x @ w).chunk(2, dim=-1)
+    return (torch.nn.functional.silu(gate) * up).square().sum()
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+def test_halves_saved_by_two_nodes_share_one_entry(budget: int) -> None:
+    # NOTE [ Saved tensor identity ] Rule 2c: before it, the up half took a second whole-storage entry.
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, requires_grad=True)
+    w = torch.randn(8, 32, requires_grad=True)
+    store = cpu_store(budget)
+    check_steps(lambda: _gate_up(x, w), [x, w], lambda: torchckpt.offload(store))
+    store.reset_stats()
+    grads_of(lambda: _gate_up(x, w), [x, w], torchckpt.offload(store))
+    st = store.stats()
+    # saved: x, w (x @ w), gate, up (the product), silu's output (the product) and the product (square)
+    assert st.packed == 6, st
+    if budget:  # the gate/up storage resident at the up half's save: one entry for both halves
+        assert st.deduplicated == 1, st
+    else:  # evicted at once: the up half cannot share it and takes an entry of its own
+        assert st.deduplicated == 0, st
+
+
+def test_shared_entry_written_again_after_a_write_nothing_counts() -> None:
+    # NOTE [ Saved tensor identity ] Rule 2c with Rule 2b's scratch buffer: the first view's entry is copied to
+    # host at its save (the first step writes every entry), column 1 is written through .data, the second
+    # view shares the entry; then later saves need the cache and the entry is evicted: backward reads the host
+    # copy, which must hold column 1 as written.
+    w = torch.ones(4, 1, requires_grad=True)
+    noise = torch.randn(64, 64)
+
+    def loss() -> torch.Tensor:
+        k = torch.zeros(4, 3)
+        k.data[:, 0] = 1.0
+        a = (k[:, :1] * w).sum()
+        k.data[:, 1] = 5.0
+        b = (k[:, :2] * w).sum()
+        h = (noise * w.sum()).exp()  # 16 KiB saves (noise, exp's output): k's entry is evicted to make room
+        return a + b + h.mean() * 1e-3
+
+    ref = grads_of(loss, [w], contextlib.nullcontext())
+    store = cpu_store(16384)
+    got = grads_of(loss, [w], torchckpt.offload(store))
+    st = store.stats()
+    assert st.deduplicated == 1 and st.evictions >= 1, st
+    assert st.offloaded >= 3, st  # k's storage at its first save and again at the second, then the 16 KiB ones
+    assert same(ref[0], got[0]), (ref, got)
+
+
 def test_views_saved_by_one_op_share_an_entry() -> None:
     # q and k of one unbind, saved while one autograd node is built: no op ran in between.
     store = cpu_store(0)

@@ -34,6 +34,16 @@
 #       or its bytes lie within the creator's own elements (the same view, or inside a
 #       creator that covers its byte range densely). Bytes a saved tensor reads are its own:
 #       writing them after the save, even unseen, changes plain autograd's result as well.
+#    c. A later save that b does not admit still shares the entry while the entry's GPU copy
+#       is the live storage (resident since its save, uncompressed, not on disk): until it is
+#       evicted, unpack reads that storage as plain autograd does, and an entry already copied
+#       to host is copied again after this save, into the same host block (the offload stream
+#       runs copies in order), so that the host copy holds every sharer's bytes as of its save
+#       (the earlier saves' bytes are their own, so the later copy serves them too). Without
+#       it two halves of one storage saved by different nodes took two whole-storage entries
+#       (Mixtral's experts: SiLU saves the gate half of the fused gate/up projection, the
+#       product saves the up half): twice the storage in the GPU cache and over the link, so
+#       the cache evicted what the planner's step model (one storage, one size) kept resident.
 # 3. Metadata. Unpack rebuilds dtype, size, stride and storage offset from the handle, then
 #    the bits that change values: ``_neg_view()`` for the neg bit, ``conj()`` for the conj bit
 #    (complex models, FFT layers). The rebuilt tensor has a fresh version counter: Rule 1

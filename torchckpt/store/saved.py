@@ -396,7 +396,7 @@ class Store(DiskSpill):
                 found = self._by_storage.get(key)
                 if (found is not None and found[0].refs > 0 and not found[1].expired()
                         and found[0].root() is root() and found[0].cover is not None
-                        and found[0].cover.admits(t, lo, span)):
+                        and (found[0].cover.admits(t, lo, span) or self._share_live(found[0], sptr))):
                     c["deduplicated"] += 1
                     return _Handle(self, found[0], t, lo)
                 lo, span = 0, storage.nbytes()
@@ -489,6 +489,18 @@ class Store(DiskSpill):
                 self._on_plan = False
                 self._c["plan_divergences"] += 1
         return n
+
+    def _share_live(self, e: _Entry, sptr: int) -> bool:
+        """NOTE [ Saved tensor identity ] Rule 2c: whether a later save that ``e``'s coverage does not admit may share
+        it, ``e``'s GPU copy being the live storage at ``sptr``; if ``e`` was written to host, it is written again,
+        after this save, into the same host block."""
+        if e.codec is not None or e.disk is not None or e.gpu is None or e.gpu.untyped_storage().data_ptr() != sptr:
+            return False
+        if e.host is not None:
+            e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)  # after the last copy: one offload stream, in order
+            self._c["offloaded"] += 1
+            self._c["offloaded_bytes"] += e.nbytes
+        return True
 
     def _write(self, e: _Entry) -> None:
         """Start the entry's device-to-host copy (its GPU copy must be present); to disk past the pool's cap."""
