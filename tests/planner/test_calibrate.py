@@ -11,7 +11,7 @@ from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
     EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, PARTS_FLOOR, RECOMPUTE_ALL, REENTRANT_ALL, calibrate, floor_policy,
-    measure_policies, parts_floor, revolve_policy,
+    measure_policies, parts_floor, reentrant_faster, revolve_policy,
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, REENTRANT, Decision, StepCosts, chain_states, through_reentrant
 from torchckpt.planner.optimize import search, simple_policies
@@ -111,6 +111,42 @@ def test_measure_policies_measures_the_four_in_order_and_leaves_out_what_did_not
     assert set(got) == {KEEP_ALL, KEEP_OPS_ALL, HOST_ALL, REENTRANT_ALL}
     cal = calibrate(chain, policies, got)
     assert all(b.rec_s == 0.0 for b in cal.blocks) and cal.rec_bytes == 0
+
+
+def test_measure_policies_in_rounds_interleaves_them_and_takes_the_median_of_rounds(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 1: in rounds, every policy once per round (the two recomputations' rounds first),
+    each policy's time the median of its rounds' and its largest peak; one that fails in a later round is left out;
+    the others take the faster recomputation's form as it measured over all its rounds."""
+    chain = _chain(prof)
+    policies = simple_policies(chain)
+    by_name = dict(policies)
+    calls: list[tuple[str, tuple[Decision, ...]]] = []
+    # Recompute(): 1.0, 3.0, 1.2 (median 1.2); reentrant: 0.9, 2.0, 2.5 (median 2.0): after round 1 reentrant looked faster
+    times = {RECOMPUTE_ALL: [1.0, 3.0, 1.2], REENTRANT_ALL: [0.9, 2.0, 2.5], KEEP_ALL: [0.5, 0.7, 0.6]}
+
+    def step(name: str, plan: tuple[Decision, ...]) -> tuple[int, float] | None:
+        r = sum(1 for n, _ in calls if n == name)
+        calls.append((name, plan))
+        if name == HOST_ALL and r == 1:
+            return None  # out of memory in its second round
+        return (100 + r, times[name][r]) if name in times else (200 - r, 1.5 + r)
+
+    got = measure_policies(policies, step, chain, rounds=3)
+    first = [n for n in MEASURED if n in by_name][:3]
+    assert first == [KEEP_ALL, RECOMPUTE_ALL, REENTRANT_ALL]
+    assert [n for n, _ in calls[:9]] == first * 3
+    rest = [n for n, _ in calls[9:]]
+    once = list(dict.fromkeys(rest))
+    assert HOST_ALL in once and len(once) >= 3
+    assert rest == once + once + [n for n in once if n != HOST_ALL]  # round by round; HOST_ALL failed in round 2
+    assert got[RECOMPUTE_ALL] == (102, 1.2) and got[REENTRANT_ALL] == (102, 2.0) and got[KEEP_ALL] == (102, 0.6)
+    assert HOST_ALL not in got
+    assert all(got[n] == (200, 2.5) for n in set(rest) - {HOST_ALL})
+    # Recompute() measured faster over its rounds: the rest keep their plain form
+    assert all(plan == by_name[n] for n, plan in calls[9:])
+    assert not reentrant_faster(got)
+    with pytest.raises(ValueError, match="rounds"):
+        measure_policies(policies, step, chain, rounds=0)
 
 
 def test_verification_reuses_what_was_measured(prof: Profile) -> None:

@@ -16,7 +16,12 @@
 #    (``calibration_steps``): a host-bound model's recomputing steps spread widely (on an H100, ConvNeXt-B's every
 #    block ``Recompute()`` took 126-195 ms in eight steps in a row), and with the median of three the same policies
 #    measured 6-11% apart while planning and in the zoo's rows a minute before (Mixtral, ViT-L, ConvNeXt-B,
-#    ResNet-152; within 1.3% on a Llama of 135 ms steps). A policy that cannot run (out of memory, no block may be
+#    ResNet-152; within 1.3% on a Llama of 135 ms steps). Where that is six steps or more, they run in rounds of
+#    three (``calibration_rounds``: each policy applied again, a step, then three timed; every policy's first round,
+#    then every second), and a policy's time is the median of its rounds' medians: the host's slower spells, which
+#    last seconds to minutes, then fall on every policy alike instead of on whichever ran during one, so the
+#    policies' differences, which price every mechanism, hold better than their level. A 7B decoder's three steps
+#    stay one round (the planner's time). A policy that cannot run (out of memory, no block may be
 #    recomputed) is left unmeasured and its terms stay 0. Every block ``Recompute(reentrant=True)`` is measured too, right after
 #    every block ``Recompute()``: Rule 13 prices each by its own.
 # 2. Keep everything: its measured time less the predicted one goes to the time outside the blocks
@@ -111,6 +116,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -136,25 +142,46 @@ _TOLERANCE = 1000  # a peak within 1/1000 of the measured one is solved (NOTE [ 
 
 def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
                      step: Callable[[str, tuple[Decision, ...]], Measured | None],
-                     chain: StepCosts | None = None) -> dict[str, Measured]:
+                     chain: StepCosts | None = None, rounds: int = 1) -> dict[str, Measured]:
     """NOTE [ Mechanism costs ] Rule 1: ``step(name, plan)`` for each of ``MEASURED`` among ``policies`` (the search's
     simple policies), by name, then (given the ``chain`` they are plans of) the Revolve plans of NOTE [ Mechanism costs ]
     Rules 8 and 10 and every other block (NOTE [ Mechanism costs ] Rule 9); a policy whose step returns ``None`` (it
     could not run) is left out. The floor's plan (NOTE [ Mechanism costs ] Rule 10) is measured for its peak alone:
-    the caller knows it by its name, ``floor_policy``'s."""
+    the caller knows it by its name, ``floor_policy``'s.
+
+    ``rounds`` > 1: every policy measured that many times, in rounds (each policy once per round, in the order above),
+    the two recomputations' rounds (NOTE [ Mechanism costs ] Rule 13) before the others', whose form follows the faster
+    of them; each policy's largest peak and the median of its rounds' times. The floor's plan runs once."""
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
+        raise ValueError(f"torchckpt: measure_policies(rounds=...) is an int >= 1, got {rounds!r}.")
     by_name = dict(policies)
     names = [name for name in MEASURED if name in by_name]
     revolve = revolve_policy(chain, policies) if chain is not None else None
     floor = floor_policy(chain, policies) if chain is not None and revolve is not None else None
     other = next((name for name in by_name if name.startswith(EVERY_OTHER)), None) if chain is not None else None
+    order = names + [n for n in (revolve, floor, other) if n]
+    split = max((order.index(n) + 1 for n in (RECOMPUTE_ALL, REENTRANT_ALL) if n in order), default=0)
     out: dict[str, Measured] = {}
-    for name in names + [n for n in (revolve, floor, other) if n]:
-        plan = by_name[name]
-        if name not in (RECOMPUTE_ALL, REENTRANT_ALL) and reentrant_faster(out):  # NOTE [ Mechanism costs ] Rule 13
-            plan = through_reentrant(plan)
-        got = step(name, plan)
-        if got is not None:
-            out[name] = got
+    for group in (order[:split], order[split:]):
+        fast = reentrant_faster(out)  # NOTE [ Mechanism costs ] Rule 13: after the two recomputations, never between
+        got: dict[str, list[Measured]] = {name: [] for name in group}
+        failed: set[str] = set()
+        for r in range(rounds):
+            for name in group:
+                if name in failed or (r and name == floor):
+                    continue
+                plan = by_name[name]
+                if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL):
+                    plan = through_reentrant(plan)
+                m = step(name, plan)
+                if m is None:
+                    failed.add(name)
+                else:
+                    got[name].append(m)
+        for name, ms in got.items():
+            if ms and name not in failed:
+                peaks = [p for p, _ in ms if p is not None]
+                out[name] = (max(peaks) if peaks else None, statistics.median(t for _, t in ms))
     return out
 
 

@@ -218,6 +218,7 @@ class _Profiled:
         measuring = verify and torch.device(prof.device).type == "cuda"
 
         reps = [_VERIFY_STEPS]  # NOTE [ Mechanism costs ] Rule 10: 1 for the floor's plan, measured for its peak
+        extend = [True]  # NOTE [ Applying a plan ] Rule 4's more steps; not in NOTE [ Mechanism costs ] Rule 1's rounds
         alone = not together(model)  # NOTE [ Applying a plan ] Rule 4: ranks planning together run as many steps
 
         @agreed(model, call)  # NOTE [ One plan for all ranks ] Rules 4 and 6
@@ -246,7 +247,7 @@ class _Profiled:
                     torch.cuda.synchronize()
                     return int(torch.cuda.max_memory_allocated() - start), time.perf_counter() - t0
 
-                return measured_steps(one, reps[0], alone)
+                return measured_steps(one, reps[0], alone and extend[0])
             except CheckpointError:
                 if not any(b.reentrant for b in p.blocks):
                     raise
@@ -262,26 +263,36 @@ class _Profiled:
             policies = simple_policies(chain)
             keep_all = predict(chain, policies[0][1])
             floor = floor_policy(chain, policies)
+            rounds = calibration_rounds(prof.step_s)
 
             def policy_step(name: str, decisions: tuple[Decision, ...]) -> tuple[int, float] | None:
                 if prof.by_blocks and not any(d.mode == "recompute" for d in decisions):
                     return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
                 t1 = time.perf_counter()
                 # NOTE [ Mechanism costs ] Rules 10 and 12: one step for these, measured for their peaks
-                reps[0] = 1 if name in (floor, PARTS_FLOOR) else calibration_steps(prof.step_s)
+                reps[0] = 1 if name in (floor, PARTS_FLOOR) else calibration_steps(prof.step_s) // rounds
+                extend[0] = rounds == 1
                 try:
                     got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     return None
                 finally:
-                    reps[0] = _VERIFY_STEPS
+                    reps[0], extend[0] = _VERIFY_STEPS, True
                 if got is not None:
                     memo[decisions] = got
+                    forms[name] = decisions
                     say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
                 return got
 
-            measured = measure_policies(policies, policy_step, chain)
+            forms: dict[str, tuple[Decision, ...]] = {}
+            measured = measure_policies(policies, policy_step, chain, rounds)
+            if rounds > 1:  # NOTE [ Mechanism costs ] Rule 1: each policy's rounds, as verification reuses them
+                for name, (peak, seconds) in measured.items():
+                    if peak is not None:
+                        memo[forms[name]] = (peak, seconds)
+                say(f"measured in {rounds} rounds: " + ", ".join(
+                    f"{n} {t * 1e3:.1f} ms" for n, (_, t) in measured.items() if n != floor))
             chain = calibrate(chain, policies, measured)
             parts = parts_floor(chain)  # NOTE [ Mechanism costs ] Rule 12: the search's floor, in parts, measured
             got = policy_step(PARTS_FLOOR, parts) if parts is not None else None
@@ -554,6 +565,18 @@ def calibration_steps(step_s: float) -> int:
         (3, 6, 9)
     """
     return max(_VERIFY_STEPS, min(_VERIFY_MOST, math.ceil(_CALIBRATE_S / max(step_s, 1e-9))))
+
+
+def calibration_rounds(step_s: float) -> int:
+    """NOTE [ Mechanism costs ] Rule 1: the rounds a measured policy's ``calibration_steps`` run in, ``_VERIFY_STEPS``
+    timed steps each.
+
+    Example::
+
+        >>> calibration_rounds(0.395), calibration_rounds(0.135), calibration_rounds(0.079)
+        (1, 2, 3)
+    """
+    return max(1, calibration_steps(step_s) // _VERIFY_STEPS)
 
 
 def more_steps(times: Sequence[float], reps: int) -> bool:
