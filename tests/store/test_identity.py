@@ -384,6 +384,26 @@ def test_halves_saved_by_two_nodes_share_one_entry(budget: int) -> None:
         assert st.deduplicated == 0, st
 
 
+@pytest.mark.parametrize("budget", [2048, 3072])
+def test_an_entry_shared_last_step_is_written_once_at_its_last_share(budget: int) -> None:
+    # NOTE [ Saved tensor identity ] Rule 2c: the first step writes the gate/up storage at the gate's save and again at
+    # the up half's; from the second step on (the plan evicts it) it is written once, at the up half's save. The
+    # other entries written a step: the product's 1 KiB.
+    torch.manual_seed(0)
+    x = torch.randn(16, 8, requires_grad=True)
+    w = torch.randn(8, 32, requires_grad=True)
+    store = cpu_store(budget)
+    check_steps(lambda: _gate_up(x, w), [x, w], lambda: torchckpt.offload(store), steps=1)
+    first = store.stats()
+    assert first.offloaded == 4 and first.offloaded_bytes == 2 * 2048 + 2 * 1024, first
+    for _ in range(2):
+        store.reset_stats()
+        check_steps(lambda: _gate_up(x, w), [x, w], lambda: torchckpt.offload(store), steps=1)
+        st = store.stats()
+        assert st.deduplicated == 1 and st.evictions >= 1 and st.plan_divergences == 0, st
+        assert st.offloaded == 2 and st.offloaded_bytes == 2048 + 1024, st
+
+
 def test_shared_entry_written_again_after_a_write_nothing_counts() -> None:
     # NOTE [ Saved tensor identity ] Rule 2c with Rule 2b's scratch buffer: the first view's entry is copied to
     # host at its save (the first step writes every entry), column 1 is written through .data, the second

@@ -39,7 +39,10 @@
 #       evicted, unpack reads that storage as plain autograd does, and an entry already copied
 #       to host is copied again after this save, into the same host block (the offload stream
 #       runs copies in order), so that the host copy holds every sharer's bytes as of its save
-#       (the earlier saves' bytes are their own, so the later copy serves them too). Without
+#       (the earlier saves' bytes are their own, so the later copy serves them too). From the
+#       second step on, an entry the plan will write that had such shares in the last step is
+#       written at its last share instead of at its save (written at its eviction should that
+#       come first), so its storage crosses the link once. Without
 #       it two halves of one storage saved by different nodes took two whole-storage entries
 #       (Mixtral's experts: SiLU saves the gate half of the fused gate/up projection, the
 #       product saves the up half): twice the storage in the GPU cache and over the link, so
