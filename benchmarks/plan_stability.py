@@ -67,14 +67,19 @@ def child(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     got = {}
     with untouched(b.model, (b.args, b.kwargs)):  # the body of torchckpt.plans, keeping the profile for replan.py
-        planned = _Profiled.prepare(b.model, b.args, b.kwargs, None, b.blocks, b.loss, None, progress=True,
-                                    call="plans")  # its messages: the parent's plan_<model>_proc<k>.log
-        for budget in budgets:
+        try:
+            planned = _Profiled.prepare(b.model, b.args, b.kwargs, None, b.blocks, b.loss, None, progress=True,
+                                        call="plans")  # its messages: the parent's plan_<model>_proc<k>.log
+        except PlanError as e:  # the profile refused (a step that does not fit): every budget without a plan
+            out["error"] = str(e)
+            planned = None
+        for budget in budgets if planned is not None else ():
             try:
                 got[budget] = planned.plan(budget)
             except PlanError as e:
                 out.setdefault("errors", {})[str(budget)] = str(e)
-    out["profile"] = profile_record(planned)
+    if planned is not None:
+        out["profile"] = profile_record(planned)
     out["plan_s"] = time.perf_counter() - t0
     for budget in budgets:
         p = got.get(budget)
@@ -169,8 +174,11 @@ def main() -> None:
         with open(path) as f:
             runs.append(json.load(f))
         os.remove(path)
-        with open(os.path.join(out, f"profile_{args.model}_proc{k}.json"), "w") as f:  # benchmarks/replan.py's input
-            json.dump(runs[-1].pop("profile"), f)
+        if "profile" in runs[-1]:  # absent where profiling refused (the child's "error")
+            with open(os.path.join(out, f"profile_{args.model}_proc{k}.json"), "w") as f:  # benchmarks/replan.py's input
+                json.dump(runs[-1].pop("profile"), f)
+        if "error" in runs[-1]:
+            print(f"process {k}: no plan: {runs[-1]['error']}", flush=True)
         print(f"process {k}: {time.perf_counter() - t0:.1f} s (planning {runs[-1]['plan_s']:.1f} s); none "
               f"{runs[-1]['none']['step_s'] * 1e3:.1f} ms", flush=True)
     turns: list[list[list[float]]] = []
