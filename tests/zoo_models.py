@@ -90,6 +90,19 @@ def _llama() -> tuple[nn.Module, Batch]:
     return transformers.LlamaForCausalLM(cfg), {"ids": _ids(2, SEQ, VOCAB)}
 
 
+def _mixtral() -> tuple[nn.Module, Batch]:
+    # Experts with a fused gate/up projection: SiLU and the product save the two halves of one storage from two
+    # nodes (NOTE [ Saved tensor identity ] Rule 2c).
+    import transformers
+
+    torch.manual_seed(13)
+    cfg = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        num_local_experts=4, num_experts_per_tok=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
+    )
+    return transformers.MixtralForCausalLM(cfg), {"ids": _ids(2, SEQ, VOCAB)}
+
+
 def _bert() -> tuple[nn.Module, Batch]:
     import transformers
 
@@ -213,6 +226,7 @@ def _ode_loss(model: nn.Module, b: Batch, use_cache: bool) -> torch.Tensor:
 ZOO: list[Zoo] = [
     Zoo("gpt2", "transformers", _gpt2, _causal_lm_loss, lambda m: list(m.transformer.h), hf=True),
     Zoo("llama", "transformers", _llama, _causal_lm_loss, lambda m: list(m.model.layers), hf=True),
+    Zoo("mixtral", "transformers", _mixtral, _causal_lm_loss, lambda m: list(m.model.layers), hf=True),
     Zoo("bert", "transformers", _bert, _masked_lm_loss, lambda m: list(m.bert.encoder.layer), hf=True),
     Zoo("vit", "timm", _vit, _classify_loss, lambda m: list(m.blocks)),
     Zoo("swin", "timm", _swin, _classify_loss, lambda m: [b for layer in m.layers for b in layer.blocks]),
