@@ -1,8 +1,9 @@
 """Models torchckpt's authors did not write: gradients bit-identical to plain autograd over two training steps.
 
 transformers (GPT-2, LLaMA, Mixtral with its fused expert projections, BERT), timm (ViT, Swin),
-torchvision (ResNet-18, MobileNetV3, ConvNeXt) and torchdiffeq (``odeint`` with dopri5 and rk4, ``odeint_adjoint``) models, built tiny
-from configs with random weights (tests/zoo_models.py), run two SGD steps under each setting:
+torchvision (ResNet-18, MobileNetV3, ConvNeXt) and torchdiffeq (``odeint`` with dopri5 and rk4,
+``odeint_adjoint``) models, built tiny from configs with random weights (tests/zoo_models.py), run
+two SGD steps under each setting:
 the whole forward under ``torchckpt.offload(store)`` (resident, a partial budget, evicted, the
 identity codec), each of the model's repeated blocks wrapped with ``torchckpt.checkpoint``
 (``Offload`` resident / evicted / identity codec, ``Recompute()``, ``Recompute(store=...)``,
