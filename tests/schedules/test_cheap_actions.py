@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from torchckpt.schedules import (
-    Adjoint, Advance, End, EndForward, Free, Multistage, Restore, Revolve, Save, Tier, Uniform, ZCut,
+    Adjoint, Advance, End, EndForward, Free, Multistage, Prefetch, Restore, Revolve, Save, Tier, Uniform, ZCut,
 )
 from torchckpt.schedules.execute import Walker, bind, execute, run, walk
 from torchckpt.schedules.planned import Planned, _varint
@@ -187,3 +187,69 @@ def test_planned_stream_of_a_gpu_only_schedule_is_its_actions(schedule: object) 
         got = _executed(p)
         assert got == _expected(schedule.pack(), 2) == list(enumerate(schedule.pack()))  # type: ignore[attr-defined]
         assert not any(p.flush(i) for i, _ in got) and not p._flushes and not p._pf
+
+
+# -- NOTE [ Planned stream ] Rule 5: a schedule run again is not planned again -------------------------------------
+def _stream_of(schedule: object, slots: int, prefetch: bool = True) -> tuple[list[tuple[int, object]], list[bool]]:
+    p = Planned.of(schedule, prefetch)  # type: ignore[arg-type]
+    planned_slots[id(p)] = slots
+    got = _executed(p)
+    return got, [p.flush(i) for i, _ in got]
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_a_schedule_run_again_reads_its_plan_and_gets_the_same_stream(monkeypatch: pytest.MonkeyPatch,
+                                                                      prefetch: bool) -> None:
+    import torchckpt.schedules.planned as planned
+
+    monkeypatch.setattr(planned, "_kept", planned.OrderedDict())
+    calls: list[int] = []
+    real = planned._plan_packed
+    monkeypatch.setattr(planned, "_plan_packed", lambda *a: (calls.append(a[2]), real(*a))[1])
+    s = ZCut(60, tier=H)
+    first = _stream_of(s, 3, prefetch)
+    assert calls == [3] and any(first[1]) and (any(type(a) is Prefetch for _, a in first[0]) or not prefetch)
+    assert _stream_of(ZCut(60, tier=H), 3, prefetch) == first  # an equal schedule: the same value
+    assert calls == [3]
+    assert _stream_of(s, 2, prefetch) != first and calls == [3, 2]  # another slot count: planned for it
+    assert _stream_of(s, 3, prefetch) == first and _stream_of(s, 2, prefetch)[0] and calls == [3, 2]
+    monkeypatch.setattr(planned, "_kept", planned.OrderedDict())
+    assert _stream_of(s, 3, prefetch) == first and calls == [3, 2, 3]  # planned afresh: the same
+
+
+def test_only_the_last_schedules_keep_their_plans(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torchckpt.schedules.planned as planned
+
+    monkeypatch.setattr(planned, "_kept", planned.OrderedDict())
+    runs = [Revolve(30 + k, 3, tier=H) for k in range(planned._KEPT + 1)]
+    for s in runs:
+        _stream_of(s, 2)
+    assert runs[0] not in planned._kept and all(s in planned._kept for s in runs[1:])
+    _stream_of(runs[1], 2)  # used again: the last one dropped next
+    _stream_of(Revolve(80, 3, tier=H), 2)
+    assert runs[1] in planned._kept and runs[2] not in planned._kept
+
+
+def test_a_schedule_that_does_not_hash_is_planned_every_time(monkeypatch: pytest.MonkeyPatch) -> None:
+    import dataclasses
+
+    import torchckpt.schedules.planned as planned
+    from torchckpt.schedules.schedule import Schedule
+
+    @dataclasses.dataclass(frozen=True)
+    class Listed(Schedule):  # a field that does not hash
+        inner: list
+        n_steps: int = 0
+
+        @property
+        def capacity(self) -> dict:
+            return self.inner[0].capacity
+
+        def pack(self):  # type: ignore[no-untyped-def]
+            return self.inner[0].pack()
+
+    calls: list[int] = []
+    real = planned._plan_packed
+    monkeypatch.setattr(planned, "_plan_packed", lambda *a: (calls.append(a[2]), real(*a))[1])
+    s = Listed([ZCut(40, tier=H)])
+    assert _stream_of(s, 2) == _stream_of(s, 2) and calls == [2, 2]

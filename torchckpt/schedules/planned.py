@@ -32,11 +32,20 @@
 #    places every prefetch where ``PrefetchStream`` does and flushes the Saves ``flush_positions`` does
 #    (tests/schedules/test_planned_equivalence.py). A list of actions still goes through Rule 2's passes, which
 #    drive the same ``CacheReplay``.
+# 5. Schedules are values (NOTE [ Schedules are values ]): what ``Planned.of`` packs and what ``start`` plans from a
+#    schedule depend on it, the slot count and ``prefetch`` alone. So the last ``_KEPT`` schedules run keep, per
+#    slot count and ``prefetch``, their prefetch records and write-back bits (a bit an action and a few bytes a
+#    prefetch; not the packed actions, an int an action, which packing again makes in a tenth of the time): a run
+#    of the same schedule again (an optimisation loop differentiating the same simulation each iteration) reads
+#    them instead of planning again, which took 5 ms of a 1000-step schedule's run on this repository's CPU. A
+#    schedule that does not hash (a field holding a list) is planned every time.
 """
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator
+import threading
+from collections import OrderedDict
+from collections.abc import Hashable, Iterable, Iterator
 
 from torchckpt._errors import CheckpointError
 from torchckpt.schedules.actions import Action, Prefetch, Save, Tier
@@ -48,6 +57,28 @@ from torchckpt.schedules.schedule import Schedule
 __all__ = ["Planned"]
 
 _TIERS = tuple(Tier)  # a prefetch's tiers, packed as their index here (NOTE [ Planned stream ] Rule 2)
+_KEPT = 8  # NOTE [ Planned stream ] Rule 5: schedules whose plans are kept
+_kept: OrderedDict[Hashable, dict[tuple[int, bool], tuple[bytes, bytes]]] = OrderedDict()
+_kept_lock = threading.Lock()
+
+
+def _plans_of(schedule: Schedule) -> dict[tuple[int, bool], tuple[bytes, bytes]] | None:
+    """The plans made of ``schedule`` (its prefetch records and write-back bits by slot count and ``prefetch``), kept
+    for the last ``_KEPT`` schedules run (NOTE [ Planned stream ] Rule 5); ``None`` for a schedule that does not
+    hash."""
+    try:
+        hash(schedule)
+    except TypeError:
+        return None
+    with _kept_lock:
+        made = _kept.get(schedule)
+        if made is None:
+            made = _kept[schedule] = {}
+            while len(_kept) > _KEPT:
+                _kept.popitem(last=False)
+        else:
+            _kept.move_to_end(schedule)
+        return made
 
 
 class Planned:
@@ -64,8 +95,10 @@ class Planned:
         prefetch: insert prefetches (``False``: restores load on demand).
     """
 
-    def __init__(self, actions: Iterable[Action], prefetch: bool) -> None:
+    def __init__(self, actions: Iterable[Action], prefetch: bool,
+                 _plans: dict[tuple[int, bool], tuple[bytes, bytes]] | None = None) -> None:
         self._acts = actions
+        self._made = _plans  # NOTE [ Planned stream ] Rule 5: plans of these actions made before, by slot count
         self._prefetch = prefetch
         self._i0 = next((i for i, a in enumerate(actions) if type(a) is Save), -1)
         # NOTE [ Planned stream ] Rule 3: nothing to plan where no slot class is off the GPU
@@ -79,7 +112,7 @@ class Planned:
     def of(schedule: Iterable[Action], prefetch: bool) -> Planned:
         """The stream of a schedule (packed once, so that reading it again does not plan it again) or a list."""
         if isinstance(schedule, Schedule):
-            return Planned(schedule.pack(), prefetch)
+            return Planned(schedule.pack(), prefetch, _plans_of(schedule))  # NOTE [ Planned stream ] Rule 5
         return Planned(schedule if isinstance(schedule, (list, tuple, PackedSchedule)) else list(schedule), prefetch)
 
     def _rest(self) -> Iterator[Action]:
@@ -100,8 +133,14 @@ class Planned:
             return
         bits = self._flushes
         acts = self._acts
+        made = self._made.get((slots, self._prefetch)) if self._made is not None else None
+        if made is not None:  # NOTE [ Planned stream ] Rule 5: planned before
+            self._pf[:], bits[:] = made
+            return
         if isinstance(acts, PackedSchedule):  # NOTE [ Planned stream ] Rule 4
             _plan_packed(acts, self._i0, slots, self._prefetch, self._pf, bits)
+            if self._made is not None:
+                self._made[(slots, self._prefetch)] = (bytes(self._pf), bytes(bits))
             return
         rest = self._rest() if not self._prefetch else self._recorded(self._rest())
         for f in flush_positions(rest, slots):
