@@ -99,6 +99,10 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    store does. A ``chain*`` setting checks with its chain still installed: the chain keeps nothing of a forward
 #    past the forward's graph. When the last step's backward raised, a trivial backward runs first: PyTorch keeps
 #    the nodes a failed backward left queued (and what they hold) until the next backward on that thread.
+#    Tensors that plain autograd's own forward leaves alive too are not the setting's: a tensor saved and then
+#    modified in place (a ``clobber`` program) has a new ``grad_fn`` whose graph reaches the node that saved it,
+#    which holds it: a cycle through C++ in plain autograd itself (found with seed 7: batch norm's input, then
+#    written in place; ``Keep()``, which runs the block as plain autograd, left the same five tensors alive).
 """
 
 from __future__ import annotations
@@ -580,6 +584,12 @@ def forward_only(prog: Program, layout: Layout, clones: frozenset[int], device: 
     return refs
 
 
+def _alive(refs: Sequence[tuple[str, Any]]) -> set[str]:
+    """The names of ``refs`` still alive after a collection (NOTE [ Fuzzer semantics ] Rule 11)."""
+    gc.collect()
+    return {n for n, r in refs if r() is not None}
+
+
 def leaks(refs: Sequence[tuple[str, Any]], store: torchckpt.Store | None) -> list[str]:
     """What ``forward_only`` left alive (NOTE [ Fuzzer semantics ] Rule 11), empty when nothing: tensors still
     reachable, and the store's live entries. Cycles through Python are collected first (only when something is alive: a
@@ -847,6 +857,7 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
     for d in compare(plain, again):
         problems.append(f"plain autograd is not reproducible: {d}")
     twins: dict[str, Outcome] = {_key(PLAIN): plain}
+    plain_alive: set[str] | None = None  # NOTE [ Fuzzer semantics ] Rule 11: what plain autograd's forward leaves alive
     for s in settings:
         tl = s.layout(None, nseg, twin=True, seed=prog.seed)
         key = _key(tl)
@@ -880,7 +891,13 @@ def _check(prog: Program, settings: list[Setting], device: str, steps: int) -> l
             if got.error is not None and got.phase == "backward":
                 flush_failed_backward(device)
             refs = forward_only(prog, layout, clones, device)  # NOTE [ Fuzzer semantics ] Rule 11
-            problems += [f"{s!r} step {n + 1} (forward only): {d}" for d in leaks(refs, store)]
+            found = leaks(refs, store)
+            if found and all("tensors outlive it" in d for d in found):  # only tensors: plain autograd's own?
+                if plain_alive is None:
+                    plain_alive = _alive(forward_only(prog, PLAIN, clones, device))
+                if _alive(refs) <= plain_alive:
+                    found = []
+            problems += [f"{s!r} step {n + 1} (forward only): {d}" for d in found]
         finally:
             if isinstance(outer, ChainRun):
                 outer.close()
