@@ -271,7 +271,7 @@ class Store(DiskSpill):
         self._last_trace_len = 0
         self._plan: TracePrefetch | None = None
         self._on_plan = False
-        # NOTE [ Saved tensor identity ] Rule 2c: Rule 2c's shares per entry id, this step's and the last's, and the
+        # NOTE [ Saved tensor identity ] Rule 2c: the shares it made per entry id, this step's and the last's, and the
         # entries whose write waits for their last share
         self._shares: dict[int, int] = {}
         self._shares_last: dict[int, int] = {}
