@@ -146,6 +146,31 @@ class Coverage:
         return self.geometry == (t.storage_offset(), t.shape, t.stride(), t.element_size())
 
 
+class LiveShares:
+    """NOTE [ Saved tensor identity ] Rule 2c's bookkeeping in a store: the shares made per entry id this step and
+    the last, and the entries whose write waits for their last share."""
+
+    __slots__ = ("now", "last", "deferred")
+
+    def __init__(self) -> None:
+        self.now: dict[int, int] = {}
+        self.last: dict[int, int] = {}
+        self.deferred: set[int] = set()
+
+    def step(self) -> None:
+        """A new step: this step's shares become the last step's."""
+        self.last, self.now, self.deferred = self.now, {}, set()
+
+    def share(self, eid: int) -> bool:
+        """Count a share of entry ``eid``; whether it is a deferred entry's last, as the last step had (then it is
+        deferred no more: the caller writes it)."""
+        n = self.now[eid] = self.now.get(eid, 0) + 1
+        if eid in self.deferred and n >= self.last.get(eid, 0):
+            self.deferred.discard(eid)
+            return True
+        return False
+
+
 def _moment() -> tuple[int, int] | None:
     """The autograd node being built on this thread, as (thread, next sequence number)."""
     return None if _next_node is None else (threading.get_ident(), _next_node())

@@ -78,7 +78,8 @@ from torchckpt.schedules.cache import Cache
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
 from torchckpt.schedules.trace import PACK, RELEASE, UNPACK, TracePrefetch, prefetch_from_trace
 from torchckpt.store.saved_disk import DiskSpill
-from torchckpt.store.identity import Coverage, Kept, Version, keep_reason, rebuild, root_ref, storage_ptrs, value_bits
+from torchckpt.store.identity import (Coverage, Kept, LiveShares, Version, keep_reason, rebuild, root_ref, storage_ptrs,
+                                       value_bits)
 from torchckpt.store.stats import Stats
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
@@ -271,11 +272,7 @@ class Store(DiskSpill):
         self._last_trace_len = 0
         self._plan: TracePrefetch | None = None
         self._on_plan = False
-        # NOTE [ Saved tensor identity ] Rule 2c: the shares it made per entry id, this step's and the last's, and the
-        # entries whose write waits for their last share
-        self._shares: dict[int, int] = {}
-        self._shares_last: dict[int, int] = {}
-        self._deferred: set[int] = set()
+        self._shares = LiveShares()  # NOTE [ Saved tensor identity ] Rule 2c
         self._timings: list[tuple[str, Any, Any]] = []
         self._c: dict[str, Any] = dict.fromkeys(_STAT_FIELDS, 0)
         self._c.update(late_wait_s=0.0, miss_wait_s=0.0, eviction_wait_s=0.0)
@@ -421,8 +418,8 @@ class Store(DiskSpill):
             h = _Handle(self, e, t, int(t.storage_offset()) * es - lo)
             self._record(PACK, e.id, span)
             if not self._on_plan or e.id in self._plan.writes:  # type: ignore[union-attr]
-                if self._on_plan and e.id in self._shares_last:  # NOTE [ Saved tensor identity ] Rule 2c
-                    self._deferred.add(e.id)
+                if self._on_plan and e.id in self._shares.last:  # NOTE [ Saved tensor identity ] Rule 2c
+                    self._shares.deferred.add(e.id)
                 else:
                     self._write(e)
             self._admit(e)
@@ -504,14 +501,12 @@ class Store(DiskSpill):
         after this save, into the same host block."""
         if e.codec is not None or e.disk is not None or e.gpu is None or e.gpu.untyped_storage().data_ptr() != sptr:
             return False
-        n = self._shares[e.id] = self._shares.get(e.id, 0) + 1
-        if e.host is not None:
+        if self._shares.share(e.id):  # a deferred entry's last share
+            self._write(e)
+        elif e.host is not None:
             e.d2h = self._mover.to_host(e.host.tensor, e.gpu, None)  # after the last copy: one offload stream, in order
             self._c["offloaded"] += 1
             self._c["offloaded_bytes"] += e.nbytes
-        elif e.id in self._deferred and n >= self._shares_last.get(e.id, 0):  # its last share, as the last step had
-            self._deferred.discard(e.id)
-            self._write(e)
         return True
 
     def _write(self, e: _Entry) -> None:
@@ -640,7 +635,7 @@ class Store(DiskSpill):
         self._trace = []
         self._c["steps"] += 1
         self._next_id = 0
-        self._shares_last, self._shares, self._deferred = self._shares, {}, set()  # NOTE [ Saved tensor identity ] Rule 2c
+        self._shares.step()  # NOTE [ Saved tensor identity ] Rule 2c
         self._resolve_timings(block=False)
         if not self._tracing:  # the trace overflowed (NOTE [ Store ] Rule 10): start afresh, with no plan
             self._tracing = True
