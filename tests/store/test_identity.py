@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 import torchckpt
-from ckpt_models import cpu_store, small_pool
+from ckpt_models import cpu_store, gate_up_loss, small_pool
 from torchckpt import Offload, Recompute
 from torchckpt.codecs.base import Identity
 
@@ -345,24 +345,19 @@ def test_scratch_buffer_written_through_data(budget: int) -> None:
     # torchdiffeq's Runge-Kutta step: k.data[..., i] = f, then k[..., :i + 1] is saved. The first
     # view's entry copies the whole storage before column 1 is written; no version counter moves.
     w = torch.ones(4, 1, requires_grad=True)
-
-    def loss() -> torch.Tensor:
-        k = torch.zeros(4, 3)
-        k.data[:, 0] = 1.0
-        a = (k[:, :1] * w).sum()
-        k.data[:, 1] = 5.0
-        b = (k[:, :2] * w).sum()
-        return a + b
-
     store = cpu_store(budget)
-    check_steps(loss, [w], lambda: torchckpt.offload(store))
+    check_steps(lambda: _rk_stages(w), [w], lambda: torchckpt.offload(store))
 
 
-def _gate_up(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    # A fused gate/up projection as in Mixtral's experts: SiLU saves the gate half, the product the up half
-    # (two nodes, two non-dense halves of one storage).
-    gate, up = (x @ w).chunk(2, dim=-1)
-    return (torch.nn.functional.silu(gate) * up).square().sum()
+def _rk_stages(w: torch.Tensor) -> torch.Tensor:
+    """Two stages of a Runge-Kutta scratch buffer: column 0 written through ``.data`` and ``k[:, :1]`` saved, then
+    column 1 written the same way and ``k[:, :2]`` saved (NOTE [ Saved tensor identity ] Rules 2b-2c)."""
+    k = torch.zeros(4, 3)
+    k.data[:, 0] = 1.0
+    a = (k[:, :1] * w).sum()
+    k.data[:, 1] = 5.0
+    b = (k[:, :2] * w).sum()
+    return a + b
 
 
 @pytest.mark.parametrize("budget", BUDGETS)
@@ -372,9 +367,9 @@ def test_halves_saved_by_two_nodes_share_one_entry(budget: int) -> None:
     x = torch.randn(16, 8, requires_grad=True)
     w = torch.randn(8, 32, requires_grad=True)
     store = cpu_store(budget)
-    check_steps(lambda: _gate_up(x, w), [x, w], lambda: torchckpt.offload(store))
+    check_steps(lambda: gate_up_loss(x, w), [x, w], lambda: torchckpt.offload(store))
     store.reset_stats()
-    grads_of(lambda: _gate_up(x, w), [x, w], torchckpt.offload(store))
+    grads_of(lambda: gate_up_loss(x, w), [x, w], torchckpt.offload(store))
     st = store.stats()
     # saved: x, w (x @ w), gate, up (the product), silu's output (the product) and the product (square)
     assert st.packed == 6, st
@@ -393,12 +388,12 @@ def test_an_entry_shared_last_step_is_written_once_at_its_last_share(budget: int
     x = torch.randn(16, 8, requires_grad=True)
     w = torch.randn(8, 32, requires_grad=True)
     store = cpu_store(budget)
-    check_steps(lambda: _gate_up(x, w), [x, w], lambda: torchckpt.offload(store), steps=1)
+    check_steps(lambda: gate_up_loss(x, w), [x, w], lambda: torchckpt.offload(store), steps=1)
     first = store.stats()
     assert first.offloaded == 4 and first.offloaded_bytes == 2 * 2048 + 2 * 1024, first
     for _ in range(2):
         store.reset_stats()
-        check_steps(lambda: _gate_up(x, w), [x, w], lambda: torchckpt.offload(store), steps=1)
+        check_steps(lambda: gate_up_loss(x, w), [x, w], lambda: torchckpt.offload(store), steps=1)
         st = store.stats()
         assert st.deduplicated == 1 and st.evictions >= 1 and st.plan_divergences == 0, st
         assert st.offloaded == 2 and st.offloaded_bytes == 2048 + 1024, st
@@ -413,13 +408,9 @@ def test_shared_entry_written_again_after_a_write_nothing_counts() -> None:
     noise = torch.randn(64, 64)
 
     def loss() -> torch.Tensor:
-        k = torch.zeros(4, 3)
-        k.data[:, 0] = 1.0
-        a = (k[:, :1] * w).sum()
-        k.data[:, 1] = 5.0
-        b = (k[:, :2] * w).sum()
+        stages = _rk_stages(w)
         h = (noise * w.sum()).exp()  # 16 KiB saves (noise, exp's output): k's entry is evicted to make room
-        return a + b + h.mean() * 1e-3
+        return stages + h.mean() * 1e-3
 
     ref = grads_of(loss, [w], contextlib.nullcontext())
     store = cpu_store(16384)

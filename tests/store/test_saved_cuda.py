@@ -15,7 +15,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import torchckpt
-from ckpt_models import Block, assert_same_grads, clone, grads
+from ckpt_models import Block, assert_same_grads, clone, gate_up_loss, grads
 from torchckpt import Keep, Offload, Recompute
 
 pytestmark = pytest.mark.cuda
@@ -249,17 +249,12 @@ def test_halves_of_one_storage_share_an_entry_on_cuda(budget: int) -> None:
     torch.manual_seed(0)
     x = torch.randn(512, 256, device="cuda", requires_grad=True)
     w = torch.randn(256, 1024, device="cuda", requires_grad=True)
-
-    def loss() -> torch.Tensor:
-        gate, up = (x @ w).chunk(2, dim=-1)  # 2 MiB, two non-dense halves
-        return (torch.nn.functional.silu(gate) * up).square().sum()
-
-    ref = torch.autograd.grad(loss(), [x, w])
+    ref = torch.autograd.grad(gate_up_loss(x, w), [x, w])  # a 2 MiB product, two non-dense halves
     s = store(budget)
     for step in range(3):
         s.reset_stats()
         with torchckpt.offload(s):
-            out = loss()
+            out = gate_up_loss(x, w)
         got = torch.autograd.grad(out, [x, w])
         torch.cuda.synchronize()
         for r, g in zip(ref, got):

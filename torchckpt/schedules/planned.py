@@ -66,12 +66,11 @@ def _plans_of(schedule: Schedule) -> dict[tuple[int, bool], tuple[bytes, bytes]]
     """The plans made of ``schedule`` (its prefetch records and write-back bits by slot count and ``prefetch``), kept
     for the last ``_KEPT`` schedules run (NOTE [ Planned stream ] Rule 5); ``None`` for a schedule that does not
     hash."""
-    try:
-        hash(schedule)
-    except TypeError:
-        return None
     with _kept_lock:
-        made = _kept.get(schedule)
+        try:
+            made = _kept.get(schedule)
+        except TypeError:  # it does not hash
+            return None
         if made is None:
             made = _kept[schedule] = {}
             while len(_kept) > _KEPT:
