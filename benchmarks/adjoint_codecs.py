@@ -17,7 +17,9 @@ image's PSNR reported. Same RTM, schedules and baseline as ``benchmarks/adjoint.
     and ``defer_sizes=True`` (``deferred``: sizes left on the device, NOTE [ Snapshot sizes ]), in turns in
     this process; a deferred row is labelled ``(d) <codec> deferred`` (JSON key ``<codec>+deferred``), its
     image compared bit for bit with the exact row's (``image_equal_exact``: the restores decode the same
-    bits either way). ``none`` has no sizes to defer and runs once.
+    bits either way). ``graphs``: ``defer_sizes=True, graphs=True``, each save's compression a CUDA graph
+    replayed (NOTE [ Captured saves ]; CUDA only), labelled ``(d) <codec> graphs``. ``none`` has no sizes to
+    defer and runs once.
 
 Codecs: ``quant8`` = TritonQuant(bits=8, mode="rel", bound=1e-2), ``quant4`` = TritonQuant(bits=4,
 mode="rel", bound=0.1) (lossy; per element |x - x'| <= bound * max|x| of its 256-element block),
@@ -28,7 +30,7 @@ otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s imag
 
     python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
                                         [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
-                                        [--sizes exact,deferred] [--profile [--trace-dir DIR]] [--pyprofile]
+                                        [--sizes exact,deferred,graphs] [--profile [--trace-dir DIR]] [--pyprofile]
                                         [--memstats] [--turns K [--ab-launches]]
 Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
 
@@ -46,6 +48,7 @@ per run; without CUDA, not measured (``memstats`` is ``None``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import math
 import os
@@ -65,7 +68,7 @@ from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.codecs import TritonQuant  # noqa: E402
 from torchckpt.schedules import Revolve, Tier, simulate  # noqa: E402
 from torchckpt.store import SnapshotStore  # noqa: E402
-from wave import RTM, make_schedule  # noqa: E402
+from wave import RTM, GraphedRTM, make_schedule  # noqa: E402
 
 SCHEDULES = ("revolve", "zcut", "uniform")
 TARGETS = {"revolve": 7.0, "zcut": 8.0}
@@ -234,7 +237,12 @@ def main() -> int:
                         "profile_<schedule>_<run>.txt (where the time goes: kernels, synchronizations)")
     p.add_argument("--sizes", default="exact",
                    help="comma-separated SnapshotStore size settings to run each codec's (d) with: exact "
-                        "(defer_sizes=False, the default) and/or deferred (defer_sizes=True), in turns")
+                        "(defer_sizes=False, the default), deferred (defer_sizes=True) and/or graphs (defer_sizes=True, "
+                        "graphs=True: CUDA only), in turns")
+    p.add_argument("--graphed-steps", action="store_true",
+                   help="also (a), (b) and every (d) with the RTM's steps replayed as CUDA graphs (examples/wave.py's "
+                        "GraphedRTM, NOTE [ Wave adjoint ] Rule 5; CUDA only): each such (d) judged against (b) with "
+                        "the same steps, each image compared bit for bit with the eager steps' run")
     p.add_argument("--pyprofile", action="store_true",
                    help="also run each (d) once more under cProfile and write pyprofile_<schedule>_<run>.txt: the "
                         "host's Python time by function (own time and cumulative), where torch.profiler shows only "
@@ -263,8 +271,12 @@ def main() -> int:
         from torchckpt.codecs import _launch
         _launch.ENABLED = False
     sizes = [z for z in args.sizes.split(",") if z]
-    if not sizes or any(z not in ("exact", "deferred") for z in sizes) or len(set(sizes)) != len(sizes):
-        p.error(f"--sizes takes exact and/or deferred, comma-separated, got {args.sizes!r}")
+    if not sizes or any(z not in ("exact", "deferred", "graphs") for z in sizes) or len(set(sizes)) != len(sizes):
+        p.error(f"--sizes takes exact, deferred and/or graphs, comma-separated, got {args.sizes!r}")
+    if args.graphed_steps and not torch.cuda.is_available():
+        p.error("--graphed-steps replays CUDA graphs (examples/wave.py's GraphedRTM): it needs a CUDA device")
+    if "graphs" in sizes and not torch.cuda.is_available():
+        p.error("--sizes graphs replays CUDA graphs (SnapshotStore(graphs=True)): it needs a CUDA device")
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: pass --profile too, or leave --trace-dir out")
     if args.trace_dir:
@@ -299,10 +311,15 @@ def main() -> int:
     res: dict = dict(device=device, torch=torch.__version__, grid=n, steps=N, snapshots=args.snapshots, peak_u=peak,
                      budget_slots=args.budget_slots, codecs={k: repr(v) for k, v in codecs.items()}, skipped=skipped,
                      sizes=sizes)
-    # the (d) runs: (JSON key, label, codec's name, codec, defer_sizes); exact rows (and none's) keep the codec's name
-    runs = [(name, name, name, c, False) if z == "exact" or c is None else
-            (f"{name}+deferred", f"{name} deferred", name, c, True)
+    # the (d) runs: (JSON key, label, codec's name, codec, sizes mode, graphed steps); exact rows (and none's) keep the
+    # codec's name
+    runs = [(name, name, name, c, "exact", False) if z == "exact" or c is None else
+            (f"{name}+{z}", f"{name} {z}", name, c, z, False)
             for name, c in codecs.items() for z in (sizes if c is not None else sizes[:1])]
+    graphed = None
+    if args.graphed_steps:  # NOTE [ Wave adjoint ] Rule 5: the same runs with the user's steps captured
+        graphed = GraphedRTM(bench.rtm.vel2, bench.rtm.survey, bench.rtm.wavelet, bench.rtm.residual)
+        runs += [(f"{key}+gsteps", f"{label}, graphed steps", cn, c, z, True) for key, label, cn, c, z, _ in runs]
     if cuda:
         d2h, h2d = pinned_bandwidth(GiB)
         res["bandwidth_GBps"] = dict(d2h=d2h / 1e9, h2d=h2d / 1e9)
@@ -314,10 +331,25 @@ def main() -> int:
     peak = max(simulate(h, snapshot_bytes=sb).peak_snapshots[Tier.HOST] for _, h in scheds.values())
     bench.alloc_host(peak, args.budget_slots)
 
-    def run_codec(sched, codec, defer=False, mem=None):
-        """One (d) run; with ``mem`` (a dict) its --memstats figures are written into it."""
+    @contextlib.contextmanager
+    def steps(g: bool):
+        """The block runs with the graphed RTM (``g``) or the one in place."""
+        old = bench.rtm
+        bench.rtm = graphed if g else old
+        try:
+            yield
+        finally:
+            bench.rtm = old
+
+    def run_codec(sched, codec, mode="exact", mem=None, g=False):
+        """One (d) run (``mode``: exact, deferred or graphs sizes; ``g``: the RTM's graphed steps); with ``mem`` (a
+        dict) its --memstats figures are written into it."""
         store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05,
-                              defer_sizes=defer)
+                              defer_sizes=mode != "exact", graphs=mode == "graphs")
+        with steps(g):
+            return run_store(sched, store, mem)
+
+    def run_store(sched, store, mem):
         try:
             t, st = bench.timed(lambda: with_memstats(
                 lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
@@ -333,9 +365,13 @@ def main() -> int:
     bench.rtm = RTM(main_rtm.vel2, main_rtm.survey, main_rtm.wavelet, main_rtm.residual[: warm.n_steps + 1])
     bench.run_gpu(Revolve(warm.n_steps, 4))
     bench.run_sync(warm)
-    for _, _, _, c, defer in runs:
-        run_codec(warm, c, defer)
+    for _, _, _, c, mode, g in runs:
+        run_codec(warm, c, mode, g=g)
     bench.rtm = main_rtm
+    if graphed is not None:  # the graphs of (a) and (b) captured untimed too
+        with steps(True):
+            bench.run_gpu(Revolve(warm.n_steps, 4))
+            bench.run_sync(warm)
 
     def traced(s: str, key: str, run: str, fn, untraced_s: float) -> dict:
         """``profile_run`` of one run, its figures printed and tabled; ``key`` names it in the files."""
@@ -352,24 +388,25 @@ def main() -> int:
                       "-" if fig["sync_calls"] is None else str(fig["sync_calls"])])
         return fig
 
-    def turns_of(s: str, sh, tb: float, r: dict) -> None:
+    def turns_of(s: str, sh, base: dict, r: dict) -> None:
         """``--turns``: every (d) run again, in turns (with ``--ab-launches`` each TritonQuant run twice a turn, its
         kernels launched through the JIT and through their compiled kernels), so that a slow spell of the host hits
         every configuration alike; the medians go beside each run's single figure."""
         from torchckpt.codecs import _launch
-        variants = [(name, label, c, defer, True) for name, label, _, c, defer in runs]
+        variants = [(name, label, c, mode, True, g) for name, label, _, c, mode, g in runs]
         if args.ab_launches:
-            variants += [(f"{name}+jit", f"{label}, JIT launches", c, defer, False)
-                         for name, label, _, c, defer in runs if isinstance(c, TritonQuant)]
+            variants += [(f"{name}+jit", f"{label}, JIT launches", c, mode, False, g)
+                         for name, label, _, c, mode, g in runs if isinstance(c, TritonQuant)]
         times: dict = {v[0]: [] for v in variants}
         for _ in range(args.turns):
-            for key, _, c, defer, fast in variants:
+            for key, _, c, mode, fast, g in variants:
                 _launch.ENABLED = fast
                 try:
-                    times[key].append(run_codec(sh, c, defer)[0])
+                    times[key].append(run_codec(sh, c, mode, g=g)[0])
                 finally:
                     _launch.ENABLED = True
-        for key, label, *_ in variants:
+        for key, label, _, _, _, g in variants:
+            tb = base[g]  # (b) with the same steps
             med = statistics.median(times[key])
             d = r["d"].setdefault(key, {})
             d.update(turns_s=times[key], median_s=med, median_speedup_over_b=tb / med)
@@ -398,24 +435,40 @@ def main() -> int:
         rows.append([s, "(b) sync host", fmt(tb, ".3f"), "1.00x", "-", "-", "-", "-", "inf" if exact_b else "DIFF"])
         r["d"] = {}
         images: dict = {}  # codec -> its exact row's image
-        for name, label, codec_name, c, defer in runs:
+        base, base_a = {False: tb}, {False: ta}
+        if graphed is not None:  # (a) and (b) with the graphed steps: the same image bits, (b) the graphed rows' baseline
+            with steps(True):
+                tag, tbg = bench.run_gpu(sg)[0], bench.run_sync(sh)[0]
+                same_a = torch.equal(bench.rtm.image, ref)  # (b)'s image is (a)'s (exact_b), so (a)'s with these steps
+            ok &= same_a
+            base[True], base_a[True] = tbg, tag
+            r["a_gsteps"], r["b_gsteps"] = dict(time_s=tag), dict(time_s=tbg, image_equal=same_a)
+            print(f"== {s}, graphed steps: (a) {tag:.3f} s, (b) {tbg:.3f} s; image {'==' if same_a else '!='} the "
+                  "eager steps'", flush=True)
+            rows.append([s, "(a) GPU tier, graphed steps", fmt(tag, ".3f"), fmt(tbg / tag, ".2f") + "x", "-", "-", "-",
+                         "-", "ref"])
+            rows.append([s, "(b) sync host, graphed steps", fmt(tbg, ".3f"), "1.00x", "-", "-", "-", "-",
+                         "inf" if same_a else "DIFF"])
+        for name, label, codec_name, c, mode, g in runs:
             mem: dict | None = {} if memstats else None
-            t, st, slots = run_codec(sh, c, defer, mem)
+            t, st, slots = run_codec(sh, c, mode, mem, g)
+            tb, ta = base[g], base_a[g]  # (a) and (b) with the same steps
             q = psnr(bench.rtm.image, ref)
             same = None
-            if not defer:
+            if mode == "exact" and not g:
                 images[codec_name] = bench.rtm.image.clone()
             elif codec_name in images:  # the same restores, bit for bit (NOTE [ Snapshot sizes ] Rule 5)
                 same = torch.equal(bench.rtm.image, images[codec_name])
                 ok &= same
-            fig = traced(s, name, f"(d) {label}", lambda: run_codec(sh, c, defer), t) if args.profile else None
+            fig = traced(s, name, f"(d) {label}", lambda: run_codec(sh, c, mode, g=g), t) if args.profile else None
             if args.pyprofile:
                 py_profile(os.path.join(out, f"pyprofile_{s}_{name}.txt".replace(":", "_").replace("+", "_")),
-                           lambda: run_codec(sh, c, defer), t)
+                           lambda: run_codec(sh, c, mode, g=g), t)
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,
-                     defer_sizes=defer, stats=stats_dict(st))
+                     defer_sizes=mode != "exact", graphs=mode == "graphs",
+                     graphed_steps=g, stats=stats_dict(st))
             if same is not None:
                 d["image_equal_exact"] = same
             if fig is not None:
@@ -433,7 +486,7 @@ def main() -> int:
             rows.append([s, f"(d) {label}", fmt(t, ".3f"), f"{tb / t:.2f}x", str(slots), f"{st.ratio:.2f}x",
                          f"{st.hit_rate:.3f}", fmt(st.bytes_to_host / GiB, ".3g"), "inf" if q == math.inf else f"{q:.1f}"])
         if args.turns > 1 and runs:
-            turns_of(s, sh, tb, r)
+            turns_of(s, sh, base, r)
         if r["d"]:
             score = "median_speedup_over_b" if args.turns > 1 else "speedup_over_b"
             best = max((k for k, *_ in runs), key=lambda k: r["d"][k].get(score, 0.0))  # not the JIT twins
@@ -457,7 +510,7 @@ def main() -> int:
             print(f"target {s}: >= {t['want']:.0f}x faster than (b): {t['verdict']} ({t['got']:.2f}x with {t['codec']}, "
                   f"image PSNR {t['psnr_db']:.1f} dB)")
     write_json(os.path.join(out, "adjoint_codecs.json"), res)
-    labels = ["(a) GPU tier", "(b) sync host"] + [f"(d) {label}" for _, label, _, _, _ in runs]
+    labels = ["(a) GPU tier", "(b) sync host"] + [f"(d) {label}" for _, label, *_ in runs]
     panels = {f"{s}: time (s)": [r["a"]["time_s"], r["b"]["time_s"]] + [r["d"][k]["time_s"] for k, *_ in runs]
               for s, r in results.items()}
     plot_bars(os.path.join(out, "adjoint_codecs.png"), labels, panels,

@@ -32,6 +32,13 @@ Shared by ``examples/adjoint_wave.py`` (reverse time migration), ``examples/wave
 #    step n of a checkpoint schedule has the source state n = (u_n, u_{n-1}) current; it
 #    computes p_n from (p_{n+1}, p_{n+2}) and adds u_n * p_n (``RTM.backward``). p_N is set
 #    before the reverse sweep.
+# 5. ``GraphedRTM``: the same steps replayed as CUDA graphs (issue 26: on a host-bound adjoint each launch is host
+#    time). A step is capturable when everything it reads per step comes from the device: the source amplitude
+#    (``src_amp * wavelet[n]``, a Python float in ``RTM``) and the residual row are indexed by a step counter on the
+#    device, which each graph advances and the host sets (one small fill) only when a step does not follow the last
+#    one (after a restore). The two buffers of a wavefield swap each step, so a source step has a graph per buffer
+#    order (two) and an adjoint step one per pair of orders (four). Each graph runs the eager step's kernels on the
+#    same values (the amplitude rounded to the dtype as ``add_`` rounds the float), so the image is the same bits.
 """
 from __future__ import annotations
 
@@ -51,7 +58,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 __all__ = [
-    "RTM", "Survey", "Wavefield", "cfl_dt", "dominant_frequency", "laplacian", "layered_model", "model_data",
+    "GraphedRTM", "RTM", "Survey", "Wavefield", "cfl_dt", "dominant_frequency", "laplacian", "layered_model", "model_data",
     "rtm_keep_all", "ricker", "smooth", "step_torch", "step_triton", "surface_survey", "triton_available",
     "wave_step",
 ]
@@ -283,6 +290,82 @@ class RTM:
         self.p.step(self.vel2)  # p_n = 2 p_{n+1} - p_{n+2} + vel2 L(p_{n+1}) ...
         self.p.flat().index_add_(0, self.survey.rec, self.rec_vel2 * self.residual[n])  # ... + vel2 R^T r_n
         self.image.addcmul_(self.u.cur, self.p.cur)
+
+
+class GraphedRTM(RTM):
+    """``RTM`` whose source and adjoint steps replay CUDA graphs (NOTE [ Wave adjoint ] Rule 5): the same image bits,
+    one graph launch per step. CUDA only."""
+
+    def __init__(self, vel2: torch.Tensor, survey: Survey, wavelet: Sequence[float], residual: torch.Tensor,
+                 step: Callable[..., torch.Tensor] = wave_step) -> None:
+        if not vel2.is_cuda:
+            raise ValueError("GraphedRTM replays CUDA graphs: pass CUDA tensors, or use RTM on the CPU.")
+        super().__init__(vel2, survey, wavelet, residual, step)
+        dev = vel2.device
+        self._amp = torch.tensor([self.src_amp * w for w in self.wavelet], dtype=vel2.dtype, device=dev)
+        self._kf = torch.zeros(1, dtype=torch.int64, device=dev)  # the source step the next graph takes
+        self._kb = torch.zeros(1, dtype=torch.int64, device=dev)  # the adjoint step the next graph takes
+        self._at: list[int | None] = [None, None]  # what the host knows the two counters hold
+        self._graphs: dict[tuple[int, ...], torch.cuda.CUDAGraph] = {}
+        self._side = torch.cuda.Stream(dev)
+
+    def reset(self) -> None:
+        super().reset()
+        self._at = [None, None]
+
+    def src_step(self, n: int) -> None:
+        self._set(0, self._kf, n)
+        u = self.u
+        self._replay((u.cur.data_ptr(),), self._src_body)
+        u.cur, u.prev = u.prev, u.cur
+        self._at[0] = n + 1
+
+    def backward(self, n: int) -> None:
+        self._set(1, self._kb, n)
+        self._replay((self.u.cur.data_ptr(), self.p.cur.data_ptr()), self._adj_body)
+        self.p.cur, self.p.prev = self.p.prev, self.p.cur
+        self._at[1] = n - 1
+
+    def _src_body(self) -> None:
+        u = self.u
+        u._step(u.cur, u.prev, self.vel2, u.prev)  # u_{n+1} into u_{n-1}'s buffer: the next u.cur
+        u.prev.view(-1)[self.survey.src].add_(self._amp.index_select(0, self._kf).squeeze(0))
+        self._kf.add_(1)
+
+    def _adj_body(self) -> None:
+        p = self.p
+        p._step(p.cur, p.prev, self.vel2, p.prev)  # p_n into p_{n+2}'s buffer: the next p.cur
+        r = self.residual.index_select(0, self._kb).squeeze(0)  # r_n, as RTM's residual[n]
+        p.prev.view(-1).index_add_(0, self.survey.rec, self.rec_vel2 * r)
+        self.image.addcmul_(self.u.cur, p.prev)
+        self._kb.sub_(1)
+
+    def _set(self, i: int, counter: torch.Tensor, n: int) -> None:
+        if self._at[i] != n:
+            counter.fill_(n)
+
+    def _replay(self, key: tuple[int, ...], body: Callable[[], None]) -> None:
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(body)
+        g.replay()
+
+    def _capture(self, body: Callable[[], None]) -> torch.cuda.CUDAGraph:
+        cur = torch.cuda.current_stream(self.vel2.device)
+        s = self._side
+        s.wait_stream(cur)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.stream(s):
+            a, b = torch.zeros_like(self.vel2), torch.zeros_like(self.vel2)
+            self.u._step(a, b, self.vel2, b)  # the stencil compiled outside the capture (its arguments as they will be)
+            del a, b
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                body()
+            finally:
+                g.capture_end()
+        cur.wait_stream(s)
+        return g
 
 
 def rtm_keep_all(rtm: RTM) -> torch.Tensor:

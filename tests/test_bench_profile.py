@@ -14,6 +14,7 @@ import textwrap
 from types import SimpleNamespace
 
 import pytest
+import torch
 from torch.autograd import DeviceType
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -175,7 +176,11 @@ def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathli
     assert "== by own time" in py and "save" in py and (tmp_path / "pyprofile_revolve_quant4.txt").exists()
     bad = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--sizes", "late"], cwd=ROOT,
                          env=env, capture_output=True, text=True, timeout=240)
-    assert bad.returncode == 2 and "--sizes takes exact and/or deferred" in bad.stderr
+    assert bad.returncode == 2 and "--sizes takes exact, deferred and/or graphs" in bad.stderr
+    if not torch.cuda.is_available():  # graphs replay CUDA graphs: refused where there is no device
+        cpu = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--sizes", "graphs"], cwd=ROOT,
+                             env=env, capture_output=True, text=True, timeout=240)
+        assert cpu.returncode == 2 and "--sizes graphs replays CUDA graphs" in cpu.stderr
 
 
 def test_adjoint_codecs_memstats_figures() -> None:

@@ -279,6 +279,12 @@ class Codec(abc.ABC):
         """Whether ``compress`` accepts tensors of ``dtype``."""
         return self.dtypes is None or dtype in self.dtypes
 
+    def capturable(self, device: torch.device) -> bool:
+        """Whether ``compress_deferred`` on ``device`` can be captured as a CUDA graph: kernels only, after one eager
+        call on the same stream, no host synchronisation (NOTE [ Captured saves ] Rule 4). ``False`` unless a codec
+        says so."""
+        return False
+
     @property
     @abc.abstractmethod
     def guarantee(self) -> Guarantee:

@@ -322,6 +322,11 @@ class Bitcomp(Codec):
         """``None`` when nvCOMP's library loads (both paths), else what to install."""
         return nv.unavailable_reason()
 
+    def capturable(self, device: torch.device) -> bool:
+        """On CUDA with nvCOMP, ``compress_deferred`` is kernels only once its stream's plan exists (NOTE [ Captured
+        saves ] Rule 4)."""
+        return device.type == "cuda" and self.unavailable_reason() is None
+
     @property
     def _algo(self) -> int:
         return nv.SPARSE_ALGO if self.sparse else nv.DEFAULT_ALGO

@@ -310,6 +310,10 @@ class TritonQuant(Codec):
         """What the GPU path lacks here (``None``: Triton kernels run). The reference path always runs."""
         return _triton_reason()
 
+    def capturable(self, device: torch.device) -> bool:
+        """On CUDA with triton, ``compress_deferred`` is kernels only (NOTE [ Captured saves ])."""
+        return self._triton(device)
+
     def _triton(self, device: torch.device) -> bool:
         if device.type != "cuda" or self.use_triton is False:
             return False

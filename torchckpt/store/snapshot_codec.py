@@ -88,6 +88,7 @@ import torch
 
 from torchckpt.codecs.base import Codec, Deferred, Packed
 from torchckpt.codecs.blob import Blob
+from torchckpt.store.snapshot_graphs import SaveGraphs
 from torchckpt.store.snapshot_slots import Layout, Slots
 
 __all__ = ["CodecSide"]
@@ -121,6 +122,7 @@ class _Unsized:
     slot: int | None  # its slot (None: a Tier.GPU snapshot)
     flush: bool
     used: Any = None  # an off-GPU one's: the compute stream's event after a restore decoded it (NOTE [ Snapshot sizes ] Rule 8)
+    entry: int | None = None  # its buffers' entry in the ring of captured saves (NOTE [ Captured saves ] Rules 2-3)
 
 
 class CodecSide:
@@ -146,6 +148,8 @@ class CodecSide:
     _flush_ev: list[Any]
     _fill_of: list[int | None]
     _dirty: set[int]
+    graphs: bool
+    _graphs: SaveGraphs | None
 
     def _flush(self, n: int, s: int, after: Any = None) -> None:  # SnapshotStore's
         raise NotImplementedError
@@ -156,8 +160,19 @@ class CodecSide:
         (NOTE [ Snapshot sizes ] Rules 1, 3-4)."""
         assert self.codec is not None
         first, self._first = self._first, None
+        entry = None
         if first is not None and first[0] == _identity(tensors):
             defs = [Deferred(p) for p in first[1]]  # the first snapshot, compressed once by calibrate
+        elif self.graphs and s is not None:  # NOTE [ Captured saves ] Rules 1-3
+            if self._graphs is None:
+                self._graphs = SaveGraphs(self.codec, self.device, _MAX_UNSIZED + 1)
+            entry = self._graphs.entry()
+            owner = self._graphs.owner[entry]
+            if owner is not None:
+                self._settle(owner)
+            defs, replayed = self._graphs.compress(entry, tensors)
+            self._c["graph_saves"] += replayed
+            self._c["graph_captures"] = self._graphs.captures
         else:
             defs = [self.codec.compress_deferred(t.detach()) for t in tensors]
         self._c["raw_bytes"] += sum(d.packed.orig_nbytes for d in defs)
@@ -169,6 +184,8 @@ class CodecSide:
             packs = [d.packed for d in defs]
             self._c["packed_bytes"] += sum(p.nbytes for p in packs)
             self._keep(n, packs, s, after, flush)
+            if entry is not None and s is not None:  # NOTE [ Captured saves ] Rule 3
+                self._graphs.release(entry, self._fill_ev[s])  # type: ignore[union-attr]
             return
         last = self._rows[-1] if self._rows else None
         row = self._rows.pop() if last is not None and last.numel() == vals.numel() and last.dtype == vals.dtype \
@@ -176,7 +193,9 @@ class CodecSide:
         sized = self._mover.read_back(row, vals, after=saved)
         if s is None:
             self._packs[n] = [d.packed for d in defs]
-        rec = _Unsized(n, defs, row, sized, after, s, flush)
+        rec = _Unsized(n, defs, row, sized, after, s, flush, entry=entry)
+        if entry is not None:
+            self._graphs.owner[entry] = rec  # type: ignore[union-attr]
         self._unsized[n] = rec
         self._sizing.append(rec)
         while len(self._sizing) > _MAX_UNSIZED:
@@ -224,11 +243,14 @@ class CodecSide:
                 i += k
             # where the settle ran: its last reads of the deferred buffers are before (NOTE [ Snapshot sizes ] Rule 8)
             done = self._mover.record() if scratch is not None else None
-        if scratch is not None:  # NOTE [ Snapshot sizes ] Rule 8
+        if scratch is not None and rec.entry is None:  # NOTE [ Snapshot sizes ] Rule 8
             scratch.give((b for d in rec.defs for b in d.packed.buffers), (done, rec.used))
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
         if n is not None:
             self._keep(n, packs, rec.slot, rec.after, rec.flush)
+        if rec.entry is not None:  # NOTE [ Captured saves ] Rule 3: read last by the slot's write (or the compute stream)
+            assert self._graphs is not None
+            self._graphs.release(rec.entry, self._fill_ev[rec.slot] if n is not None and rec.slot is not None else None)
 
     def _keep(self, n: int, packs: list[Packed], s: int | None, after: tuple[Any, Any, Any], flush: bool) -> None:
         """Keep snapshot ``n``'s exact form: trimmed copies (``s`` is ``None``: ``Tier.GPU``), or slot ``s`` written

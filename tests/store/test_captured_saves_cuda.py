@@ -1,0 +1,202 @@
+"""CUDA: ``SnapshotStore(defer_sizes=True, graphs=True)`` replays each off-GPU save's compression as CUDA graphs (NOTE
+[ Captured saves ]; issue 26, Deliver 2): every restore gives the eager store's bits, under delayed copies, forced
+settles and a busy compute stream; a save issues no host synchronisation; the saves launch graphs, not the codec's
+kernels one by one.
+
+    python -m pytest -q -p no:cacheprovider tests/store/test_captured_saves_cuda.py
+"""
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from ckpt_models import assert_bits_equal
+from test_nosync_save_cuda import counting, cuda_state, expected, no_host_sync, pool, step
+from test_snapshot_sizes import never_sized, replay
+from torchckpt.adjoint import run_schedule
+from torchckpt.codecs import Bitcomp, Codec, Identity, TritonQuant
+from torchckpt.schedules import Multistage, Revolve, Save, Tier, Uniform, ZCut, plan_flushes, plan_prefetch
+from torchckpt.store import SnapshotStore
+from torchckpt.store.snapshot_graphs import KEYS
+
+pytestmark = pytest.mark.cuda
+
+
+def codecs() -> list[Any]:
+    """TritonQuant with and without raw blocks (its settle gathers them), and Bitcomp where nvCOMP loads."""
+    out: list[Any] = [TritonQuant(4, "abs", 1e-2), TritonQuant(8, "abs", 1e-9, block=64)]
+    b = Bitcomp(delta=1e-3)
+    out.append(b if b.is_available() else pytest.param(b, marks=pytest.mark.skip(reason=b.unavailable_reason() or "")))
+    return out
+
+
+def fixed_state() -> Callable[[int], list[torch.Tensor]]:
+    """State n written into the same two buffers at every save (a loop updating its state in place)."""
+    bufs = [t.clone() for t in cuda_state(0)]
+
+    def state(n: int) -> list[torch.Tensor]:
+        for b, t in zip(bufs, cuda_state(n)):
+            b.copy_(t)
+        return bufs
+    return state
+
+
+@pytest.mark.parametrize("codec", codecs(), ids=repr)
+@pytest.mark.parametrize("sched", [Revolve(30, 4, tier=Tier.HOST), ZCut(30, tier=Tier.HOST), Uniform(30, 5, tier=Tier.HOST),
+                                   Multistage(30, gpu_slots=1, host_slots=2)], ids=repr)
+@pytest.mark.parametrize("lag", ["as it comes", "forced", "compute busy"])
+def test_every_restore_is_the_eager_bits(codec: Codec, sched: Any, lag: str) -> None:
+    """Prefetched and written back, copies and size reads delayed at random (or every settle forced, or the compute
+    stream busy before each action): each restore, as views and into the caller's tensors, gives the exact store's
+    bits, and the off-GPU saves after the first were replayed (NOTE [ Captured saves ] Rules 3, 5)."""
+    for into in (False, True):
+        actions = list(plan_prefetch(sched, 2))
+        store = SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=2, host=pool(), codec=codec)
+        rng = random.Random(11)
+        store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
+        if lag == "forced":
+            never_sized(store)
+        if lag == "compute busy":
+            store._mover.delay = None
+            for name in ("save", "restore", "prefetch", "free"):
+                def busy(*a: Any, _act: Any = getattr(store, name), **k: Any) -> Any:
+                    torch.cuda._sleep(rng.randint(0, 4_000_000))  # on the compute stream
+                    return _act(*a, **k)
+                setattr(store, name, busy)
+        memo: dict[int, list[torch.Tensor]] = {}
+        assert replay(store, actions, lambda n: memo.setdefault(n, expected(codec, n)), plan_flushes(actions, 2),
+                      into=into, state=fixed_state()) > 0
+        store._mover.delay = None
+        st = store.stats()
+        assert 0 < st.graph_saves <= st.host_saves - 1  # not the first (calibrate's), nor one that finds every slot pinned
+        assert 0 < st.graph_captures <= 3 * 2  # ring entries x the state's two buffers
+        store.close()
+
+
+@pytest.mark.parametrize("codec", codecs(), ids=repr)
+def test_a_save_replays_graphs_and_never_syncs(codec: Codec) -> None:
+    """After the ring's captures, each save runs with no host synchronisation and launches two graphs (one per
+    tensor), with fewer kernel launches than the eager store's saves; the restores are the eager bits."""
+    def saves(graphs: bool) -> tuple[list[str], SnapshotStore]:
+        store = SnapshotStore("cuda", defer_sizes=True, graphs=graphs, slots=3, host=pool(), codec=codec)
+        state = fixed_state()
+        x = torch.randn(1 << 16, device="cuda")
+        for n in range(8):  # warm-up: the first snapshot sizes the slots, then every ring entry is captured
+            store.save(n, Tier.HOST, state(n))
+            step(x)
+        for n in range(8):
+            store.free(n, Tier.HOST)
+        calls: list[str] = []
+        for n in range(10, 22):  # 12 saves under the synchronisation check, then 12 whose calls are counted
+            s = state(n)
+            torch.cuda.synchronize()  # outside the block: the sizes of the saves before are on the host
+            with no_host_sync():
+                store.save(n, Tier.HOST, s)
+                step(x)
+        for n in range(10, 22):
+            store.free(n, Tier.HOST)
+        for n in range(30, 42):
+            s = state(n)
+            torch.cuda.synchronize()
+            with _runtime_calls(calls):
+                store.save(n, Tier.HOST, s)
+                step(x)
+        return calls, store
+
+    eager_calls, eager = saves(False)
+    eager.close()
+    calls, store = saves(True)
+    assert calls.count("cudaGraphLaunch") == 2 * 12, calls
+    assert "cudaGraphLaunch" not in eager_calls
+    assert _launches(calls) < _launches(eager_calls), (_launches(calls), _launches(eager_calls))
+    assert store.stats().graph_saves >= 24
+    for n in range(41, 29, -1):
+        assert_bits_equal([t.clone() for t in store.restore(n, Tier.HOST)], expected(codec, n))
+        store.after_use()
+    store.close()
+
+
+def _runtime_calls(into: list[str]) -> Any:
+    """``counting``'s window, keeping every runtime and driver call's name (not only synchronisations)."""
+    import contextlib
+
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    import test_nosync_save_cuda as t
+
+    @contextlib.contextmanager
+    def window() -> Any:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with record_function("torchckpt.test.calls"):
+                yield
+        events, span = t.common.profiler_events(prof, "torchckpt.test.calls")
+        into.extend(name for s, _, kind, name in events if kind not in t.common.DEVICE_WORK and span[0] <= s <= span[1])
+    return window()
+
+
+def _launches(calls: list[str]) -> int:
+    return sum(1 for c in calls if c in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
+
+
+@pytest.mark.parametrize("codec", [TritonQuant(4, "abs", 1e-2), TritonQuant(8, "abs", 1e-9, block=64)], ids=repr)
+@pytest.mark.parametrize("sched", [ZCut(60, tier=Tier.HOST), Revolve(60, 6, tier=Tier.HOST)], ids=repr)
+def test_a_loop_sees_the_eager_states(codec: Codec, sched: Any) -> None:
+    """run_schedule over a state updated in place (``restore_into``): every state the adjoint sees is the eager
+    store's, and every off-GPU save after the first replayed graphs."""
+    init = torch.linspace(-1, 1, 8192, device="cuda")
+    init[::1000] = float("nan")
+    u = init.clone()
+    seen: dict[int, torch.Tensor] = {}
+
+    def forward(n0: int, n1: int) -> None:
+        for k in range(n0, n1):
+            u.copy_(torch.sin(u * 1.01 + k))
+            step(u)
+
+    def run(store: SnapshotStore) -> tuple[dict[int, torch.Tensor], Any]:
+        u.copy_(init)
+        seen.clear()
+        st = run_schedule(sched, forward=forward, save=lambda n: u, restore_into=lambda n: u,
+                          backward=lambda n: seen.__setitem__(n, u.clone()), store=store)
+        store.close()
+        return dict(seen), st
+
+    want, _ = run(SnapshotStore("cuda", defer_sizes=True, slots=3, host=pool(), codec=codec, timing=False))
+    got, st = run(SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=3, host=pool(), codec=codec, timing=False))
+    assert sorted(got) == sorted(want) == list(range(60))
+    for n in want:
+        assert_bits_equal([got[n]], [want[n]])
+    assert 0 < st.graph_saves <= st.host_saves - 1 and 0 < st.graph_captures <= 3  # one tensor, three ring entries
+
+
+def test_a_state_at_new_addresses_is_compressed_eagerly_with_a_warning() -> None:
+    """More than ``KEYS`` distinct tensors per ring entry: the rest are compressed eagerly (the same bits), with one
+    warning that says to keep the state in place (NOTE [ Captured saves ] Rule 1)."""
+    codec = TritonQuant(4, "abs", 1e-2)
+    store = SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=4, host=pool(), codec=codec)
+    kept = []
+    with pytest.warns(RuntimeWarning, match="distinct addresses"):
+        for n in range(3 * KEYS + 8):
+            s = cuda_state(n)  # fresh tensors each time
+            kept.append(s)  # alive, so no address comes back
+            store.save(n, Tier.HOST, s)
+            if n >= 3:
+                store.free(n - 3, Tier.HOST)
+    st = store.stats()
+    assert st.graph_saves == 3 * KEYS // 2  # each ring entry filled by two saves of two fresh tensors, then eager
+    for n in range(3 * KEYS + 5, 3 * KEYS + 8):
+        assert_bits_equal([t.clone() for t in store.restore(n, Tier.HOST)], expected(codec, n))
+        store.after_use()
+    store.close()
+
+
+def test_graphs_need_a_capturable_codec() -> None:
+    with pytest.raises(ValueError, match=r"torchckpt: SnapshotStore\(graphs=True\): Identity"):
+        SnapshotStore("cuda", defer_sizes=True, graphs=True, codec=Identity())
+    with pytest.raises(ValueError, match="defer_sizes=True"):
+        SnapshotStore("cuda", graphs=True, codec=TritonQuant(4, "abs", 1e-2))
+    assert not TritonQuant(4, "abs", 1e-2, use_triton=False).capturable(torch.device("cuda"))

@@ -1,0 +1,156 @@
+"""A save's compression captured as CUDA graphs and replayed, for ``SnapshotStore(graphs=True)``.
+
+# NOTE [ Captured saves ]
+# On a host-bound adjoint (issue 26: the RTM's compressed runs leave the device idle half the time while the host
+# runs the store's Python and the codec's launches) a save's compression can be one graph launch per tensor instead
+# of the codec's Python and its kernel launches. ``SnapshotStore(defer_sizes=True, graphs=True)``:
+# 1. Applies to a save to an off-GPU tier whose sizes are left on the device (NOTE [ Snapshot sizes ] Rule 1), on
+#    CUDA, with a codec that says its ``compress_deferred`` can be captured (``Codec.capturable``: TritonQuant's
+#    Triton kernels, Bitcomp). Elsewhere the save is the eager one of NOTE [ Snapshot sizes ]: a ``Tier.GPU``
+#    snapshot (it keeps its buffers), the first snapshot (compressed once by ``calibrate``), ``peers=``, every slot
+#    pinned. Each distinct state tensor (its address, shape, strides, dtype) gets graphs of its own, so the state
+#    must stay at a few addresses from save to save (updated in place, or swapped between buffers as a wave
+#    equation's two time levels are); a tensor beyond ``KEYS`` addresses per entry is compressed eagerly (the same
+#    bits, Rule 5) and the store warns once.
+# 2. A ring of ``len(ring)`` entries, one more than the snapshots that may be unsized at once (NOTE [ Snapshot
+#    sizes ] Rule 3); an entry holds one graph per distinct tensor, whose outputs (the deferred buffers: codes, block
+#    parameters, raw rows, sizes) are its own memory, and the save that used it last. Memory: the codec's worst case
+#    (about the tensor's size) per distinct tensor per entry: with a state of two buffers, the deferred buffers of as
+#    many snapshots as the eager path's scratch holds in flight (NOTE [ Snapshot sizes ] Rule 8).
+# 3. A replay overwrites its entry's buffers, so it comes after every read of them: a restore's decode of the
+#    unsized snapshot and a dropped snapshot's settle run on the compute stream before it (stream order); the settle
+#    and the slot's write of a kept one run on the sizes stream (NOTE [ Mover ] Rule 6), and the compute stream waits
+#    for that write's event, on the device, before the replay. The entry's last save is settled before (the ring is
+#    longer than the unsized bound, so this waits for nothing the bound would not).
+# 4. Capture: on the ring's own stream, after one eager ``compress_deferred`` of the same tensor there (Triton's
+#    compilation and nvCOMP's plan for that stream are made outside the capture), capture errors local to the thread,
+#    each graph with its own memory pool. A capture that fails raises ``CheckpointError`` naming the codec: nothing
+#    falls back silently.
+# 5. A replay runs the kernels the eager call launches, on the same input, into buffers of the same sizes: the same
+#    bits (the CUDA tests compare every restore with the eager store's). ``stats().graph_saves`` counts the saves
+#    whose compression was replayed, ``graph_captures`` the graphs captured.
+"""
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from torchckpt._errors import CheckpointError
+from torchckpt.codecs.base import Codec, Deferred
+
+__all__ = ["SaveGraphs", "KEYS", "check_graphs"]
+
+KEYS = 4  # distinct state tensors an entry captures graphs for (NOTE [ Captured saves ] Rule 1)
+
+
+def _key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.data_ptr(), t.shape, t.stride(), t.dtype)
+
+
+def check_graphs(device: torch.device, codec: Codec | None, defer_sizes: bool) -> None:
+    """``SnapshotStore(graphs=True)``'s requirements (NOTE [ Captured saves ] Rule 1)."""
+    if device.type != "cuda" or codec is None or not defer_sizes:
+        raise ValueError("torchckpt: SnapshotStore(graphs=True) replays a codec's deferred compression as CUDA graphs: "
+                         "it needs device='cuda', a codec and defer_sizes=True (got device="
+                         f"{str(device)!r}, codec={type(codec).__name__ if codec is not None else None}, "
+                         f"defer_sizes={defer_sizes}); pass graphs=False otherwise.")
+    if not codec.capturable(device):
+        raise ValueError(f"torchckpt: SnapshotStore(graphs=True): {type(codec).__name__}'s compression cannot be "
+                         f"captured as a CUDA graph on {device}; pass graphs=False, or a TritonQuant (with triton) or "
+                         "Bitcomp codec.")
+
+
+class SaveGraphs:
+    """The ring of captured compressions (NOTE [ Captured saves ] Rules 2-4).
+
+    Args:
+        codec: the store's codec (``capturable`` on ``device``).
+        device: a CUDA device.
+        entries: ring entries (>= 2).
+    """
+
+    def __init__(self, codec: Codec, device: torch.device, entries: int) -> None:
+        self.codec = codec
+        self.device = device
+        self._graphs: list[dict[tuple[Any, ...], tuple[Any, Deferred]]] = [{} for _ in range(entries)]
+        self._free: list[Any] = [None] * entries  # per entry: the event after which its buffers may be overwritten
+        self.owner: list[Any] = [None] * entries  # per entry: the unsized record of the save that used it last
+        self._next = 0
+        self._stream = torch.cuda.Stream(device)
+        self._warm: set[tuple[Any, ...]] = set()
+        self._warned = False
+        self.captures = 0
+
+    def entry(self) -> int:
+        """The next entry of the ring (the caller settles its ``owner`` first: NOTE [ Captured saves ] Rule 3)."""
+        i = self._next
+        self._next = (i + 1) % len(self._graphs)
+        return i
+
+    def compress(self, i: int, tensors: Sequence[torch.Tensor]) -> tuple[list[Deferred], bool]:
+        """Each of ``tensors`` compressed by entry ``i``'s graph for it (captured at its first use), on the current
+        stream after the entry's last reader; whether every one was a replay (else some were eager) (NOTE [ Captured
+        saves ] Rules 1, 3)."""
+        cur = torch.cuda.current_stream(self.device)
+        if self._free[i] is not None:
+            cur.wait_event(self._free[i])
+            self._free[i] = None
+        graphs = self._graphs[i]
+        out: list[Deferred] = []
+        replayed = True
+        for t in tensors:
+            t = t.detach()
+            k = _key(t)
+            got = graphs.get(k)
+            if got is None and len(graphs) >= KEYS:
+                self._warn()
+                out.append(self.codec.compress_deferred(t))
+                replayed = False
+                continue
+            if got is None:
+                got = graphs[k] = self._capture(t, k, cur)
+            got[0].replay()
+            out.append(got[1])
+        return out, replayed
+
+    def release(self, i: int, after: Any) -> None:
+        """Entry ``i``'s buffers are read last by the work before the event ``after`` (``None``: by the compute
+        stream's work, which a replay follows anyway)."""
+        self._free[i] = after
+        self.owner[i] = None
+
+    def _capture(self, t: torch.Tensor, k: tuple[Any, ...], cur: Any) -> tuple[Any, Deferred]:
+        g = torch.cuda.CUDAGraph()
+        s = self._stream
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):
+            if k not in self._warm:  # NOTE [ Captured saves ] Rule 4: compiled kernels and the codec's plan for this stream, made eagerly
+                self.codec.compress_deferred(t)
+                self._warm.add(k)
+            try:
+                g.capture_begin(capture_error_mode="thread_local")
+                try:
+                    d = self.codec.compress_deferred(t)
+                finally:
+                    g.capture_end()
+            except Exception as e:  # noqa: BLE001 - any failure of the capture is the codec's
+                raise CheckpointError(
+                    f"torchckpt: SnapshotStore(graphs=True) could not capture {type(self.codec).__name__}'s "
+                    f"compress_deferred as a CUDA graph ({type(e).__name__}: {e}); pass graphs=False."
+                ) from e
+        cur.wait_stream(s)
+        self.captures += 1
+        return g, d
+
+    def _warn(self) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"torchckpt: SnapshotStore(graphs=True) saw more than {KEYS} state tensors at distinct addresses; "
+                "the others are compressed without a graph (the same bits, more host time). Keep the state in "
+                "the same buffers from step to step (update them in place) to replay graphs.",
+                RuntimeWarning, stacklevel=5,
+            )
