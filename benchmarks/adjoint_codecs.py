@@ -342,8 +342,9 @@ def main() -> int:
             bench.rtm = old
 
     def run_codec(sched, codec, mode="exact", mem=None, g=False):
-        """One (d) run (``mode``: exact, deferred or graphs sizes; ``g``: the RTM's graphed steps); with ``mem`` (a
-        dict) its --memstats figures are written into it."""
+        """One (d) run (``mode``: exact, deferred or graphs sizes; ``g``: the RTM's graphed steps): its time, stats,
+        slots and the image of the RTM it ran (overwritten by that RTM's next run); with ``mem`` (a dict) its
+        --memstats figures are written into it."""
         store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05,
                               defer_sizes=mode != "exact", graphs=mode == "graphs")
         with steps(g):
@@ -355,7 +356,7 @@ def main() -> int:
                 lambda: run_schedule(sched, forward=bench.rtm.forward, save=bench.rtm.save,
                                      restore_into=lambda n: (bench.rtm.u.cur, bench.rtm.u.prev),
                                      backward=bench.rtm.backward, store=store), mem))
-            return t, st, store.nslots
+            return t, st, store.nslots, bench.rtm.image  # read while bench.rtm is the RTM that ran
         finally:
             store.close()
 
@@ -451,14 +452,14 @@ def main() -> int:
                          "inf" if same_a else "DIFF"])
         for name, label, codec_name, c, mode, g in runs:
             mem: dict | None = {} if memstats else None
-            t, st, slots = run_codec(sh, c, mode, mem, g)
+            t, st, slots, img = run_codec(sh, c, mode, mem, g)
             tb, ta = base[g], base_a[g]  # (a) and (b) with the same steps
-            q = psnr(bench.rtm.image, ref)
+            q = psnr(img, ref)
             same = None
             if mode == "exact" and not g:
-                images[codec_name] = bench.rtm.image.clone()
+                images[codec_name] = img.clone()
             elif codec_name in images:  # the same restores, bit for bit (NOTE [ Snapshot sizes ] Rule 5)
-                same = torch.equal(bench.rtm.image, images[codec_name])
+                same = torch.equal(img, images[codec_name])
                 ok &= same
             fig = traced(s, name, f"(d) {label}", lambda: run_codec(sh, c, mode, g=g), t) if args.profile else None
             if args.pyprofile:
