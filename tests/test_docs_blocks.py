@@ -5,7 +5,7 @@ callbacks. ``BLOCKS`` gives each block, found by a phrase it contains, a small p
 names; the preamble runs in a namespace of its own and only the names the entry lists are handed to the block,
 so the block's own imports are needed. Lines are numbered as in the file, so a failure points at the doc.
 Without a GPU, ``"cuda"`` in a block reads ``"cpu"`` (the stores then simulate both tiers with CPU tensors);
-a block that needs a GPU would be marked ``cuda=True`` and run under the ``cuda`` marker, and none does; none
+a block that needs a GPU is marked ``cuda=True`` and runs under the ``cuda`` marker (the guide's captured saves); none
 needs several processes either (the FSDP2 loop runs as a group of one process). The LazyHostPool block needs the native extension (it skips, with the
 package's reason, in the pure-Python install, as its docstring example does). Every python block must have an
 entry and every entry must find exactly one block, so a new block is not skipped silently. Shell (bash) blocks
@@ -59,6 +59,33 @@ model, x = Net().to(dev), torch.randn(8, 16, device=dev, requires_grad=True)
 batch = x
 layer, fn = torch.nn.Linear(16, 16, device=dev), torch.sin
 """
+
+_GRAPHS = """
+import torch
+from torchckpt.codecs import TritonQuant
+from torchckpt.schedules import Revolve, Tier
+
+q = TritonQuant(bits=4, mode="abs", bound=1e-2)
+u, u_prev = torch.randn(1 << 16, device="cuda"), torch.randn(1 << 16, device="cuda")
+schedule = Revolve(20, 4, tier=Tier.HOST)
+
+def forward(n0, n1):  # the state updated in place: its buffers stay where they are
+    for _ in range(n0, n1):
+        u_prev.copy_(u)
+        u.mul_(0.99).add_(0.01)
+
+def save(n):
+    return u, u_prev
+
+def backward(n):
+    pass
+"""
+
+
+def _graphs(ns: dict[str, Any], out: str) -> None:
+    assert ns["stats"].graph_saves > 0 and 0 < ns["stats"].graph_captures <= 6, out
+    assert "saves replayed" in out
+
 
 _ADJOINT = """
 import torch
@@ -174,6 +201,8 @@ BLOCKS: dict[tuple[str, str], Entry] = {
     ("guide.md", "disk=tempfile.mkdtemp()"): Entry(),
     ("guide.md", "TritonQuant(bits=4"): Entry(_ADJOINT, ("block", "schedule", "forward", "save", "restore",
                                                          "backward", "seen"), _codec),
+    ("guide.md", "graph_captures"): Entry(_GRAPHS, ("q", "schedule", "forward", "save", "backward", "u", "u_prev"),
+                                          _graphs, cuda=True),
     ("guide.md", "torch.save(m, buf)"): Entry(),
     ("guide.md", "PlanCallback(budget=\"1GiB\")"): Entry(check=_trainer, needs=_hf_trainer),
     ("guide.md", "PlanCallback(budget=\"1GiB\", module="): Entry(check=_lightning, needs=_pl),

@@ -4,15 +4,20 @@ settles and a busy compute stream; a save issues no host synchronisation; the sa
 kernels one by one.
 
     python -m pytest -q -p no:cacheprovider tests/store/test_captured_saves_cuda.py
+
+``TORCHCKPT_GRAPH_FUZZ_EXAMPLES`` (default 40) sets the differential fuzz's random schedules.
 """
 from __future__ import annotations
 
+import os
 import random
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ckpt_models import assert_bits_equal
 from test_nosync_save_cuda import counting, cuda_state, expected, no_host_sync, pool, step
@@ -200,3 +205,29 @@ def test_graphs_need_a_capturable_codec() -> None:
     with pytest.raises(ValueError, match="defer_sizes=True"):
         SnapshotStore("cuda", graphs=True, codec=TritonQuant(4, "abs", 1e-2))
     assert not TritonQuant(4, "abs", 1e-2, use_triton=False).capturable(torch.device("cuda"))
+
+
+@settings(max_examples=int(os.environ.get("TORCHCKPT_GRAPH_FUZZ_EXAMPLES", "40")), deadline=None)
+@given(kind=st.sampled_from(["revolve", "zcut", "uniform", "multistage"]), n=st.integers(6, 40),
+       snaps=st.integers(2, 6), slots=st.integers(1, 4), codec=st.sampled_from([0, 1]),
+       forced=st.booleans(), into=st.booleans(), seed=st.integers(0, 2**16))
+def test_random_schedules_restore_the_eager_bits(kind: str, n: int, snaps: int, slots: int, codec: int,
+                                                 forced: bool, into: bool, seed: int) -> None:
+    """Differential fuzz of NOTE [ Captured saves ]: a random schedule, slot count and codec, settles forced or not,
+    copies delayed at random; graphed saves restore the bits of the codec's exact round trip at every restore."""
+    sched = {"revolve": lambda: Revolve(n, snaps, tier=Tier.HOST), "zcut": lambda: ZCut(n, tier=Tier.HOST),
+             "uniform": lambda: Uniform(n, snaps, tier=Tier.HOST),
+             "multistage": lambda: Multistage(n, gpu_slots=1, host_slots=snaps)}[kind]()
+    c = [TritonQuant(4, "abs", 1e-2), TritonQuant(8, "abs", 1e-9, block=64)][codec]
+    actions = list(plan_prefetch(sched, slots))
+    store = SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=slots, host=pool(), codec=c)
+    rng = random.Random(seed)
+    store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 1_000_000))
+    if forced:
+        never_sized(store)
+    memo: dict[int, list[torch.Tensor]] = {}
+    replay(store, actions, lambda k: memo.setdefault(k, expected(c, k)), plan_flushes(actions, slots), into=into,
+           state=fixed_state())
+    store._mover.delay = None
+    assert store.stats().graph_captures <= 3 * 2
+    store.close()
