@@ -18,8 +18,9 @@ image's PSNR reported. Same RTM, schedules and baseline as ``benchmarks/adjoint.
     this process; a deferred row is labelled ``(d) <codec> deferred`` (JSON key ``<codec>+deferred``), its
     image compared bit for bit with the exact row's (``image_equal_exact``: the restores decode the same
     bits either way). ``graphs``: ``defer_sizes=True, graphs=True``, each save's compression a CUDA graph
-    replayed (NOTE [ Captured saves ]; CUDA only), labelled ``(d) <codec> graphs``. ``none`` has no sizes to
-    defer and runs once.
+    replayed (NOTE [ Captured saves ]; CUDA only), labelled ``(d) <codec> graphs``. ``deferred:K`` and
+    ``graphs:K``: with ``sizes_in_flight=K`` (default 2: snapshots whose sizes may be on the device at once, NOTE
+    [ Snapshot sizes ] Rule 3). ``none`` has no sizes to defer and runs once.
 
 Codecs: ``quant8`` = TritonQuant(bits=8, mode="rel", bound=1e-2), ``quant4`` = TritonQuant(bits=4,
 mode="rel", bound=0.1) (lossy; per element |x - x'| <= bound * max|x| of its 256-element block),
@@ -271,11 +272,15 @@ def main() -> int:
         from torchckpt.codecs import _launch
         _launch.ENABLED = False
     sizes = [z for z in args.sizes.split(",") if z]
-    if not sizes or any(z not in ("exact", "deferred", "graphs") for z in sizes) or len(set(sizes)) != len(sizes):
-        p.error(f"--sizes takes exact, deferred and/or graphs, comma-separated, got {args.sizes!r}")
+    def size_mode(z: str) -> bool:
+        base, _, k = z.partition(":")
+        return z == "exact" or base in ("deferred", "graphs") and (not k or k.isdigit() and int(k) >= 1)
+    if not sizes or not all(size_mode(z) for z in sizes) or len(set(sizes)) != len(sizes):
+        p.error(f"--sizes takes exact, deferred and/or graphs (the latter two with :K, K >= 1 snapshots whose sizes may "
+                f"be on the device at once), comma-separated, got {args.sizes!r}")
     if args.graphed_steps and not torch.cuda.is_available():
         p.error("--graphed-steps replays CUDA graphs (examples/wave.py's GraphedRTM): it needs a CUDA device")
-    if "graphs" in sizes and not torch.cuda.is_available():
+    if any(z.startswith("graphs") for z in sizes) and not torch.cuda.is_available():
         p.error("--sizes graphs replays CUDA graphs (SnapshotStore(graphs=True)): it needs a CUDA device")
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: pass --profile too, or leave --trace-dir out")
@@ -345,8 +350,10 @@ def main() -> int:
         """One (d) run (``mode``: exact, deferred or graphs sizes; ``g``: the RTM's graphed steps): its time, stats,
         slots and the image of the RTM it ran (overwritten by that RTM's next run); with ``mem`` (a dict) its
         --memstats figures are written into it."""
+        base, _, k = mode.partition(":")
         store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05,
-                              defer_sizes=mode != "exact", graphs=mode == "graphs")
+                              defer_sizes=mode != "exact", graphs=base == "graphs",
+                              sizes_in_flight=int(k) if k else 2)
         with steps(g):
             return run_store(sched, store, mem)
 
@@ -468,8 +475,8 @@ def main() -> int:
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,
-                     defer_sizes=mode != "exact", graphs=mode == "graphs",
-                     graphed_steps=g, stats=stats_dict(st))
+                     defer_sizes=mode != "exact", graphs=mode.startswith("graphs"),
+                     sizes_in_flight=int(mode.partition(":")[2] or 2), graphed_steps=g, stats=stats_dict(st))
             if same is not None:
                 d["image_equal_exact"] = same
             if fig is not None:

@@ -231,3 +231,23 @@ def test_random_schedules_restore_the_eager_bits(kind: str, n: int, snaps: int, 
     store._mover.delay = None
     assert store.stats().graph_captures <= 3 * 2
     store.close()
+
+
+@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("lag", ["as it comes", "forced"])
+def test_the_ring_follows_sizes_in_flight(k: int, lag: str) -> None:
+    """NOTE [ Captured saves ] Rule 2: with ``sizes_in_flight=k`` the ring has ``k + 1`` entries (each captured for
+    both state buffers at most), and every restore is still the exact round trip's bits."""
+    codec = TritonQuant(8, "abs", 1e-9, block=64)
+    sched = ZCut(40, tier=Tier.HOST)
+    actions = list(plan_prefetch(sched, 3))
+    store = SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=3, host=pool(), codec=codec, sizes_in_flight=k)
+    if lag == "forced":
+        never_sized(store)
+    memo: dict[int, list[torch.Tensor]] = {}
+    assert replay(store, actions, lambda n: memo.setdefault(n, expected(codec, n)), plan_flushes(actions, 3),
+                  state=fixed_state()) > 0
+    st = store.stats()
+    assert store._graphs is not None and len(store._graphs._graphs) == k + 1
+    assert 0 < st.graph_captures <= 2 * (k + 1) and st.graph_saves > 0
+    store.close()

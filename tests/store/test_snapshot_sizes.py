@@ -282,3 +282,32 @@ def test_both_settings_give_the_same_bits(codec: Codec, sched: Any) -> None:
         assert got[key][1].packed_bytes == got["exact"][1].packed_bytes
     deferring = codec.compress_deferred(wild(0)[0]).sizes is not None
     assert got["exact"][1].size_waits == 0 and (got["forced"][1].size_waits > 0) == deferring
+
+
+@pytest.mark.parametrize("k", [1, 2, 5])
+@pytest.mark.parametrize("sched", [Revolve(30, 4, tier=Tier.HOST), ZCut(30, tier=Tier.HOST)], ids=repr)
+def test_sizes_in_flight_bounds_the_unsized_snapshots(k: int, sched: Any) -> None:
+    """NOTE [ Snapshot sizes ] Rule 3: with ``sizes_in_flight=k`` no action leaves more than ``k`` snapshots unsized
+    (every settle forced, so the bound is what settles them), at least once ``k`` are, and each restore is still the
+    codec's round trip."""
+    codec = TritonQuant(8, "abs", 1e-3)
+    store = never_sized(SnapshotStore("cpu", defer_sizes=True, slots=3, host=small_pool(), codec=codec,
+                                      sizes_in_flight=k))
+    seen: list[int] = []
+    save = store.save
+
+    def counted(*a: Any, **kw: Any) -> None:
+        save(*a, **kw)
+        seen.append(len(store._sizing))
+    store.save = counted  # type: ignore[method-assign]
+    actions = list(plan_prefetch(sched, 3))
+    memo: dict[int, list[torch.Tensor]] = {}
+    assert replay(store, actions, lambda n: memo.setdefault(n, expected(codec, n)), plan_flushes(actions, 3)) > 0
+    assert max(seen) == k
+    store.close()
+
+
+@pytest.mark.parametrize("bad", [0, -1, 1.5, True, "2"])
+def test_sizes_in_flight_must_be_a_positive_int(bad: Any) -> None:
+    with pytest.raises(ValueError, match=r"torchckpt: SnapshotStore\(sizes_in_flight=\.\.\.\) must be an int >= 1"):
+        SnapshotStore("cpu", defer_sizes=True, codec=TritonQuant(8, "abs", 1e-3), sizes_in_flight=bad)

@@ -28,7 +28,7 @@ Rule 11), writing it into a slot, and sizing or growing the slots from the blobs
 #    slot come after it). So a save of an off-GPU snapshot makes the compute stream wait for
 #    nothing (no save wait, NOTE [ Snapshot store ] Rule 3).
 # 3. The host waits for a size (``Event.synchronize``) only when it must: for the oldest when
-#    more than ``_MAX_UNSIZED`` snapshots are unsized (this bounds the deferred memory), for one
+#    more than ``sizes_in_flight`` snapshots are unsized (2 by default: this bounds the deferred memory), for one
 #    whose slot is taken by another (eviction flushes it), and in ``stats``. Each such event was
 #    recorded at an earlier save, and the device still holds the work queued after it, so its
 #    queue does not empty; ``stats().size_waits`` counts the waits that found an event not done.
@@ -93,7 +93,7 @@ from torchckpt.store.snapshot_slots import Layout, Slots
 
 __all__ = ["CodecSide"]
 
-_MAX_UNSIZED = 2  # snapshots whose sizes may be on the device at once (NOTE [ Snapshot sizes ] Rule 3)
+_MAX_UNSIZED = 2  # SnapshotStore(sizes_in_flight=...)'s default (NOTE [ Snapshot sizes ] Rule 3)
 
 
 def _identity(tensors: Sequence[torch.Tensor]) -> tuple[tuple[Any, ...], ...]:
@@ -149,6 +149,7 @@ class CodecSide:
     _fill_of: list[int | None]
     _dirty: set[int]
     graphs: bool
+    sizes_in_flight: int
     _graphs: SaveGraphs | None
 
     def _flush(self, n: int, s: int, after: Any = None) -> None:  # SnapshotStore's
@@ -165,7 +166,7 @@ class CodecSide:
             defs = [Deferred(p) for p in first[1]]  # the first snapshot, compressed once by calibrate
         elif self.graphs and s is not None:  # NOTE [ Captured saves ] Rules 1-3
             if self._graphs is None:
-                self._graphs = SaveGraphs(self.codec, self.device, _MAX_UNSIZED + 1)
+                self._graphs = SaveGraphs(self.codec, self.device, self.sizes_in_flight + 1)
             entry = self._graphs.entry()
             owner = self._graphs.owner[entry]
             if owner is not None:
@@ -198,7 +199,7 @@ class CodecSide:
             self._graphs.owner[entry] = rec  # type: ignore[union-attr]
         self._unsized[n] = rec
         self._sizing.append(rec)
-        while len(self._sizing) > _MAX_UNSIZED:
+        while len(self._sizing) > self.sizes_in_flight:
             self._settle(self._sizing[0])
 
     def _sized(self, rec: _Unsized) -> bool:

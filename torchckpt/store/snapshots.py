@@ -78,7 +78,7 @@ from torchckpt.schedules.cache import Cache
 from torchckpt.codecs.blob import Blob
 from torchckpt.memory.device_arena import DeviceArena, arena_slots
 from torchckpt.memory import DiskTier, HostBlock, HostPoolBase, make_host_pool
-from torchckpt.store.snapshot_codec import CodecSide
+from torchckpt.store.snapshot_codec import _MAX_UNSIZED, CodecSide
 from torchckpt.store.snapshot_disk import DiskSide
 from torchckpt.store.snapshot_graphs import check_graphs
 from torchckpt.store.snapshot_peer import PeerSide, PeerSpill
@@ -140,6 +140,9 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         graphs: with ``defer_sizes`` on CUDA and a codec that can be captured (TritonQuant, Bitcomp), replay each
             off-GPU save's compression as a CUDA graph per state tensor (NOTE [ Captured saves ]): less host time
             per save, the same bits; the state should stay in the same buffers from save to save.
+        sizes_in_flight: with ``defer_sizes``, the snapshots whose sizes may be on the device at once (>= 1): the host
+            waits for the oldest's beyond them (NOTE [ Snapshot sizes ] Rule 3). Each holds the codec's worst case
+            (about the snapshot's size) outside ``gpu_bytes``; more lets the host run further ahead of the device.
 
     The store is a context manager: leaving the ``with`` block (also by an exception) calls ``close()``.
 
@@ -156,7 +159,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
                  host: HostPoolBase | None = None, timing: bool = True, codec: Codec | None = None,
                  gpu_bytes: int | None = None, slot_bytes: int | None = None, slot_margin: float = 0.25,
                  disk: str | os.PathLike[str] | DiskTier | None = None, peers: PeerSpill | None = None,
-                 defer_sizes: bool = False, graphs: bool = False) -> None:
+                 defer_sizes: bool = False, graphs: bool = False, sizes_in_flight: int = _MAX_UNSIZED) -> None:
         device = _check_device(device)
         if slots is not None and gpu_bytes is not None:
             raise ValueError("torchckpt: SnapshotStore takes slots= or gpu_bytes=, not both; pass one of them.")
@@ -175,6 +178,9 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         check_flag("SnapshotStore", "timing", timing)
         check_flag("SnapshotStore", "defer_sizes", defer_sizes)
         check_flag("SnapshotStore", "graphs", graphs)
+        if isinstance(sizes_in_flight, bool) or not isinstance(sizes_in_flight, int) or sizes_in_flight < 1:
+            raise ValueError(f"torchckpt: SnapshotStore(sizes_in_flight=...) must be an int >= 1 (snapshots whose "
+                             f"sizes may be on the device at once), got {sizes_in_flight!r}; pass e.g. 2.")
         if codec is not None and not isinstance(codec, Codec):
             raise TypeError(
                 f"torchckpt: SnapshotStore(codec=...) expects a torchckpt.codecs.Codec, got {type(codec).__name__}; "
@@ -193,6 +199,7 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self.codec = codec
         self.defer_sizes = defer_sizes  # NOTE [ Snapshot sizes ] Rules 4, 7
         self.graphs = graphs  # NOTE [ Captured saves ]
+        self.sizes_in_flight = sizes_in_flight  # NOTE [ Snapshot sizes ] Rule 3
         self._graphs = None  # its ring, made at the first save it applies to
         self.gpu_bytes = gpu_bytes
         self.slot_margin = float(slot_margin)
