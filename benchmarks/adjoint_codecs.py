@@ -145,6 +145,13 @@ def with_memstats(fn, into: dict | None):
         into.update(memstats_delta(before, torch.cuda.memory_stats(), torch.cuda.max_memory_reserved()))
 
 
+def store_kw(mode: str) -> dict:
+    """``SnapshotStore``'s size settings for a ``--sizes`` mode: ``exact``, ``deferred[:K]`` or ``graphs[:K]`` (K:
+    ``sizes_in_flight``, the store's default where not given)."""
+    base, _, k = mode.partition(":")
+    return dict(defer_sizes=mode != "exact", graphs=base == "graphs", **({"sizes_in_flight": int(k)} if k else {}))
+
+
 def psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
     mse = (img.double() - ref.double()).square().mean().item()
     rng = (ref.max() - ref.min()).item()
@@ -350,10 +357,8 @@ def main() -> int:
         """One (d) run (``mode``: exact, deferred or graphs sizes; ``g``: the RTM's graphed steps): its time, stats,
         slots and the image of the RTM it ran (overwritten by that RTM's next run); with ``mem`` (a dict) its
         --memstats figures are written into it."""
-        base, _, k = mode.partition(":")
         store = SnapshotStore(bench.dev, gpu_bytes=budget, codec=codec, host=bench.pool, slot_margin=0.05,
-                              defer_sizes=mode != "exact", graphs=base == "graphs",
-                              sizes_in_flight=int(k) if k else 2)
+                              **store_kw(mode))
         with steps(g):
             return run_store(sched, store, mem)
 
@@ -475,8 +480,7 @@ def main() -> int:
             if c is None or c.guarantee.kind == "lossless":
                 ok &= q == math.inf
             d = dict(time_s=t, speedup_over_b=tb / t, over_a=t / ta, slots=slots, ratio=st.ratio, psnr_db=q,
-                     defer_sizes=mode != "exact", graphs=mode.startswith("graphs"),
-                     sizes_in_flight=int(mode.partition(":")[2] or 2), graphed_steps=g, stats=stats_dict(st))
+                     graphed_steps=g, stats=stats_dict(st), **store_kw(mode))
             if same is not None:
                 d["image_equal_exact"] = same
             if fig is not None:
