@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|compressed|compressed_profile|memory|memdiag|planner|tiers|zoo] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|compressed|graphs|compressed_profile|memory|memdiag|planner|tiers|zoo] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims); compressed: the
 # compressed adjoints' CUDA tests (issue 26), launch_cost.py and adjoint_codecs.py's deferred runs in turns (not part of
-# `all`); compressed_profile: action_overhead.py and adjoint_codecs.py traced, and a cProfile of zCut's runs;
+# `all`); graphs: the captured saves' and steps' CUDA tests and adjoint_codecs.py with captured saves at 2, 4 and 8
+# sizes in flight, with and without captured steps, in turns (not part of `all`); compressed_profile: action_overhead.py and adjoint_codecs.py traced, and a cProfile of zCut's runs;
 # memory: host_init.py and device_cache_init.py (the native memory engine); memdiag: after_pin.py and
 # register_stall.py (why the lazy pool blocks what it blocks; not part of `all`); planner: the planner's CUDA tests
 # and benchmarks/frontier.py on the GPT stack (with --compile) and a Llama (not part of `all`); tiers: benchmarks/tiers.py
@@ -19,7 +20,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint|codecs|compressed|compressed_profile|memory|memdiag|planner|tiers|zoo) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|compressed|compressed_profile|memory|memdiag|planner|tiers|zoo] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|compressed|graphs|compressed_profile|memory|memdiag|planner|tiers|zoo) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|compressed|graphs|compressed_profile|memory|memdiag|planner|tiers|zoo] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -127,6 +128,16 @@ if [[ $PART == compressed ]]; then
   run_part adjoint_codecs benchmarks/adjoint_codecs.py --schedules revolve,zcut --codecs quant4a,bitcomp:0.001 \
     --sizes deferred --turns 3 --ab-launches
 fi
+if [[ $PART == graphs ]]; then
+  echo "== captured saves and steps: CUDA tests"
+  python3 -m pytest -q -rs -m cuda tests/store/test_captured_saves_cuda.py tests/examples/test_graphed_rtm_cuda.py \
+    tests/store/test_nosync_save_cuda.py tests/store/test_scratch_store_cuda.py tests/test_docs_blocks.py \
+    2>&1 | tail -15 | tee "$OUT/graphs_tests.log" || true
+  # NOTE [ Captured saves ]; SnapshotStore(sizes_in_flight=K) as graphs:K
+  run_part adjoint_codecs benchmarks/adjoint_codecs.py --schedules zcut,revolve --codecs bitcomp:0.001,quant4a \
+    --sizes deferred,graphs,graphs:4,graphs:8 --graphed-steps --turns 5
+fi
+
 if [[ $PART == compressed_profile ]]; then
   run_part action_overhead benchmarks/action_overhead.py --profile
   run_part adjoint_codecs benchmarks/adjoint_codecs.py --schedules revolve,zcut --codecs none,quant4a,bitcomp:0.001 \
