@@ -306,26 +306,35 @@ def test_every_other_block_measured_prices_recomputations_after_a_kept_block(pro
     assert predict(cal, pair).step_s - predict(chain, pair).step_s == pytest.approx(cal.blocks[1].alone_s)
 
 
-def test_revolve_rebuilds_take_the_floor_plans_measured_time() -> None:
-    """NOTE [ Mechanism costs ] Rule 11: what the Revolve plan with the fewest snapshots took beyond its prediction,
-    as a fraction of its rebuilds' predicted time, scales every Revolve plan's rebuilds: that plan then predicts its
-    measured step, a plan with more snapshots (less rebuilding) moves by less, and no plan without Revolve moves."""
+def test_revolve_rebuilds_take_both_measured_plans_times() -> None:
+    """NOTE [ Mechanism costs ] Rule 11: what the Revolve plan with the fewest snapshots took beyond its prediction, as
+    a fraction of its rebuilds' predicted time, scales the rebuilds of every Revolve plan at or below its memory; what
+    Rule 8's plan took the same way those at or above its memory; between them the fraction is linear in the memory.
+    Both measured plans then predict their measured steps, and no plan without Revolve moves. Without Rule 8's
+    measurement the floor's fraction holds everywhere (the rule's first form)."""
     chain = _chain(fixed_profile(Net(16)))
     policies = simple_policies(chain)
     plans = dict(policies)
     rule8, floor = revolve_policy(chain, policies), floor_policy(chain, policies)
     assert rule8 is not None and floor is not None
+    lo, hi = plans[floor][0].revolve, plans[rule8][0].revolve
     before = {n: predict(chain, d) for n, d in policies}
-    rebuild = sum(chain_states(chain, plans[floor][0].revolve).extra_s)
-    measured = {rule8: (before[rule8].peak_bytes, before[rule8].step_s),
-                floor: (before[floor].peak_bytes, before[floor].step_s + rebuild)}  # the rebuilds took twice as long
+    rebuild = {n: sum(chain_states(chain, plans[n][0].revolve).extra_s) for n in (rule8, floor)}
+    assert rebuild[floor] > rebuild[rule8] > 0
+    measured = {rule8: (before[rule8].peak_bytes, before[rule8].step_s + 0.5 * rebuild[rule8]),
+                floor: (before[floor].peak_bytes, before[floor].step_s + rebuild[floor])}  # the rebuilds: 1.5x, 2x
     cal = calibrate(chain, policies, measured)
-    assert cal.revolve_scale == pytest.approx(1.0)
-    assert predict(cal, plans[floor]).step_s == pytest.approx(measured[floor][1])
+    assert cal.revolve_scale == pytest.approx(1.0) and cal.revolve_scale_at == pytest.approx(0.5)
+    for n in (rule8, floor):
+        assert predict(cal, plans[n]).step_s == pytest.approx(measured[n][1])
+    assert cal.rebuild_scale(lo // 2) == pytest.approx(1.0) and cal.rebuild_scale(2 * hi) == pytest.approx(0.5)
+    assert cal.rebuild_scale((lo + hi) // 2) == pytest.approx(0.75, rel=1e-3)
     moved = {n: predict(cal, d).step_s - before[n].step_s for n, d in policies}
-    assert 0 < moved[rule8] < moved[floor]
     assert all(moved[n] == pytest.approx(0.0) for n, d in policies if not d[0].revolve)
-    slow = calibrate(chain, policies, {floor: (measured[floor][0], before[floor].step_s - 100 * rebuild)})
+    assert all(moved[n] > 0 for n, d in policies if d[0].revolve)
+    only_floor = calibrate(chain, policies, {floor: measured[floor]})
+    assert only_floor.revolve_scale_at is None and only_floor.rebuild_scale(2 * hi) == pytest.approx(1.0)
+    slow = calibrate(chain, policies, {floor: (measured[floor][0], before[floor].step_s - 100 * rebuild[floor])})
     assert slow.revolve_scale == -0.9  # never below: a rebuild costs something
 
 

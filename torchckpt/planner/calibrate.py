@@ -84,7 +84,15 @@
 #    Revolve, measured 1.39 s where its blocks' forward times said 0.93). So what the measured Revolve plan with the
 #    fewest snapshots (Rule 10's, else Rule 8's) took beyond its prediction after Rules 2-10, as a fraction of its
 #    rebuilds' predicted time, scales every Revolve plan's rebuilds (``StepCosts.revolve_scale``, not below -0.9):
-#    the plan with the most rebuilding gives the most signal, and the fraction is a property of the model's blocks.
+#    the plan with the most rebuilding gives the most signal. Where Rule 8's plan (more snapshots) was measured too,
+#    the same fraction from it (after the floor's) holds at and above its memory (``StepCosts.revolve_scale_at``),
+#    and between the two plans' memories the fraction is linear in the memory, as Rule 10's bytes are, so both
+#    measured plans predict what they measured. One fraction had not fitted both: on an H100, ViT-L's 6-snapshot plan
+#    measured 149.5 ms where the fraction from its 1-snapshot plan (396.4 ms, predicted exactly) said 133.9, and the
+#    zoo's plan at 1.03 times the floor, with that snapshot memory, measured 163-168 ms in four of six measurements
+#    (148-150 in two) where it said 145-149; with both fractions it says 160-168. The extra time is not all in the
+#    rebuilds (a 6-snapshot plan rebuilds little), so beyond what was measured no plan is extrapolated: each end's
+#    fraction holds past it.
 # 12. A recomputation in parts holds a frame no measured policy runs (NOTE [ Step model ] Rule 2c), and what it holds
 #    beyond the model differs with the model and either way: on an H100 ConvNeXt-B's floor plans, recomputing stage-0
 #    blocks in parts, peaked at 1.99 GiB against 1.89-1.90 predicted (their parts saved nothing), so the budget of
@@ -263,7 +271,14 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
         rebuild = sum(chain_states(chain, low).extra_s)
         if rebuild > 0:
             extra = measured[name][1] - predict(chain, plans[name], lookahead).step_s
-            chain = dataclasses.replace(chain, revolve_scale=max(-0.9, extra / rebuild))
+            chain = dataclasses.replace(chain, revolve_scale=max(-0.9, extra / rebuild), revolve_low=low)
+    if len(revolves) > 1 and revolves[-1][0] < revolves[0][0] and chain.revolve_low == revolves[-1][0]:
+        at, _, name = revolves[0]  # NOTE [ Mechanism costs ] Rule 11: and from NOTE [ Mechanism costs ] Rule 8's plan
+        rebuild = sum(chain_states(chain, at).extra_s)
+        if rebuild > 0:
+            flat = dataclasses.replace(chain, revolve_scale_at=0.0)
+            extra = measured[name][1] - predict(flat, plans[name], lookahead).step_s
+            chain = dataclasses.replace(chain, revolve_scale_at=max(-0.9, extra / rebuild))
     other = next((name for name in measured if name.startswith(EVERY_OTHER) and name in plans), None)
     if other is not None:  # NOTE [ Mechanism costs ] Rule 9
         plan = plans[other]

@@ -218,6 +218,9 @@ class StepCosts:
             changes per byte of snapshot memory below that, down to the floor's (NOTE [ Mechanism costs ] Rule 10).
         revolve_scale: what Revolve's rebuilds (blocks run again without grad) cost beyond their blocks' forward
             times, as a fraction of those (NOTE [ Mechanism costs ] Rule 11); may be negative, not below -0.9.
+        revolve_low / revolve_scale_at: the snapshot memory of the plan ``revolve_scale`` was measured on, and the
+            fraction measured on the plan at ``revolve_at`` (``None``: not measured); linear between the two memories,
+            each one's beyond them (NOTE [ Mechanism costs ] Rule 11).
         parts_bytes: measured bytes a block recomputed in parts holds in its backward beyond what the model counts
             (NOTE [ Mechanism costs ] Rule 12); may be negative.
         reentrant: ``Recompute(reentrant=True)`` measured faster than ``Recompute()`` on this model (NOTE [ Mechanism
@@ -242,6 +245,8 @@ class StepCosts:
     revolve_at: int = 0
     revolve_slope: float = 0.0
     revolve_scale: float = 0.0
+    revolve_low: int = 0
+    revolve_scale_at: float | None = None
     bwd_fixed_at: tuple[int, ...] = ()
     parts_bytes: int = 0
     reentrant: bool = False
@@ -259,6 +264,17 @@ class StepCosts:
         if memory >= self.revolve_at or not self.revolve_slope:
             return self.revolve_bytes
         return self.revolve_bytes + int(self.revolve_slope * (memory - self.revolve_at))
+
+    def rebuild_scale(self, memory: int) -> float:
+        """The fraction Revolve's rebuilds cost beyond their blocks' forward times in a plan of ``memory`` bytes of
+        snapshots (NOTE [ Mechanism costs ] Rule 11)."""
+        hi = self.revolve_scale_at
+        if hi is None or memory <= self.revolve_low or self.revolve_at <= self.revolve_low:
+            return self.revolve_scale
+        if memory >= self.revolve_at:
+            return hi
+        return self.revolve_scale + (hi - self.revolve_scale) * (memory - self.revolve_low) / (
+            self.revolve_at - self.revolve_low)
 
     @staticmethod
     def calibrated(blocks: Sequence[Block], peak_none: int, other_saved_bytes: int, other_fwd_s: float,
@@ -557,6 +573,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             extra_b[i] = max(0.0, extra_b[i] + blocks[i].alone_s)
     base = chain.fixed_bytes + chain.other_saved_bytes
     revolve_bytes = chain.revolve_offset(revolve.memory) if revolve else 0
+    scale = chain.rebuild_scale(revolve.memory) if revolve else 0.0
     once = corrections([t[8] for t in per]) if revolve is None else None  # NOTE [ Shared storages ] Rules 2-3
     room = cache_bytes(off, lookahead) if cache else 0
     offloaded = 0  # offloaded bytes so far (forward), or still to be used (backward)
@@ -621,7 +638,7 @@ def replay(chain: StepCosts, per: Sequence[Terms], lookahead: int = 1, cache: bo
             mem = base + resident + back + revolve.rebuild[i] + revolve_bytes
             if mem > peak:
                 peak, at = mem, -1 - i
-            rebuild = revolve.extra_s[i] * (1 + chain.revolve_scale)  # NOTE [ Mechanism costs ] Rule 11
+            rebuild = revolve.extra_s[i] * (1 + scale)  # NOTE [ Mechanism costs ] Rule 11
             t += rebuild
             recompute += rebuild
         mem = base + resident - kept[i] + materialised + back + blocks[i].bwd_bytes + (
