@@ -21,3 +21,18 @@ def test_replan_noise_names_the_plans_each_draw_chose() -> None:
         assert all(" ms  " in ln for ln in lines[a + 1:b] if ln.strip())
     plain = _run("replan.py", prof, "--budgets", "7.75").stdout
     assert "7.75 GiB  peak" in plain
+
+
+def test_diag_revolve_rows_predicts_the_zoos_revolve_rows_again() -> None:
+    """``benchmarks/diag_revolve_rows.py`` on the H100 zoo run of ViT-L: its plan at 1.21 GiB is found among the
+    search's plans by its recorded prediction and predicted with both forms of NOTE [ Mechanism costs ] Rule 11; the
+    measured Revolve policies predict what they measured under the rule as it is."""
+    res = _run("diag_revolve_rows.py", os.path.join(ROOT, "docs", "results", "zoo_h100_2026-11-27_vit_l"))
+    lines = res.stdout.splitlines()
+    row = [ln for ln in lines if "vit_l 1.21 GiB" in ln]
+    assert len(row) == 1 and "before 145.7 ms" in row[0] and "row 163.4 ms" in row[0], res.stdout
+    measured = [ln for ln in lines if " measured checkpoint_chain" in ln]
+    assert len(measured) == 2
+    for ln in measured:
+        ms = ln.split(": ")[1].split(" ms")[0]
+        assert ln.endswith(f"after {ms}"), ln
