@@ -10,8 +10,8 @@
 #    snapshot (it keeps its buffers), the first snapshot (compressed once by ``calibrate``), ``peers=``, every slot
 #    pinned. Each distinct state tensor (its address, shape, strides, dtype) gets graphs of its own, so the state
 #    must stay at a few addresses from save to save (updated in place, or swapped between buffers as a wave
-#    equation's two time levels are); a tensor beyond ``KEYS`` addresses per entry is compressed eagerly (the same
-#    bits, Rule 5) and the store warns once.
+#    equation's two time levels are); a tensor beyond ``KEYS`` addresses per entry (or twice the snapshot's tensors,
+#    if more) is compressed eagerly (the same bits, Rule 5) and the store warns once.
 # 2. A ring of ``len(ring)`` entries, one more than the snapshots that may be unsized at once (NOTE [ Snapshot
 #    sizes ] Rule 3); an entry holds one graph per distinct tensor, whose outputs (the deferred buffers: codes, block
 #    parameters, raw rows, sizes) are its own memory, and the save that used it last. Memory: the codec's worst case
@@ -99,13 +99,14 @@ class SaveGraphs:
             cur.wait_event(self._free[i])
             self._free[i] = None
         graphs = self._graphs[i]
+        most = max(KEYS, 2 * len(tensors))  # NOTE [ Captured saves ] Rule 1: two buffers per tensor, swapped
         out: list[Deferred] = []
         replayed = True
         for t in tensors:
             t = t.detach()
             k = _key(t)
             got = graphs.get(k)
-            if got is None and len(graphs) >= KEYS:
+            if got is None and len(graphs) >= most:
                 self._warn()
                 out.append(self.codec.compress_deferred(t))
                 replayed = False
@@ -149,7 +150,8 @@ class SaveGraphs:
         if not self._warned:
             self._warned = True
             warnings.warn(
-                f"torchckpt: SnapshotStore(graphs=True) saw more than {KEYS} state tensors at distinct addresses; "
+                "torchckpt: SnapshotStore(graphs=True) saw more state tensors at distinct addresses than it captures "
+                f"(at least {KEYS}, or two per tensor of a snapshot); "
                 "the others are compressed without a graph (the same bits, more host time). Keep the state in "
                 "the same buffers from step to step (update them in place) to replay graphs.",
                 RuntimeWarning, stacklevel=5,
