@@ -401,6 +401,27 @@ def test_plan_cache_lru_and_deferred_destroy(monkeypatch: pytest.MonkeyPatch) ->
     assert len(cache._retired) == 0
 
 
+@needs_nvcomp
+def test_a_plan_used_in_a_capture_is_never_evicted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [ Bitcomp ] Rule 7: a plan used while its stream captures a CUDA graph (NOTE [ Captured saves ]) stays,
+    however many others come after it; the others are evicted least recently used first, as before."""
+    monkeypatch.setattr(bc.torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(_FakeEvent, "done", False)
+    cache = bc._PlanCache(2)
+    dev, s = torch.device("cuda", 0), _FakeStream()
+    capturing = [True]
+    monkeypatch.setattr(bc.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
+    monkeypatch.setattr(bc.torch.cuda, "is_available", lambda: True)
+    with cache.use(dev, 1000, nv.S32, nv.LOSSLESS, nv.DEFAULT_ALGO, s):  # type: ignore[arg-type]
+        pass
+    capturing[0] = False
+    for n in (2000, 3000, 4000, 5000):
+        with cache.use(dev, n, nv.S32, nv.LOSSLESS, nv.DEFAULT_ALGO, s):  # type: ignore[arg-type]
+            pass
+    kept = [k[1] for k in cache._plans]
+    assert len(cache) == 2 and 1000 in kept and 5000 in kept and len(cache._retired) == 3
+
+
 def test_error_codes_are_named() -> None:
     with pytest.raises(CheckpointError, match="^torchckpt: nvCOMP bitcompUncompress failed with BITCOMP_INVALID_ALIGNMENT"):
         nv.check(-3, "bitcompUncompress")

@@ -52,7 +52,9 @@ with cuZFP for adjoint snapshots.
 #    to use from two streams at once, so one lock covers set-stream and launch (both only
 #    enqueue work): the cache is safe across threads and streams. An evicted plan is
 #    destroyed once an event recorded on its last stream has completed. Host calls create a
-#    plan per call (nothing shared) and never set a stream on it.
+#    plan per call (nothing shared) and never set a stream on it. A plan used while its stream
+#    captures a CUDA graph (NOTE [ Captured saves ]) is never evicted: the graph may launch its
+#    kernels with whatever the plan holds, for as long as the graph lives.
 # 8. Compressed buffers must be 8-byte aligned; inputs and outputs whose address is not a
 #    multiple of 16 bytes go through a fresh buffer (a copy), others are used in place.
 # 9. fp16 with a step below fp16's smallest normal (2**-14) goes the bf16 way: nvCOMP takes
@@ -197,6 +199,7 @@ class _PlanCache:
         self._plans: collections.OrderedDict[tuple[int, ...], tuple[ctypes.c_void_p, torch.cuda.Stream | None]] = (
             collections.OrderedDict())
         self._retired: list[tuple[ctypes.c_void_p, torch.cuda.Event]] = []
+        self._captured: set[tuple[int, ...]] = set()  # plans a graph captured: never evicted (NOTE [ Bitcomp ] Rule 7)
         self._lock = threading.Lock()
 
     @contextlib.contextmanager
@@ -216,8 +219,11 @@ class _PlanCache:
             if last is None or last != stream:
                 nv.check(lib.bitcompSetStream(h, ctypes.c_void_p(stream.cuda_stream)), "bitcompSetStream")
             self._plans[key] = (h, stream)
-            while len(self._plans) > self._capacity:
-                _, (old, old_stream) = self._plans.popitem(last=False)
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                self._captured.add(key)
+            while len(self._plans) > max(self._capacity, len(self._captured)):
+                gone = next(k for k in self._plans if k not in self._captured)  # least recently used, not captured
+                old, old_stream = self._plans.pop(gone)
                 ev = torch.cuda.Event()
                 ev.record(old_stream if old_stream is not None else stream)
                 self._retired.append((old, ev))
