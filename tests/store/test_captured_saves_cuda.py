@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ckpt_models import assert_bits_equal
-from test_nosync_save_cuda import counting, cuda_state, expected, no_host_sync, pool, step
+from test_nosync_save_cuda import counting, cuda_state, expected, lagged, no_host_sync, pool, step
 from test_snapshot_sizes import never_sized, replay
 from torchckpt.adjoint import run_schedule
 from torchckpt.codecs import Bitcomp, Codec, Identity, TritonQuant
@@ -61,17 +61,7 @@ def test_every_restore_is_the_eager_bits(codec: Codec, sched: Any, lag: str) -> 
     for into in (False, True):
         actions = list(plan_prefetch(sched, 2))
         store = SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=2, host=pool(), codec=codec)
-        rng = random.Random(11)
-        store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
-        if lag == "forced":
-            never_sized(store)
-        if lag == "compute busy":
-            store._mover.delay = None
-            for name in ("save", "restore", "prefetch", "free"):
-                def busy(*a: Any, _act: Any = getattr(store, name), **k: Any) -> Any:
-                    torch.cuda._sleep(rng.randint(0, 4_000_000))  # on the compute stream
-                    return _act(*a, **k)
-                setattr(store, name, busy)
+        lagged(store, lag, random.Random(11))
         memo: dict[int, list[torch.Tensor]] = {}
         assert replay(store, actions, lambda n: memo.setdefault(n, expected(codec, n)), plan_flushes(actions, 2),
                       into=into, state=fixed_state()) > 0
@@ -107,7 +97,7 @@ def test_a_save_replays_graphs_and_never_syncs(codec: Codec) -> None:
         for n in range(30, 42):
             s = state(n)
             torch.cuda.synchronize()
-            with _runtime_calls(calls):
+            with counting(calls, every=True):
                 store.save(n, Tier.HOST, s)
                 step(x)
         return calls, store
@@ -123,24 +113,6 @@ def test_a_save_replays_graphs_and_never_syncs(codec: Codec) -> None:
         assert_bits_equal([t.clone() for t in store.restore(n, Tier.HOST)], expected(codec, n))
         store.after_use()
     store.close()
-
-
-def _runtime_calls(into: list[str]) -> Any:
-    """``counting``'s window, keeping every runtime and driver call's name (not only synchronisations)."""
-    import contextlib
-
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    import test_nosync_save_cuda as t
-
-    @contextlib.contextmanager
-    def window() -> Any:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            with record_function("torchckpt.test.calls"):
-                yield
-        events, span = t.common.profiler_events(prof, "torchckpt.test.calls")
-        into.extend(name for s, _, kind, name in events if kind not in t.common.DEVICE_WORK and span[0] <= s <= span[1])
-    return window()
 
 
 def _launches(calls: list[str]) -> int:

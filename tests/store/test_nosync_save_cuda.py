@@ -77,8 +77,9 @@ def pool() -> HostPool:
 
 
 @contextlib.contextmanager
-def counting(found: list[str]) -> Iterator[None]:
-    """Profile the block; ``found`` gets the host synchronisations (runtime and driver calls) recorded in it."""
+def counting(found: list[str], every: bool = False) -> Iterator[None]:
+    """Profile the block; ``found`` gets the host synchronisations (runtime and driver calls) recorded in it (``every``:
+    every runtime and driver call)."""
     from torch.profiler import ProfilerActivity, profile, record_function
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -86,7 +87,7 @@ def counting(found: list[str]) -> Iterator[None]:
             yield
     events, window = common.profiler_events(prof, _WINDOW)
     found += [name for s, _, kind, name in events if kind not in common.DEVICE_WORK and window[0] <= s <= window[1]
-              and (common.is_sync_call(name) or name in _DRIVER_SYNCS)]
+              and (every or common.is_sync_call(name) or name in _DRIVER_SYNCS)]
 
 
 def _raise(name: str) -> Callable[..., None]:
@@ -112,6 +113,22 @@ def no_host_sync() -> Iterator[None]:
             torch.cuda.set_sync_debug_mode(mode)
             mp.undo()
     assert not found, f"host synchronisations in the block: {found}"
+
+
+def lagged(store: SnapshotStore, lag: str, rng: random.Random) -> None:
+    """Delay ``store``'s work as ``lag`` says: copies and size reads delayed at random (``"as it comes"``), that and
+    every settle forced (``"forced"``), or the compute stream busy a random while before each action instead
+    (``"compute busy"``, so what a settle queues there runs late; NOTE [ Mover ] Rule 6)."""
+    store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
+    if lag == "forced":
+        never_sized(store)
+    if lag == "compute busy":
+        store._mover.delay = None
+        for name in ("save", "restore", "prefetch", "free"):
+            def busy(*a: Any, _act: Any = getattr(store, name), **k: Any) -> Any:
+                torch.cuda._sleep(rng.randint(0, 4_000_000))  # on the compute stream
+                return _act(*a, **k)
+            setattr(store, name, busy)
 
 
 def step(x: torch.Tensor) -> None:
@@ -260,17 +277,7 @@ def test_every_restore_is_the_old_behaviour_under_delays(codec: Codec, sched: An
     for into in (False, True):
         actions = list(plan_prefetch(sched, 2))
         store = SnapshotStore("cuda", defer_sizes=True, slots=2, host=pool(), codec=codec)
-        rng = random.Random(7)
-        store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
-        if lag == "forced":
-            never_sized(store)
-        if lag == "compute busy":
-            store._mover.delay = None
-            for name in ("save", "restore", "prefetch", "free"):
-                def busy(*a: Any, _act: Any = getattr(store, name), **k: Any) -> Any:
-                    torch.cuda._sleep(rng.randint(0, 4_000_000))  # on the compute stream
-                    return _act(*a, **k)
-                setattr(store, name, busy)
+        lagged(store, lag, random.Random(7))
         memo: dict[int, list[torch.Tensor]] = {}
         assert replay(store, actions, lambda n: memo.setdefault(n, expected(codec, n)), plan_flushes(actions, 2),
                       into=into, state=cuda_state) > 0
