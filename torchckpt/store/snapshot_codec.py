@@ -174,6 +174,7 @@ class CodecSide:
             defs, replayed = self._graphs.compress(entry, tensors)
             self._c["graph_saves"] += replayed
             self._c["graph_captures"] = self._graphs.captures
+            self._c["graph_retries"] = self._graphs.retries
         else:
             defs = [self.codec.compress_deferred(t.detach()) for t in tensors]
         self._c["raw_bytes"] += sum(d.packed.orig_nbytes for d in defs)

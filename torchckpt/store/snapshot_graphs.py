@@ -29,6 +29,12 @@
 # 5. A replay runs the kernels the eager call launches, on the same input, into buffers of the same sizes: the same
 #    bits (the CUDA tests compare every restore with the eager store's). ``stats().graph_saves`` counts the saves
 #    whose compression was replayed, ``graph_captures`` the graphs captured.
+# 6. Memory of destroyed graphs: a closed store's graphs leave their pools' memory cached in the caching allocator,
+#    which gives it back to the driver at ``torch.cuda.empty_cache()`` or when an allocation outside any capture
+#    fails, never while a capture is under way; so after many stores a capture can run out of GPU memory with most
+#    of it cached (found on an H100: adjoint_codecs' seventieth store, 66.9 GiB cached in destroyed graphs' pools). A
+#    capture that runs out of memory is abandoned, the cache emptied once (outside the capture) and the capture
+#    tried again; a second failure raises ``CheckpointError``. ``stats().graph_retries`` counts the tries again.
 """
 from __future__ import annotations
 
@@ -83,6 +89,7 @@ class SaveGraphs:
         self._warm: set[tuple[Any, ...]] = set()
         self._warned = False
         self.captures = 0
+        self.retries = 0  # captures tried again after emptying the allocator's cache (Rule 6)
 
     def entry(self) -> int:
         """The next entry of the ring (the caller settles its ``owner`` first: NOTE [ Captured saves ] Rule 3)."""
@@ -124,26 +131,42 @@ class SaveGraphs:
         self.owner[i] = None
 
     def _capture(self, t: torch.Tensor, k: tuple[Any, ...], cur: Any) -> tuple[Any, Deferred]:
-        g = torch.cuda.CUDAGraph()
         s = self._stream
         s.wait_stream(cur)
         with torch.cuda.stream(s):
             if k not in self._warm:  # NOTE [ Captured saves ] Rule 4: compiled kernels and the codec's plan for this stream, made eagerly
                 self.codec.compress_deferred(t)
                 self._warm.add(k)
-            try:
-                g.capture_begin(capture_error_mode="thread_local")
-                try:
-                    d = self.codec.compress_deferred(t)
-                finally:
-                    g.capture_end()
-            except Exception as e:  # noqa: BLE001 - any failure of the capture is the codec's
-                raise CheckpointError(
-                    f"torchckpt: SnapshotStore(graphs=True) could not capture {type(self.codec).__name__}'s "
-                    f"compress_deferred as a CUDA graph ({type(e).__name__}: {e}); pass graphs=False."
-                ) from e
+            got = self._record(t)
+            if got is None:  # NOTE [ Captured saves ] Rule 6: out of memory during the capture
+                torch.cuda.empty_cache()  # outside a capture: destroyed graphs' pools go back to the driver
+                self.retries += 1
+                got = self._record(t, last=True)
         cur.wait_stream(s)
         self.captures += 1
+        assert got is not None
+        return got
+
+    def _record(self, t: torch.Tensor, last: bool = False) -> tuple[Any, Deferred] | None:
+        """One capture of the codec's ``compress_deferred(t)`` on the current (ring's) stream; ``None`` if it ran out
+        of GPU memory and this is not the ``last`` try (NOTE [ Captured saves ] Rules 4, 6)."""
+        g = torch.cuda.CUDAGraph()
+        try:
+            g.capture_begin(capture_error_mode="thread_local")
+            try:
+                d = self.codec.compress_deferred(t)
+            finally:
+                g.capture_end()
+        except Exception as e:  # noqa: BLE001 - any failure of the capture is the codec's
+            oom = isinstance(e, torch.cuda.OutOfMemoryError) or isinstance(e.__context__, torch.cuda.OutOfMemoryError)
+            if oom and not last:
+                return None  # the failed graph (and its pool) goes with this frame, before the cache is emptied
+            hint = (" even after emptying the caching allocator's cache: free GPU memory, pass a smaller "
+                    "sizes_in_flight, or" if oom else ";")
+            raise CheckpointError(
+                f"torchckpt: SnapshotStore(graphs=True) could not capture {type(self.codec).__name__}'s "
+                f"compress_deferred as a CUDA graph ({type(e).__name__}: {e}){hint} pass graphs=False."
+            ) from e
         return g, d
 
     def _warn(self) -> None:
