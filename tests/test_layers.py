@@ -2,7 +2,7 @@
 
 Layers, top to bottom (docs/architecture.md): the public entry points (``torchckpt``, ``api``,
 ``policies``, ``demo``, ``env``) over ``adjoint`` and ``recompute`` over ``store`` over ``memory``, ``codecs`` and ``distributed``
-over ``schedules`` and ``_native``, with ``_errors``/``_args`` at the bottom. ``schedules`` imports no torch.
+over ``schedules`` and ``_native``, with ``_errors``/``_args``/``_streams`` at the bottom. ``schedules`` imports no torch.
 Rules are cited by their NOTE (``NOTE [ Name ] Rule N``), and every cited NOTE and rule exists.
 """
 from __future__ import annotations
@@ -20,13 +20,14 @@ ROOT = pathlib.Path(torchckpt.__file__).parent
 # What each layer may import from torchckpt (besides itself). Lower layers never import upper ones.
 ALLOWED: dict[str, set[str]] = {
     "_errors": set(),
+    "_streams": set(),  # NOTE [ Cheap streams ]: torch only
     "_args": {"_errors", "memory"},  # the host-pool type check imports memory lazily
     "_native": {"_errors"},
     "schedules": {"_errors"},
-    "codecs": {"_errors", "_native"},
+    "codecs": {"_errors", "_native", "_streams"},
     "memory": {"_errors", "_native", "schedules"},  # schedules' Tier names the tiers a bandwidth belongs to
     "distributed": {"_errors", "schedules"},
-    "store": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "distributed"},
+    "store": {"_errors", "_args", "_native", "_streams", "codecs", "memory", "schedules", "distributed"},
     "recompute": {"_errors", "_args", "codecs", "schedules", "store"},
     "adjoint": {"_errors", "_args", "_native", "codecs", "memory", "schedules", "store", "distributed"},
     "policies": {"_errors", "codecs", "recompute", "store"},
@@ -97,7 +98,8 @@ def test_no_private_names_across_packages(name: str, path: pathlib.Path) -> None
             if not name.startswith("torchckpt._native"):
                 privates.append(module)
         elif module.split(".")[-1].startswith("_") and not module.split(".")[-1].startswith("__"):
-            if module not in ("torchckpt._errors", "torchckpt._args", "torchckpt._native") and not same_package:
+            if module not in ("torchckpt._errors", "torchckpt._args", "torchckpt._native", "torchckpt._streams") \
+                    and not same_package:
                 privates.append(module)
         crosses = bool(privates) and (not same_package or any(p in ("torchckpt._C", "torchckpt._zfp") for p in privates))
         assert not crosses, f"{path.relative_to(ROOT.parent)}:{line} imports private {privates} from {module}"

@@ -411,7 +411,7 @@ def test_a_plan_used_in_a_capture_is_never_evicted(monkeypatch: pytest.MonkeyPat
     dev, s = torch.device("cuda", 0), _FakeStream()
     capturing = [True]
     monkeypatch.setattr(bc.torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
-    monkeypatch.setattr(bc.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bc.torch.cuda, "is_initialized", lambda: True)
     with cache.use(dev, 1000, nv.S32, nv.LOSSLESS, nv.DEFAULT_ALGO, s):  # type: ignore[arg-type]
         pass
     capturing[0] = False

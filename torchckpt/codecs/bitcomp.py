@@ -82,6 +82,7 @@ import torch
 
 from torchckpt._errors import internal_error
 from torchckpt._native import nvcomp as nv
+from torchckpt._streams import current
 from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, on_stream
 
 _ALIGN = 16  # NOTE [ Bitcomp ] Rule 8
@@ -219,7 +220,7 @@ class _PlanCache:
             if last is None or last != stream:
                 nv.check(lib.bitcompSetStream(h, ctypes.c_void_p(stream.cuda_stream)), "bitcompSetStream")
             self._plans[key] = (h, stream)
-            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # no capture before CUDA's init
                 self._captured.add(key)
             while len(self._plans) > max(self._capacity, len(self._captured)):
                 gone = next(k for k in self._plans if k not in self._captured)  # least recently used, not captured
@@ -243,6 +244,15 @@ class _PlanCache:
 
 
 _PLANS = _PlanCache(_PLAN_CACHE_SIZE)
+
+
+_SAME_DEVICE = contextlib.nullcontext()
+
+
+def _device_of(dev: torch.device) -> Any:
+    """``torch.cuda.device(dev)``, or nothing when ``dev`` is the current device already (the common case, without
+    the device guard's lookups: NOTE [ Cheap streams ])."""
+    return _SAME_DEVICE if torch.cuda.current_device() == dev.index else torch.cuda.device(dev)
 
 
 @contextlib.contextmanager
@@ -393,8 +403,8 @@ class Bitcomp(Codec):
         """The worst-case buffer nvCOMP wrote and the compressed size (int64 on the device), nothing read back."""
         lib = nv.library()
         dev = src.device
-        with torch.cuda.device(dev):
-            s = torch.cuda.current_stream(dev)
+        with _device_of(dev):
+            s = current(dev.index)  # NOTE [ Cheap streams ] Rule 1
             scratch = torch.empty(lib.bitcompMaxBuflen(nbytes), dtype=torch.uint8, device=dev)
             size = torch.empty(1, dtype=torch.int64, device=dev)
             with _PLANS.use(dev, nbytes, r.btype, r.mode, self._algo, s) as h:
@@ -446,8 +456,8 @@ class Bitcomp(Codec):
                          nbytes: int) -> None:
         lib = nv.library()
         dev = flat.device
-        with torch.cuda.device(dev):
-            s = torch.cuda.current_stream(dev)
+        with _device_of(dev):
+            s = current(dev.index)  # NOTE [ Cheap streams ] Rule 1
             with _PLANS.use(dev, nbytes, btype, mode, algo, s) as h:
                 nv.check(lib.bitcompUncompress(h, buf.data_ptr(), flat.data_ptr()), "Bitcomp decompression")
 

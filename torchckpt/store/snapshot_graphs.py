@@ -45,6 +45,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import CheckpointError
+from torchckpt._streams import current, index
 from torchckpt.codecs.base import Codec, Deferred
 
 __all__ = ["SaveGraphs", "KEYS", "check_graphs"]
@@ -86,10 +87,11 @@ class SaveGraphs:
         self.owner: list[Any] = [None] * entries  # per entry: the unsized record of the save that used it last
         self._next = 0
         self._stream = torch.cuda.Stream(device)
+        self._idx = index(device)
         self._warm: set[tuple[Any, ...]] = set()
         self._warned = False
         self.captures = 0
-        self.retries = 0  # captures tried again after emptying the allocator's cache (Rule 6)
+        self.retries = 0  # captures tried again after emptying the allocator's cache (NOTE [ Captured saves ] Rule 6)
 
     def entry(self) -> int:
         """The next entry of the ring (the caller settles its ``owner`` first: NOTE [ Captured saves ] Rule 3)."""
@@ -101,7 +103,7 @@ class SaveGraphs:
         """Each of ``tensors`` compressed by entry ``i``'s graph for it (captured at its first use), on the current
         stream after the entry's last reader; whether every one was a replay (else some were eager) (NOTE [ Captured
         saves ] Rules 1, 3)."""
-        cur = torch.cuda.current_stream(self.device)
+        cur = current(self._idx)  # NOTE [ Cheap streams ] Rule 1
         if self._free[i] is not None:
             cur.wait_event(self._free[i])
             self._free[i] = None

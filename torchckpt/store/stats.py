@@ -139,8 +139,9 @@ class SnapshotStats:
             (NOTE [ Snapshot store ] Rule 9); size_waits: times the host waited for a compressed size that
             was not on the host yet (``defer_sizes``, NOTE [ Snapshot sizes ] Rule 3; a save never does).
         graph_saves / graph_captures: saves whose compression was a CUDA graph replayed, and the graphs captured
-            (``SnapshotStore(graphs=True)``, NOTE [ Captured saves ]; both 0 without); graph_retries: captures
-            that ran out of GPU memory and were made again after emptying the allocator's cache (Rule 6).
+            (``SnapshotStore(graphs=True)``, NOTE [ Captured saves ]; both 0 without); graph_retries:
+            captures that ran out of GPU memory and were made again after emptying the allocator's cache
+            (NOTE [ Captured saves ] Rule 6).
         peer_saves / peer_bytes_sent: snapshots (and their bytes) this rank sent to peers instead of host
             (``SnapshotStore(peers=...)``, NOTE [ Snapshot peer tier ] Rules 1-6; all peer counters 0 without);
             peer_fetches / peer_bytes_fetched: of them, taken back (at a prefetch, or on demand at a restore,

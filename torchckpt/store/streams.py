@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from torchckpt._streams import current, index, on
 from torchckpt.codecs.base import Codec, Packed
 from torchckpt.codecs.blob import Blob
 
@@ -119,10 +120,11 @@ class Mover:
         self.offload: Any = torch.cuda.Stream(device) if self.cuda else None
         self.prefetch: Any = torch.cuda.Stream(device) if self.cuda else None
         self.sizes: Any = torch.cuda.Stream(device) if self.cuda else None  # NOTE [ Mover ] Rule 6
+        self._idx = index(device) if self.cuda else -1  # the device of its streams (NOTE [ Cheap streams ] Rule 3)
 
     # -- the compute stream ---------------------------------------------------------------
     def current(self) -> Any:
-        return torch.cuda.current_stream(self.device)
+        return current(self._idx)  # NOTE [ Cheap streams ] Rule 1
 
     def record(self) -> Any:
         """An event at the compute stream's current position (``None`` on the CPU)."""
@@ -165,7 +167,7 @@ class Mover:
     def _copy(self, s: Any, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
         """Issue ``dst.copy_(src)`` on stream ``s`` (its waits already queued); its event
         (NOTE [ Mover ] Rules 1, 3, 4)."""
-        with torch.cuda.stream(s), nvtx_range("torchckpt." + kind):
+        with on(s), nvtx_range("torchckpt." + kind):
             if self.delay is not None:
                 self.delay(kind, s)
             dst.copy_(src, non_blocking=True)
@@ -227,7 +229,7 @@ class Mover:
             s.wait_stream(self.current())
         else:
             s.wait_event(after)
-        with torch.cuda.stream(s):
+        with on(s):
             if self.delay is not None:
                 self.delay("sizes", s)
             dst.copy_(src, non_blocking=True)
@@ -244,7 +246,7 @@ class Mover:
         s = self.sizes
         self._wait_for(s, (after,))
         _read_on(s, reads)
-        return torch.cuda.stream(s)
+        return on(s)
 
     def place(self, dst: torch.Tensor, blob: Blob, packs: Sequence[Packed], after: Iterable[Any] = (),
               after_all: bool = False) -> Any:
@@ -256,7 +258,7 @@ class Mover:
             return None
         s = self.sizes
         self._wait_for(s, after, after_all)
-        with torch.cuda.stream(s), nvtx_range("torchckpt.place"):
+        with on(s), nvtx_range("torchckpt.place"):
             if self.delay is not None:
                 self.delay("place", s)
             blob.write(dst, packs, non_blocking=True)
@@ -287,7 +289,7 @@ class Mover:
             return block, blob, None
         s = self.offload
         s.wait_stream(self.current())
-        with torch.cuda.stream(s), nvtx_range("torchckpt.compress+d2h"):
+        with on(s), nvtx_range("torchckpt.compress+d2h"):
             if self.delay is not None:
                 self.delay("d2h", s)
             p = codec.compress(x, stream=s)
@@ -308,7 +310,7 @@ class Mover:
         out = torch.empty(nbytes, dtype=torch.uint8, device=self.device)  # on cur, before to_device's wait
         staged, _, cur = self.to_device(src, src.numel(), after)
         s = self.prefetch
-        with torch.cuda.stream(s), nvtx_range("torchckpt.decompress"):
+        with on(s), nvtx_range("torchckpt.decompress"):
             codec.decompress(blob.read(staged)[0], out=out.view(dtype), stream=s)
             staged.record_stream(s)  # allocated on cur, read here
             ev = self._event(s)

@@ -1,0 +1,52 @@
+"""CUDA: NOTE [ Cheap streams ]: ``on(stream)`` selects a stream and gives the one it replaced back, as
+``torch.cuda.stream`` does (nested, and when the body raises); ``current(index)`` is the current stream.
+
+    python -m pytest -q -p no:cacheprovider tests/test_streams_cuda.py
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchckpt._streams import current, index, on
+from torchckpt.store.streams import Mover
+
+pytestmark = pytest.mark.cuda
+
+
+def test_on_selects_the_stream_and_gives_the_old_one_back() -> None:
+    base = torch.cuda.current_stream()
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    with on(a):
+        assert torch.cuda.current_stream() == a
+        with on(b):
+            assert torch.cuda.current_stream() == b and current(index(None)) == b
+        assert torch.cuda.current_stream() == a
+    assert torch.cuda.current_stream() == base
+    with pytest.raises(RuntimeError, match="inside"):
+        with on(a):
+            raise RuntimeError("inside")
+    assert torch.cuda.current_stream() == base
+
+
+def test_work_queued_inside_runs_on_the_stream() -> None:
+    """A kernel queued inside ``on(s)`` is ordered by ``s``: the current stream waits for it only through ``s``."""
+    s = torch.cuda.Stream()
+    x = torch.zeros(1 << 20, device="cuda")
+    s.wait_stream(torch.cuda.current_stream())
+    with on(s):
+        torch.cuda._sleep(50_000_000)  # about 20-50 ms of spinning on s
+        x.add_(1)
+        done = torch.cuda.Event()
+        done.record(s)
+    assert not done.query()  # queued on s, behind the sleep: the host did not wait for it
+    torch.cuda.current_stream().wait_event(done)
+    assert x.sum().item() == x.numel()
+
+
+def test_the_movers_compute_stream_is_the_current_one() -> None:
+    m = Mover(torch.device("cuda"))
+    s = torch.cuda.Stream()
+    assert m.current() == torch.cuda.current_stream()
+    with torch.cuda.stream(s):
+        assert m.current() == s
