@@ -31,6 +31,8 @@ def test_on_selects_the_stream_and_gives_the_old_one_back() -> None:
 
 def test_work_queued_inside_runs_on_the_stream() -> None:
     """A kernel queued inside ``on(s)`` is ordered by ``s``: the current stream waits for it only through ``s``."""
+    torch.cuda._sleep(1)  # the sleep kernel's first launch in a process can finish before the host goes on
+    torch.cuda.synchronize()
     s = torch.cuda.Stream()
     x = torch.zeros(1 << 20, device="cuda")
     s.wait_stream(torch.cuda.current_stream())
