@@ -281,6 +281,30 @@ def test_host_snapshots_released(mode: str) -> None:
     assert host_in_use(store.host) == 0
 
 
+def test_run_schedule_closes_its_own_store_when_a_callback_raises() -> None:
+    """``run_schedule`` with a ``Store`` makes a snapshot store of its own: when a callback raises mid-run, that
+    store's host blocks go back to the pool at once, with the garbage collector off (the traceback still held)."""
+    store = cpu_store()
+    x = [torch.ones(64)]
+    calls = []
+
+    def backward(n: int) -> None:
+        calls.append(n)
+        if len(calls) == 3:
+            raise RuntimeError("the user's adjoint step failed")
+
+    gc.disable()
+    try:
+        with pytest.raises(RuntimeError, match="adjoint step failed") as info:
+            run_schedule(Revolve(10, 3, tier=Tier.HOST), forward=lambda a, b: x.__setitem__(0, x[0] * 1.1),
+                         save=lambda n: x[0], restore=lambda n, t: x.__setitem__(0, t[0].clone()),
+                         backward=backward, store=store, slots=1)
+        assert info.value is not None
+        assert host_in_use(store.host) == 0
+    finally:
+        gc.enable()
+
+
 def test_default_store_and_auto_schedule() -> None:
     """store=None uses the default CPU store; schedule=AutoSchedule() is the default."""
     x0 = torch.randn(5, dtype=torch.float64, requires_grad=True)

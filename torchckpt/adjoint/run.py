@@ -197,10 +197,16 @@ def run_schedule(
     plan = Planned.of(check_actions("run_schedule", schedule), prefetch)
     d = _Callbacks(forward, save, restore, backward, end_forward, store, slots, plan,
                    Progress(progress, getattr(schedule, "n_steps", 0)), restore_into)
-    run(iter(plan), d)
+    owned = not isinstance(store, SnapshotStore)  # a store made here: closed here, whatever happens
+    try:
+        run(iter(plan), d)
+    except BaseException:
+        if owned and d.snaps is not None:
+            d.snaps.close()  # its slots and host blocks go back now, not when the traceback is dropped
+        raise
     if d.snaps is None:
         return SnapshotStats()
     st = d.snaps.stats()
-    if not isinstance(store, SnapshotStore):
+    if owned:
         d.snaps.close()
     return st
