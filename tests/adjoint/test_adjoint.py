@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
@@ -301,6 +304,54 @@ def test_run_schedule_closes_its_own_store_when_a_callback_raises() -> None:
                          backward=backward, store=store, slots=1)
         assert info.value is not None
         assert host_in_use(store.host) == 0
+    finally:
+        gc.enable()
+
+
+@settings(max_examples=int(os.environ.get("TORCHCKPT_FUZZ_EXAMPLES", "500")) // 5, deadline=None, derandomize=True)
+@given(kind=st.sampled_from(["revolve", "zcut", "uniform", "multistage"]), n=st.integers(2, 24),
+       snaps=st.integers(1, 6), slots=st.integers(1, 3), where=st.sampled_from(["forward", "save", "restore", "backward"]),
+       at=st.integers(1, 30), own=st.booleans())
+def test_a_callback_raising_anywhere_leaves_no_host_block(kind: str, n: int, snaps: int, slots: int, where: str,
+                                                          at: int, own: bool) -> None:
+    """Fuzz (the bug of the test above): a random schedule whose ``where`` callback raises at its ``at``-th call; the
+    host pool is back to empty at once (garbage collector off) when ``run_schedule`` made the store (``own``), and
+    once the caller closes the ``SnapshotStore`` it passed."""
+    sched = {"revolve": lambda: Revolve(n, min(snaps, n), tier=Tier.HOST), "zcut": lambda: ZCut(n, tier=Tier.HOST),
+             "uniform": lambda: Uniform(n, min(snaps, n), tier=Tier.HOST),
+             "multistage": lambda: Multistage(n, gpu_slots=1, host_slots=min(snaps, n))}[kind]()
+    pool = small_pool()
+    store: Store | SnapshotStore = Store("cpu", host=pool) if own else SnapshotStore("cpu", slots=slots, host=pool)
+    x = [torch.ones(64)]
+    calls = {"forward": 0, "save": 0, "restore": 0, "backward": 0}
+
+    def hit(name: str) -> None:
+        calls[name] += 1
+        if name == where and calls[name] == at:
+            raise RuntimeError("boom")
+
+    def forward(a: int, b: int) -> None:
+        hit("forward")
+        x[0] = x[0] + (b - a)
+
+    def save(k: int) -> torch.Tensor:
+        hit("save")
+        return x[0]
+
+    def restore(k: int, t: list[torch.Tensor]) -> None:
+        hit("restore")
+        x[0] = t[0].clone()
+
+    gc.disable()
+    try:
+        try:
+            run_schedule(sched, forward=forward, save=save, restore=restore, backward=lambda k: hit("backward"),
+                         store=store, slots=slots)
+        except RuntimeError as e:
+            assert str(e) == "boom"
+        if isinstance(store, SnapshotStore):
+            store.close()
+        assert host_in_use(pool) == 0
     finally:
         gc.enable()
 
