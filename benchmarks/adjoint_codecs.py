@@ -161,6 +161,23 @@ def psnr(img: torch.Tensor, ref: torch.Tensor) -> float:
 WINDOW = "adjoint_codecs: traced run"
 
 
+def profile_light(fn) -> dict:
+    """Run ``fn`` once more traced with the device's activity only (``ProfilerActivity.CUDA``: kernels, copies, sets
+    and the runtime calls, no op recorded on the host, so less of the profiler's own host time in a host-bound run),
+    between two ``torch.cuda.synchronize()`` calls that mark the window: ``common.device_idle``'s figures and
+    ``run_s``, as ``profile_run`` returns them (CUDA only)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        torch.cuda.synchronize()
+        run_s = fn()[0]
+        torch.cuda.synchronize()
+    events, window = profiler_events(prof, None, marker="cudaDeviceSynchronize")
+    fig = device_idle(events, window)
+    fig["run_s"] = run_s
+    return fig
+
+
 def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> dict:
     """Run ``fn`` (a run: returns its time first) once more under torch.profiler, inside
     ``record_function(WINDOW)``; write where its time went to ``path``: the device's idle fraction over the
@@ -243,6 +260,10 @@ def main() -> int:
                         "traced window's wall time, the device's busy time (union of kernels, memcpys, memsets), its "
                         "idle fraction and the host's synchronisations (table and JSON); write "
                         "profile_<schedule>_<run>.txt (where the time goes: kernels, synchronizations)")
+    p.add_argument("--profile-light", action="store_true",
+                   help="with --profile: trace each run a third time with the device's activity only (no op recorded "
+                        "on the host: less of the profiler's own host cost in a host-bound run) and report its window "
+                        "and idle fraction beside the full trace's (CUDA only)")
     p.add_argument("--sizes", default="exact",
                    help="comma-separated SnapshotStore size settings to run each codec's (d) with: exact "
                         "(defer_sizes=False, the default), deferred (defer_sizes=True) and/or graphs (defer_sizes=True, "
@@ -291,6 +312,8 @@ def main() -> int:
         p.error("--sizes graphs replays CUDA graphs (SnapshotStore(graphs=True)): it needs a CUDA device")
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: pass --profile too, or leave --trace-dir out")
+    if args.profile_light and not args.profile:
+        p.error("--profile-light traces each run of --profile once more: pass --profile too")
     if args.trace_dir:
         os.makedirs(args.trace_dir, exist_ok=True)
     cuda = torch.cuda.is_available()
@@ -396,9 +419,18 @@ def main() -> int:
         else:
             print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s, device busy {fig['busy_s']:.3f} s, idle "
                   f"{fig['idle_fraction']:.1%}; {fig['sync_calls']} host synchronisations {fig['syncs']}", flush=True)
+        light = None
+        if args.profile_light and fig["idle_fraction"] is not None:
+            try:
+                light = fig["light"] = profile_light(fn)
+                print(f"[{s} {run} traced, device activity only] window {light['wall_s']:.3f} s, device busy "
+                      f"{light['busy_s']:.3f} s, idle {light['idle_fraction']:.1%}", flush=True)
+            except RuntimeError as e:  # a trace without the marker calls: said, not invented
+                print(f"[{s} {run} traced, device activity only] not measured: {e}", flush=True)
         prows.append([s, run, fmt(untraced_s, ".3f"), fmt(fig["run_s"], ".3f"), fmt(fig["wall_s"], ".3f"),
                       fmt(fig["busy_s"], ".3f"), "-" if fig["idle_fraction"] is None else f"{fig['idle_fraction']:.1%}",
-                      "-" if fig["sync_calls"] is None else str(fig["sync_calls"])])
+                      "-" if fig["sync_calls"] is None else str(fig["sync_calls"]),
+                      "-" if light is None else f"{light['wall_s']:.3f} s, {light['idle_fraction']:.1%}"])
         return fig
 
     def turns_of(s: str, sh, base: dict, r: dict) -> None:
@@ -515,7 +547,7 @@ def main() -> int:
         print("\ntraced runs (torch.profiler): the window is the whole call; busy = union of the device's kernels, "
               "memcpys and memsets; idle = 1 - busy / window")
         print_table(["schedule", "run", "time s", "traced run s", "window s", "device busy s", "device idle",
-                     "host syncs"], prows)
+                     "host syncs", "device only: window, idle"], prows)
     for s, r in results.items():
         if "target" in r:
             t = r["target"]

@@ -234,20 +234,26 @@ def device_idle(events: Iterable[tuple[float, float, str, str]], window: tuple[f
             "syncs": dict(sorted(syncs.items())), "sync_calls": sum(syncs.values())}
 
 
-def profiler_events(prof: Any, window_name: str) -> tuple[list[tuple[float, float, str, str]], tuple[float, float]]:
+def profiler_events(prof: Any, window_name: str | None,
+                    marker: str | None = None) -> tuple[list[tuple[float, float, str, str]], tuple[float, float]]:
     """A finished ``torch.profiler.profile``'s events as ``device_idle`` takes them (seconds), and the window of its
-    ``record_function(window_name)`` range. Work on a CUDA device is a kernel, a memcpy or a memset by its name
-    (kineto's ``Memcpy ...``/``Memset ...``); the device's mirror of user annotations and CUPTI's synchronisation
-    records (``... Sync``, ``Stream Wait Event``) are left out: they are not work."""
+    ``record_function(window_name)`` range, or (``marker``, for a trace of device activity only, where no range is
+    recorded) from the start of the first host call named ``marker`` to the end of the last. Work on a CUDA device
+    is a kernel, a memcpy or a memset by its name (kineto's ``Memcpy ...``/``Memset ...``); the device's mirror of
+    user annotations and CUPTI's synchronisation records (``... Sync``, ``Stream Wait Event``) are left out: they are
+    not work."""
     from torch.autograd import DeviceType
 
     events: list[tuple[float, float, str, str]] = []
     window = None
+    marks: list[tuple[float, float]] = []
     for e in prof.events():
         s, t = e.time_range.start / 1e6, e.time_range.end / 1e6
         if e.device_type == DeviceType.CPU:
             if e.is_user_annotation and e.name == window_name:
                 window = (s, t)
+            if marker is not None and e.name == marker:
+                marks.append((s, t))
             events.append((s, t, "cpu", e.name))
         elif e.device_type == DeviceType.CUDA and not e.is_user_annotation:
             if e.name.startswith("Memcpy"):
@@ -259,6 +265,10 @@ def profiler_events(prof: Any, window_name: str) -> tuple[list[tuple[float, floa
             else:
                 kind = "kernel"
             events.append((s, t, kind, e.name))
+    if marker is not None:
+        if len(marks) < 2:
+            raise RuntimeError(f"profiler_events: fewer than two {marker!r} calls in the trace to mark its window")
+        window = (min(m[0] for m in marks), max(m[1] for m in marks))
     if window is None:
         raise RuntimeError(f"profiler_events: no record_function({window_name!r}) range in the trace")
     return events, window

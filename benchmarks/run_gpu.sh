@@ -139,7 +139,7 @@ if [[ $PART == graphs ]]; then
   # the traced zCut run the idle target is judged on, in a folder of its own (the profiles share names)
   mkdir -p "$OUT/traced"
   python3 benchmarks/adjoint_codecs.py --schedules zcut --codecs bitcomp:0.001 --sizes graphs --graphed-steps \
-    --profile --out "$OUT/traced" 2>&1 | tail -12 | tee "$OUT/adjoint_codecs_traced.log" || true
+    --profile --profile-light --out "$OUT/traced" 2>&1 | tail -14 | tee "$OUT/adjoint_codecs_traced.log" || true
 fi
 
 if [[ $PART == compressed_profile ]]; then

@@ -126,6 +126,26 @@ def test_profiler_events_sorts_a_cuda_trace_into_work_host_and_window() -> None:
         common.profiler_events(prof, "other")
 
 
+def test_profiler_events_takes_a_device_only_traces_window_from_its_markers() -> None:
+    """A trace of device activity only holds no range: its window runs from the first marker call's start to the last
+    one's end (``adjoint_codecs.py --profile-light``: two ``torch.cuda.synchronize()`` around the run)."""
+    cpu, cuda = DeviceType.CPU, DeviceType.CUDA
+    prof = SimpleNamespace(events=lambda: [
+        _ev("cudaDeviceSynchronize", 0, 10, cpu),
+        _ev("cudaLaunchKernel", 100, 110, cpu),
+        _ev("_wave_step_kernel", 120, 520_000, cuda),
+        _ev("cudaDeviceSynchronize", 300_000, 310_000, cpu),  # the run's own, inside the window
+        _ev("cudaDeviceSynchronize", 990_000, 1_000_000, cpu),
+    ])
+    events, window = common.profiler_events(prof, None, marker="cudaDeviceSynchronize")
+    assert window == (0.0, 1.0)
+    r = common.device_idle(events, window)
+    assert r["busy_s"] == pytest.approx(0.51988) and r["idle_fraction"] == pytest.approx(1 - 0.51988)
+    with pytest.raises(RuntimeError, match="fewer than two"):
+        common.profiler_events(SimpleNamespace(events=lambda: [_ev("cudaDeviceSynchronize", 0, 1, cpu)]), None,
+                               marker="cudaDeviceSynchronize")
+
+
 def test_adjoint_codecs_profile_on_the_cpu_measures_no_idle_fraction(tmp_path: pathlib.Path) -> None:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
     res = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--schedules", "zcut", "--codecs",
