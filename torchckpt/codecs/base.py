@@ -356,12 +356,20 @@ class Codec(abc.ABC):
         return out
 
 
-@contextlib.contextmanager
-def on_stream(stream: torch.cuda.Stream | None, device: torch.device, *inputs: torch.Tensor) -> Iterator[None]:
-    """Run the body on ``stream`` after the current stream (NOTE [ Codec streams ] Rules 1, 2, 4)."""
+_NO_STREAM = contextlib.nullcontext()  # reusable: the caller's stream, nothing to switch
+
+
+def on_stream(stream: torch.cuda.Stream | None, device: torch.device,
+              *inputs: torch.Tensor) -> contextlib.AbstractContextManager[None]:
+    """Run the body on ``stream`` after the current stream (NOTE [ Codec streams ] Rules 1, 2, 4); ``None``: on the
+    current stream, with no context made per call (every codec call passes through here)."""
     if stream is None:
-        yield
-        return
+        return _NO_STREAM
+    return _on_stream(stream, device, inputs)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream, device: torch.device, inputs: tuple[torch.Tensor, ...]) -> Iterator[None]:
     if device.type != "cuda":
         raise ValueError(
             f"torchckpt: a stream was passed for a tensor on {device}; streams are for CUDA tensors, pass stream=None."
