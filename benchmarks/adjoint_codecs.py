@@ -147,8 +147,10 @@ def with_memstats(fn, into: dict | None):
 
 def store_kw(mode: str) -> dict:
     """``SnapshotStore``'s size settings for a ``--sizes`` mode: ``exact``, ``deferred[:K]`` or ``graphs[:K]`` (K:
-    ``sizes_in_flight``, the store's default where not given)."""
+    ``sizes_in_flight``, the store's default where not given); ``ValueError`` for any other."""
     base, _, k = mode.partition(":")
+    if not (mode == "exact" or base in ("deferred", "graphs") and (not k or k.isdigit() and int(k) >= 1)):
+        raise ValueError(mode)
     return dict(defer_sizes=mode != "exact", graphs=base == "graphs", **({"sizes_in_flight": int(k)} if k else {}))
 
 
@@ -301,8 +303,10 @@ def main() -> int:
         _launch.ENABLED = False
     sizes = [z for z in args.sizes.split(",") if z]
     def size_mode(z: str) -> bool:
-        base, _, k = z.partition(":")
-        return z == "exact" or base in ("deferred", "graphs") and (not k or k.isdigit() and int(k) >= 1)
+        try:
+            return bool(store_kw(z))
+        except ValueError:
+            return False
     if not sizes or not all(size_mode(z) for z in sizes) or len(set(sizes)) != len(sizes):
         p.error(f"--sizes takes exact, deferred and/or graphs (the latter two with :K, K >= 1 snapshots whose sizes may "
                 f"be on the device at once), comma-separated, got {args.sizes!r}")

@@ -52,3 +52,13 @@ def test_the_movers_compute_stream_is_the_current_one() -> None:
     assert m.current() == torch.cuda.current_stream()
     with torch.cuda.stream(s):
         assert m.current() == s
+
+
+def test_on_device_is_the_device_guard() -> None:
+    """NOTE [ Cheap streams ] Rule 4: on the current device nothing changes; the device stays current inside."""
+    from torchckpt._streams import on_device
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    with on_device(dev):
+        assert torch.cuda.current_device() == dev.index
+    assert torch.cuda.current_device() == dev.index

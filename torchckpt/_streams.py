@@ -12,14 +12,19 @@ per-call device lookups.
 #    the device's stream without changing the current device).
 # 3. ``index(device)``: a CUDA device's index (``None``: the current device's), once, where a mover or a codec call
 #    starts, so that the per-action calls pass an ``int``.
+# 4. ``on_device(device)`` is ``torch.cuda.device(device)``, or nothing when ``device`` is the current device already
+#    (the common case: no device guard built per call).
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
 
-__all__ = ["current", "index", "on"]
+__all__ = ["current", "index", "on", "on_device"]
+
+_SAME_DEVICE = contextlib.nullcontext()  # reusable
 
 
 def index(device: torch.device | int | None) -> int:
@@ -30,6 +35,12 @@ def index(device: torch.device | int | None) -> int:
     if device is None or device.index is None:
         return torch.cuda.current_device()
     return device.index
+
+
+def on_device(device: torch.device) -> Any:
+    """``torch.cuda.device(device)`` for CUDA ``device``, or a shared null context when it is the current device
+    (NOTE [ Cheap streams ] Rule 4)."""
+    return _SAME_DEVICE if torch.cuda.current_device() == device.index else torch.cuda.device(device)
 
 
 def current(idx: int) -> Any:

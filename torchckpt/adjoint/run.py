@@ -197,16 +197,9 @@ def run_schedule(
     plan = Planned.of(check_actions("run_schedule", schedule), prefetch)
     d = _Callbacks(forward, save, restore, backward, end_forward, store, slots, plan,
                    Progress(progress, getattr(schedule, "n_steps", 0)), restore_into)
-    owned = not isinstance(store, SnapshotStore)  # a store made here: closed here, whatever happens
     try:
         run(iter(plan), d)
-    except BaseException:
-        if owned and d.snaps is not None:
-            d.snaps.close()  # its slots and host blocks go back now, not when the traceback is dropped
-        raise
-    if d.snaps is None:
-        return SnapshotStats()
-    st = d.snaps.stats()
-    if owned:
-        d.snaps.close()
-    return st
+        return d.snaps.stats() if d.snaps is not None else SnapshotStats()
+    finally:  # a store made here is closed here, also when a callback raises (not when the traceback is dropped)
+        if d.snaps is not None and not isinstance(store, SnapshotStore):
+            d.snaps.close()

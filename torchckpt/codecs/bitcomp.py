@@ -82,7 +82,7 @@ import torch
 
 from torchckpt._errors import internal_error
 from torchckpt._native import nvcomp as nv
-from torchckpt._streams import current
+from torchckpt._streams import current, on_device
 from torchckpt.codecs.base import Codec, Deferred, Guarantee, Meta, Packed, on_stream
 
 _ALIGN = 16  # NOTE [ Bitcomp ] Rule 8
@@ -246,15 +246,6 @@ class _PlanCache:
 _PLANS = _PlanCache(_PLAN_CACHE_SIZE)
 
 
-_SAME_DEVICE = contextlib.nullcontext()
-
-
-def _device_of(dev: torch.device) -> Any:
-    """``torch.cuda.device(dev)``, or nothing when ``dev`` is the current device already (the common case, without
-    the device guard's lookups: NOTE [ Cheap streams ])."""
-    return _SAME_DEVICE if torch.cuda.current_device() == dev.index else torch.cuda.device(dev)
-
-
 @contextlib.contextmanager
 def _host_plan(nbytes: int, btype: int, mode: int, algo: int) -> Iterator[ctypes.c_void_p]:
     lib = nv.library()
@@ -403,7 +394,7 @@ class Bitcomp(Codec):
         """The worst-case buffer nvCOMP wrote and the compressed size (int64 on the device), nothing read back."""
         lib = nv.library()
         dev = src.device
-        with _device_of(dev):
+        with on_device(dev):  # NOTE [ Cheap streams ] Rule 4
             s = current(dev.index)  # NOTE [ Cheap streams ] Rule 1
             scratch = torch.empty(lib.bitcompMaxBuflen(nbytes), dtype=torch.uint8, device=dev)
             size = torch.empty(1, dtype=torch.int64, device=dev)
@@ -456,7 +447,7 @@ class Bitcomp(Codec):
                          nbytes: int) -> None:
         lib = nv.library()
         dev = flat.device
-        with _device_of(dev):
+        with on_device(dev):  # NOTE [ Cheap streams ] Rule 4
             s = current(dev.index)  # NOTE [ Cheap streams ] Rule 1
             with _PLANS.use(dev, nbytes, btype, mode, algo, s) as h:
                 nv.check(lib.bitcompUncompress(h, buf.data_ptr(), flat.data_ptr()), "Bitcomp decompression")
