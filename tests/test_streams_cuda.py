@@ -23,6 +23,11 @@ def test_on_selects_the_stream_and_gives_the_old_one_back() -> None:
             assert torch.cuda.current_stream() == b and current(index(None)) == b
         assert torch.cuda.current_stream() == a
     assert torch.cuda.current_stream() == base
+    i = index(None)
+    assert current(i) is current(i) and current(i) == base  # NOTE [ Cheap streams ] Rule 1: one object per handle
+    with torch.cuda.stream(b):  # switched outside `on`: the handle differs, a new object is made
+        assert current(i) == b
+    assert current(i) == base
     with pytest.raises(RuntimeError, match="inside"):
         with on(a):
             raise RuntimeError("inside")

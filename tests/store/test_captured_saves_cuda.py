@@ -115,6 +115,35 @@ def test_a_save_replays_graphs_and_never_syncs(codec: Codec) -> None:
     store.close()
 
 
+@pytest.mark.parametrize("codec", codecs(), ids=repr)
+def test_a_replayed_save_reads_no_size_back(codec: Codec) -> None:
+    """NOTE [ Captured saves ] Rule 7: once every entry is captured, a save's sizes come back through its graphs' own
+    pinned rows (the mover reads nothing back for it), under delayed copies and a busy compute stream; each restore
+    is the eager bits."""
+    store = SnapshotStore("cuda", defer_sizes=True, graphs=True, slots=3, host=pool(), codec=codec)
+    state = fixed_state()
+    x = torch.randn(1 << 16, device="cuda")
+    for n in range(8):  # the first snapshot sizes the slots, then every ring entry is captured
+        store.save(n, Tier.HOST, state(n))
+    for n in range(8):
+        store.free(n, Tier.HOST)
+    reads: list[int] = []
+    read_back = store._mover.read_back
+    store._mover.read_back = lambda *a, **k: (reads.append(1), read_back(*a, **k))[1]
+    rng = random.Random(5)
+    store._mover.delay = lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000))
+    before = store.stats().graph_saves
+    for n in range(10, 22):
+        torch.cuda._sleep(rng.randint(0, 4_000_000))  # the compute stream busy: the rows are written late
+        store.save(n, Tier.HOST, state(n))
+        step(x)
+    assert reads == [] and store.stats().graph_saves - before == 12
+    for n in range(21, 9, -1):
+        assert_bits_equal([t.clone() for t in store.restore(n, Tier.HOST)], expected(codec, n))
+        store.after_use()
+    store.close()
+
+
 def _launches(calls: list[str]) -> int:
     return sum(1 for c in calls if c in ("cudaLaunchKernel", "cuLaunchKernel", "cuLaunchKernelEx", "cudaLaunchKernelExC"))
 

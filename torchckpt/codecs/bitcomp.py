@@ -217,10 +217,10 @@ class _PlanCache:
                 nv.check(lib.bitcompCreatePlan(ctypes.byref(h), nbytes, btype, mode, algo), "bitcompCreatePlan")
                 entry = (h, None)
             h, last = entry
-            if last is None or last != stream:
+            if last is not stream and (last is None or last != stream):  # NOTE [ Cheap streams ] Rule 1
                 nv.check(lib.bitcompSetStream(h, ctypes.c_void_p(stream.cuda_stream)), "bitcompSetStream")
             self._plans[key] = (h, stream)
-            if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # no capture before CUDA's init
+            if key not in self._captured and torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():
                 self._captured.add(key)
             while len(self._plans) > max(self._capacity, len(self._captured)):
                 gone = next(k for k in self._plans if k not in self._captured)  # least recently used, not captured

@@ -51,7 +51,8 @@ class Blob:
         for p, sp in zip(packs, self.spans):
             for b, (off, n) in zip(p.buffers, sp):
                 if n:
-                    flat[off : off + n].copy_(b.reshape(-1).view(torch.uint8), non_blocking=non_blocking)
+                    src = b if b.dtype is torch.uint8 and b.dim() == 1 else b.reshape(-1).view(torch.uint8)
+                    flat[off : off + n].copy_(src, non_blocking=non_blocking)
 
     def read(self, flat: torch.Tensor) -> list[Packed]:
         out = []

@@ -113,8 +113,8 @@ class _Unsized:
 
     n: int | None  # None: freed or saved again, kept only to count its packed bytes (NOTE [ Snapshot sizes ] Rule 5)
     defs: list[Deferred]
-    row: torch.Tensor  # the pinned row its sizes come back in
-    sized: Any  # the event of that copy (None on the CPU)
+    row: torch.Tensor | None  # the pinned row its sizes come back in (None: in ``rows``)
+    sized: Any  # the event after which they are there (None on the CPU)
     # what its slot's write waits for: the compute stream's event at the save (the compression is queued before it),
     # the slot's fill event (a prefetch into it may still be running) and flush event (a flush of what it held may
     # still read it) as they were at the save; for a Tier.GPU snapshot the first only
@@ -123,6 +123,7 @@ class _Unsized:
     flush: bool
     used: Any = None  # an off-GPU one's: the compute stream's event after a restore decoded it (NOTE [ Snapshot sizes ] Rule 8)
     entry: int | None = None  # its buffers' entry in the ring of captured saves (NOTE [ Captured saves ] Rules 2-3)
+    rows: list[torch.Tensor] | None = None  # its graphs' rows of sizes (NOTE [ Captured saves ] Rule 7)
 
 
 class CodecSide:
@@ -162,6 +163,7 @@ class CodecSide:
         assert self.codec is not None
         first, self._first = self._first, None
         entry = None
+        rows: list[torch.Tensor] | None = None
         if first is not None and first[0] == _identity(tensors):
             defs = [Deferred(p) for p in first[1]]  # the first snapshot, compressed once by calibrate
         elif self.graphs and s is not None:  # NOTE [ Captured saves ] Rules 1-3
@@ -171,31 +173,34 @@ class CodecSide:
             owner = self._graphs.owner[entry]
             if owner is not None:
                 self._settle(owner)
-            defs, replayed = self._graphs.compress(entry, tensors)
-            self._c["graph_saves"] += replayed
+            defs, rows = self._graphs.compress(entry, tensors)
+            self._c["graph_saves"] += rows is not None
             self._c["graph_captures"] = self._graphs.captures
             self._c["graph_retries"] = self._graphs.retries
         else:
             defs = [self.codec.compress_deferred(t.detach()) for t in tensors]
         self._c["raw_bytes"] += sum(d.packed.orig_nbytes for d in defs)
         sizes = [d.sizes for d in defs if d.sizes is not None]
-        vals = (sizes[0] if len(sizes) == 1 else torch.cat(sizes)) if sizes else None
-        saved = self._mover.record()  # the compression (and the sizes' cat) are queued before it
+        vals = None if not sizes or rows is not None else sizes[0] if len(sizes) == 1 else torch.cat(sizes)
+        saved = self._mover.record()  # the compression (and the sizes' cat, or their copies into rows) before it
         after = (saved, None, None) if s is None else (saved, self._fill_ev[s], self._flush_ev[s])
-        if vals is None:  # nothing deferred: settled at its save (NOTE [ Snapshot sizes ] Rule 4)
+        if not sizes:  # nothing deferred: settled at its save (NOTE [ Snapshot sizes ] Rule 4)
             packs = [d.packed for d in defs]
             self._c["packed_bytes"] += sum(p.nbytes for p in packs)
             self._keep(n, packs, s, after, flush)
             if entry is not None and s is not None:  # NOTE [ Captured saves ] Rule 3
                 self._graphs.release(entry, self._fill_ev[s])  # type: ignore[union-attr]
             return
-        last = self._rows[-1] if self._rows else None
-        row = self._rows.pop() if last is not None and last.numel() == vals.numel() and last.dtype == vals.dtype \
-            else torch.empty(vals.numel(), dtype=vals.dtype, pin_memory=self.cuda)
-        sized = self._mover.read_back(row, vals, after=saved)
+        if vals is None:  # NOTE [ Captured saves ] Rule 7: the graphs copied the sizes into their rows
+            row, sized = None, saved
+        else:
+            last = self._rows[-1] if self._rows else None
+            row = self._rows.pop() if last is not None and last.numel() == vals.numel() and last.dtype == vals.dtype \
+                else torch.empty(vals.numel(), dtype=vals.dtype, pin_memory=self.cuda)
+            sized = self._mover.read_back(row, vals, after=saved)
         if s is None:
             self._packs[n] = [d.packed for d in defs]
-        rec = _Unsized(n, defs, row, sized, after, s, flush, entry=entry)
+        rec = _Unsized(n, defs, row, sized, after, s, flush, entry=entry, rows=rows)
         if entry is not None:
             self._graphs.owner[entry] = rec  # type: ignore[union-attr]
         self._unsized[n] = rec
@@ -232,8 +237,12 @@ class CodecSide:
             self._c["size_waits"] += 1
             if rec.sized is not None:
                 rec.sized.synchronize()  # an event of an earlier save (NOTE [ Snapshot sizes ] Rule 3)
-        vals: list[int] = rec.row.tolist()
-        self._rows.append(rec.row)
+        if rec.row is None:  # NOTE [ Captured saves ] Rule 7
+            assert rec.rows is not None
+            vals: list[int] = [v for r in rec.rows for v in r.tolist()]
+        else:
+            vals = rec.row.tolist()
+            self._rows.append(rec.row)
         packs, i, scratch = [], 0, self.codec.scratch
         # an off-GPU snapshot's settle runs where its place will (NOTE [ Mover ] Rule 6), a Tier.GPU one's here
         where = self._mover.on_sizes(rec.after[0], (b for d in rec.defs for b in d.packed.buffers)) \
@@ -244,8 +253,9 @@ class CodecSide:
                 packs.append(self.codec.settle(d, vals[i:i + k]))
                 i += k
             # where the settle ran: its last reads of the deferred buffers are before (NOTE [ Snapshot sizes ] Rule 8)
-            done = self._mover.record() if scratch is not None else None
-        if scratch is not None and rec.entry is None:  # NOTE [ Snapshot sizes ] Rule 8
+            lend = scratch is not None and rec.entry is None  # graphs own theirs (NOTE [ Captured saves ] Rule 2)
+            done = self._mover.record() if lend else None
+        if lend and scratch is not None:  # NOTE [ Snapshot sizes ] Rule 8
             scratch.give((b for d in rec.defs for b in d.packed.buffers), (done, rec.used))
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
         if n is not None:

@@ -35,6 +35,12 @@
 #    of it cached (found on an H100: adjoint_codecs' seventieth store, 66.9 GiB cached in destroyed graphs' pools). A
 #    capture that runs out of memory is abandoned, the cache emptied once (outside the capture) and the capture
 #    tried again; a second failure raises ``CheckpointError``. ``stats().graph_retries`` counts the tries again.
+# 7. The sizes come back in the graph: each graph that leaves sizes on the device also copies them, in the capture,
+#    into a pinned row of its own, so a save whose every tensor was replayed reads nothing back on the mover's sizes
+#    stream (no ``torch.cat`` of the sizes, no copy, stream switch or event of its own; NOTE [ Snapshot sizes ] Rule
+#    1): its sizes are on the host once the compute stream's event after the replays has completed. A row is
+#    overwritten by its graph's next replay, which comes after the entry's last save is settled (Rule 3), that is
+#    after its rows were read. A save with a tensor compressed eagerly (Rule 1) reads its sizes back as before.
 """
 from __future__ import annotations
 
@@ -82,13 +88,15 @@ class SaveGraphs:
     def __init__(self, codec: Codec, device: torch.device, entries: int) -> None:
         self.codec = codec
         self.device = device
-        self._graphs: list[dict[tuple[Any, ...], tuple[Any, Deferred]]] = [{} for _ in range(entries)]
+        # per entry, per tensor key: the graph, its outputs, its row of sizes (NOTE [ Captured saves ] Rule 7)
+        self._graphs: list[dict[tuple[Any, ...], tuple[Any, Deferred, torch.Tensor | None]]] = [
+            {} for _ in range(entries)]
         self._free: list[Any] = [None] * entries  # per entry: the event after which its buffers may be overwritten
         self.owner: list[Any] = [None] * entries  # per entry: the unsized record of the save that used it last
         self._next = 0
         self._stream = torch.cuda.Stream(device)
         self._idx = index(device)
-        self._warm: set[tuple[Any, ...]] = set()
+        self._warm: dict[tuple[Any, ...], tuple[int, torch.dtype] | None] = {}  # per key: its sizes' numel and dtype
         self._warned = False
         self.captures = 0
         self.retries = 0  # captures tried again after emptying the allocator's cache (NOTE [ Captured saves ] Rule 6)
@@ -99,10 +107,11 @@ class SaveGraphs:
         self._next = (i + 1) % len(self._graphs)
         return i
 
-    def compress(self, i: int, tensors: Sequence[torch.Tensor]) -> tuple[list[Deferred], bool]:
+    def compress(self, i: int, tensors: Sequence[torch.Tensor]) -> tuple[list[Deferred], list[torch.Tensor] | None]:
         """Each of ``tensors`` compressed by entry ``i``'s graph for it (captured at its first use), on the current
-        stream after the entry's last reader; whether every one was a replay (else some were eager) (NOTE [ Captured
-        saves ] Rules 1, 3)."""
+        stream after the entry's last reader (NOTE [ Captured saves ] Rules 1, 3); and, when every one was a replay,
+        the pinned rows their sizes come back in, in order (NOTE [ Captured saves ] Rule 7), else ``None`` (some
+        were eager)."""
         cur = current(self._idx)  # NOTE [ Cheap streams ] Rule 1
         if self._free[i] is not None:
             cur.wait_event(self._free[i])
@@ -110,21 +119,22 @@ class SaveGraphs:
         graphs = self._graphs[i]
         most = max(KEYS, 2 * len(tensors))  # NOTE [ Captured saves ] Rule 1: two buffers per tensor, swapped
         out: list[Deferred] = []
-        replayed = True
+        rows: list[torch.Tensor] | None = []
         for t in tensors:
-            t = t.detach()
-            k = _key(t)
+            k = _key(t)  # the replay reads the memory the capture read: no detached view made per save
             got = graphs.get(k)
             if got is None and len(graphs) >= most:
                 self._warn()
-                out.append(self.codec.compress_deferred(t))
-                replayed = False
+                out.append(self.codec.compress_deferred(t.detach()))
+                rows = None
                 continue
             if got is None:
-                got = graphs[k] = self._capture(t, k, cur)
+                got = graphs[k] = self._capture(t.detach(), k, cur)
             got[0].replay()
             out.append(got[1])
-        return out, replayed
+            if rows is not None and got[2] is not None:
+                rows.append(got[2])
+        return out, rows
 
     def release(self, i: int, after: Any) -> None:
         """Entry ``i``'s buffers are read last by the work before the event ``after`` (``None``: by the compute
@@ -132,31 +142,41 @@ class SaveGraphs:
         self._free[i] = after
         self.owner[i] = None
 
-    def _capture(self, t: torch.Tensor, k: tuple[Any, ...], cur: Any) -> tuple[Any, Deferred]:
+    def _capture(self, t: torch.Tensor, k: tuple[Any, ...], cur: Any) -> tuple[Any, Deferred, torch.Tensor | None]:
         s = self._stream
         s.wait_stream(cur)
         with torch.cuda.stream(s):
             if k not in self._warm:  # NOTE [ Captured saves ] Rule 4: compiled kernels and the codec's plan for this stream, made eagerly
-                self.codec.compress_deferred(t)
-                self._warm.add(k)
-            got = self._record(t)
+                w = self.codec.compress_deferred(t)
+                self._warm[k] = None if w.sizes is None else (w.sizes.numel(), w.sizes.dtype)
+            spec = self._warm[k]
+            # NOTE [ Captured saves ] Rule 7: the row the graph copies its sizes into
+            row = None if spec is None else torch.empty(spec[0], dtype=spec[1], pin_memory=True)
+            got = self._record(t, row)
             if got is None:  # NOTE [ Captured saves ] Rule 6: out of memory during the capture
                 torch.cuda.empty_cache()  # outside a capture: destroyed graphs' pools go back to the driver
                 self.retries += 1
-                got = self._record(t, last=True)
+                got = self._record(t, row, last=True)
         cur.wait_stream(s)
         self.captures += 1
         assert got is not None
-        return got
+        return got[0], got[1], row
 
-    def _record(self, t: torch.Tensor, last: bool = False) -> tuple[Any, Deferred] | None:
-        """One capture of the codec's ``compress_deferred(t)`` on the current (ring's) stream; ``None`` if it ran out
-        of GPU memory and this is not the ``last`` try (NOTE [ Captured saves ] Rules 4, 6)."""
+    def _record(self, t: torch.Tensor, row: torch.Tensor | None, last: bool = False) -> tuple[Any, Deferred] | None:
+        """One capture of the codec's ``compress_deferred(t)`` on the current (ring's) stream, its sizes copied into
+        the pinned ``row`` (NOTE [ Captured saves ] Rule 7); ``None`` if it ran out of GPU memory and this is not
+        the ``last`` try (NOTE [ Captured saves ] Rules 4, 6)."""
         g = torch.cuda.CUDAGraph()
         try:
             g.capture_begin(capture_error_mode="thread_local")
             try:
                 d = self.codec.compress_deferred(t)
+                if d.sizes is not None and row is not None and row.shape == d.sizes.shape:
+                    row.copy_(d.sizes, non_blocking=True)  # NOTE [ Captured saves ] Rule 7
+                elif d.sizes is not None or row is not None:
+                    raise CheckpointError(
+                        f"torchckpt: internal error: {type(self.codec).__name__}.compress_deferred left sizes of "
+                        "another shape in a capture than eagerly on the same tensor; please report it.")
             finally:
                 g.capture_end()
         except Exception as e:  # noqa: BLE001 - any failure of the capture is the codec's
