@@ -245,7 +245,9 @@ class CodecSide:
             self._rows.append(rec.row)
         packs, i, scratch = [], 0, self.codec.scratch
         # an off-GPU snapshot's settle runs where its place will (NOTE [ Mover ] Rule 6), a Tier.GPU one's here
-        where = self._mover.on_sizes(rec.after[0], (b for d in rec.defs for b in d.packed.buffers)) \
+        # a captured save's buffers are the graphs' own, which outlive the mover's work (NOTE [ Captured saves ] Rule 8)
+        owned = rec.entry is not None
+        where = self._mover.on_sizes(rec.after[0], () if owned else (b for d in rec.defs for b in d.packed.buffers)) \
             if n is not None and rec.slot is not None else contextlib.nullcontext()
         with where:
             for d in rec.defs:
@@ -258,22 +260,23 @@ class CodecSide:
         if lend and scratch is not None:  # NOTE [ Snapshot sizes ] Rule 8
             scratch.give((b for d in rec.defs for b in d.packed.buffers), (done, rec.used))
         self._c["packed_bytes"] += sum(p.nbytes for p in packs)
-        if n is not None:
-            self._keep(n, packs, rec.slot, rec.after, rec.flush)
+        if n is not None:  # the sizes stream waited for the save's event above (on_sizes): the write waits for the rest
+            self._keep(n, packs, rec.slot, (None, rec.after[1], rec.after[2]), rec.flush, owned)
         if rec.entry is not None:  # NOTE [ Captured saves ] Rule 3: read last by the slot's write (or the compute stream)
             assert self._graphs is not None
             self._graphs.release(rec.entry, self._fill_ev[rec.slot] if n is not None and rec.slot is not None else None)
 
-    def _keep(self, n: int, packs: list[Packed], s: int | None, after: tuple[Any, Any, Any], flush: bool) -> None:
+    def _keep(self, n: int, packs: list[Packed], s: int | None, after: tuple[Any, Any, Any], flush: bool,
+              owned: bool = False) -> None:
         """Keep snapshot ``n``'s exact form: trimmed copies (``s`` is ``None``: ``Tier.GPU``), or slot ``s`` written
-        after the events ``after`` and flushed (NOTE [ Snapshot sizes ] Rule 2)."""
+        after the events ``after`` and flushed (NOTE [ Snapshot sizes ] Rule 2); ``owned``: see ``Mover.place``."""
         if s is None:
             self._packs[n] = [_own(p) for p in packs]
             return
         blob = Blob(packs)
         self._blobs[n] = blob
         grown = self._ensure_room(s, blob.nbytes)  # a new buffer is allocated on the compute stream: after it
-        ev = self._mover.place(self._slots[s], blob, packs, after, after_all=grown)
+        ev = self._mover.place(self._slots[s], blob, packs, after, after_all=grown, owned=owned)
         self._fill_ev[s] = self._flush_ev[s] = ev
         self._fill_of[s] = None
         if flush:

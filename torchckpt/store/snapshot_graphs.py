@@ -41,6 +41,10 @@
 #    1): its sizes are on the host once the compute stream's event after the replays has completed. A row is
 #    overwritten by its graph's next replay, which comes after the entry's last save is settled (Rule 3), that is
 #    after its rows were read. A save with a tensor compressed eagerly (Rule 1) reads its sizes back as before.
+# 8. A replayed save's buffers live as long as the ring, which the store drops at ``close`` after draining the
+#    mover's streams: the settle and the slot's write on the sizes stream read them with no ``record_stream`` (4 per
+#    snapshot of two tensors), and the write waits for the save's event once, where the settle's switch to the sizes
+#    stream waited for it (NOTE [ Mover ] Rule 6).
 """
 from __future__ import annotations
 

@@ -512,10 +512,10 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         self._packs.clear()
         self._unsized.clear()
         self._sizing.clear()
-        self._graphs = None  # its graphs' memory goes with it (NOTE [ Captured saves ])
         if self.codec is not None and self.codec.scratch is not None:
             self.codec.scratch.clear()  # NOTE [ Snapshot sizes ] Rule 8
         self._mover.drain()
+        self._graphs = None  # its graphs' memory goes with it, after the mover's reads of it (NOTE [ Captured saves ] Rule 8)
         self._save_views.clear()  # they hold the slots' memory
         self._slots.release()
         self._slots = Slots()

@@ -146,6 +146,7 @@ class Mover:
             cur = self.current()
             cur.wait_stream(self.offload)
             cur.wait_stream(self.prefetch)
+            cur.wait_stream(self.sizes)  # the slot writes of settled snapshots (NOTE [ Captured saves ] Rule 8)
 
     def keep_alive(self, t: torch.Tensor) -> None:
         """Keep ``t``'s memory from reuse until the copies issued so far on the copy streams are done."""
@@ -249,10 +250,11 @@ class Mover:
         return on(s)
 
     def place(self, dst: torch.Tensor, blob: Blob, packs: Sequence[Packed], after: Iterable[Any] = (),
-              after_all: bool = False) -> Any:
+              after_all: bool = False, owned: bool = False) -> Any:
         """Write ``packs`` into the device buffer ``dst`` at ``blob``'s offsets on the sizes stream, after the
         events ``after`` (``None`` entries skipped) and, with ``after_all``, the compute stream's work so far;
-        returns its event (NOTE [ Mover ] Rule 6)."""
+        returns its event (NOTE [ Mover ] Rule 6). ``owned``: the buffers of ``packs`` outlive the mover's work
+        (NOTE [ Captured saves ] Rule 8), so none is recorded on the sizes stream."""
         if not self.cuda:
             blob.write(dst, packs)
             return None
@@ -262,7 +264,8 @@ class Mover:
             if self.delay is not None:
                 self.delay("place", s)
             blob.write(dst, packs, non_blocking=True)
-            _read_on(s, (b for p in packs for b in p.buffers))  # allocated on the compute stream, read here
+            if not owned:
+                _read_on(s, (b for p in packs for b in p.buffers))  # allocated on the compute stream, read here
             return self._event(s)
 
     def _wait_for(self, s: Any, after: Iterable[Any], after_all: bool = False) -> None:
