@@ -31,7 +31,7 @@ otherwise). PSNR of the image against (a)'s: 20 log10(peak-to-peak of (a)'s imag
 
     python benchmarks/adjoint_codecs.py [--grid 256] [--steps 1000] [--snapshots 48] [--budget-slots 6]
                                         [--codecs none,quant8,quant4] [--schedules revolve,zcut,uniform] [--out DIR]
-                                        [--sizes exact,deferred,graphs] [--profile [--trace-dir DIR]] [--pyprofile]
+                                        [--sizes exact,deferred,graphs] [--profile [--profile-turns K] [--trace-dir DIR]] [--pyprofile]
                                         [--memstats] [--turns K [--ab-launches]]
 Writes ``adjoint_codecs.json`` and ``adjoint_codecs.png``. On CPU: a tiny smoke test.
 
@@ -225,6 +225,19 @@ def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> d
     return fig
 
 
+def median_traced(figs: list[dict]) -> dict:
+    """Of several traced runs of one configuration (``--profile-turns``), the one with the median idle fraction (the
+    lower middle of an even count; the median window where no device measured one), with each turn's idle, window
+    and timed run beside it under ``turns``, in the order they ran."""
+    if not figs:
+        raise ValueError("median_traced needs at least one traced run")
+    measured = all(f["idle_fraction"] is not None for f in figs)
+    ranked = sorted(figs, key=(lambda f: f["idle_fraction"]) if measured else (lambda f: f["wall_s"]))
+    fig = dict(ranked[(len(ranked) - 1) // 2])
+    fig["turns"] = [dict(idle_fraction=f["idle_fraction"], wall_s=f["wall_s"], run_s=f["run_s"]) for f in figs]
+    return fig
+
+
 def py_profile(path: str, fn, untraced_s: float) -> None:
     """Run ``fn`` (a run: returns its time first) once more under cProfile; write the functions with the most own
     time and the most cumulative time to ``path`` (the host's Python, which torch.profiler leaves as self time), and the
@@ -262,6 +275,10 @@ def main() -> int:
                         "traced window's wall time, the device's busy time (union of kernels, memcpys, memsets), its "
                         "idle fraction and the host's synchronisations (table and JSON); write "
                         "profile_<schedule>_<run>.txt (where the time goes: kernels, synchronizations)")
+    p.add_argument("--profile-turns", type=int, default=1,
+                   help="with --profile: trace each run this many times and report the trace with the median idle "
+                        "fraction, every turn's idle beside it (a host-bound run's idle differs from trace to trace; "
+                        "default 1); the profiles of turns after the first go to profile_<schedule>_<run>_turnK.txt")
     p.add_argument("--profile-light", action="store_true",
                    help="with --profile: trace each run a third time with the device's activity only (no op recorded "
                         "on the host: less of the profiler's own host cost in a host-bound run) and report its window "
@@ -316,6 +333,8 @@ def main() -> int:
         p.error("--sizes graphs replays CUDA graphs (SnapshotStore(graphs=True)): it needs a CUDA device")
     if args.trace_dir and not args.profile:
         p.error("--trace-dir writes the traces of --profile: pass --profile too, or leave --trace-dir out")
+    if args.profile_turns < 1 or (args.profile_turns > 1 and not args.profile):
+        p.error("--profile-turns is how many times --profile traces each run: pass a count of 1 or more, with --profile")
     if args.profile_light and not args.profile:
         p.error("--profile-light traces each run of --profile once more: pass --profile too")
     if args.trace_dir:
@@ -416,13 +435,17 @@ def main() -> int:
     def traced(s: str, key: str, run: str, fn, untraced_s: float) -> dict:
         """``profile_run`` of one run, its figures printed and tabled; ``key`` names it in the files."""
         tag = f"{s}_{key}".replace(":", "_").replace("+", "_")
-        fig = profile_run(os.path.join(out, f"profile_{tag}.txt"), fn, untraced_s,
-                          os.path.join(args.trace_dir, f"trace_{tag}.json") if args.trace_dir else None)
+        figs = [profile_run(os.path.join(out, f"profile_{tag}{f'_turn{i}' if i else ''}.txt"), fn, untraced_s,
+                            os.path.join(args.trace_dir, f"trace_{tag}.json") if args.trace_dir and not i else None)
+                for i in range(args.profile_turns)]
+        fig = median_traced(figs) if len(figs) > 1 else figs[0]
         if fig["idle_fraction"] is None:
             print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s; no device: idle fraction not measured", flush=True)
         else:
+            of = "" if len(figs) == 1 else (f" (the median of {len(figs)} traced runs: "
+                                            + ", ".join(f"{f['idle_fraction']:.1%}" for f in figs) + ")")
             print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s, device busy {fig['busy_s']:.3f} s, idle "
-                  f"{fig['idle_fraction']:.1%}; {fig['sync_calls']} host synchronisations {fig['syncs']}", flush=True)
+                  f"{fig['idle_fraction']:.1%}{of}; {fig['sync_calls']} host synchronisations {fig['syncs']}", flush=True)
         light = None
         if args.profile_light and fig["idle_fraction"] is not None:
             try:
@@ -432,7 +455,8 @@ def main() -> int:
             except RuntimeError as e:  # a trace without the marker calls: said, not invented
                 print(f"[{s} {run} traced, device activity only] not measured: {e}", flush=True)
         prows.append([s, run, fmt(untraced_s, ".3f"), fmt(fig["run_s"], ".3f"), fmt(fig["wall_s"], ".3f"),
-                      fmt(fig["busy_s"], ".3f"), "-" if fig["idle_fraction"] is None else f"{fig['idle_fraction']:.1%}",
+                      fmt(fig["busy_s"], ".3f"), "-" if fig["idle_fraction"] is None else f"{fig['idle_fraction']:.1%}"
+                      + ("" if len(figs) == 1 else f" (median of {len(figs)})"),
                       "-" if fig["sync_calls"] is None else str(fig["sync_calls"]),
                       "-" if light is None else f"{light['wall_s']:.3f} s, {light['idle_fraction']:.1%}"])
         return fig

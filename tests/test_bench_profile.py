@@ -163,6 +163,48 @@ def test_adjoint_codecs_profile_on_the_cpu_measures_no_idle_fraction(tmp_path: p
                                                        "trace_zcut_none.json", "trace_zcut_quant4.json"]
 
 
+def test_median_traced_takes_the_middle_idle_and_keeps_every_turn() -> None:
+    """``--profile-turns``' choice among a configuration's traced runs, on synthetic figures (in a subprocess: the
+    script's imports stay out of this one)."""
+    script = textwrap.dedent("""
+        import sys
+        sys.path.insert(0, sys.argv[1])
+        from adjoint_codecs import median_traced
+        figs = [dict(idle_fraction=i, wall_s=w, run_s=w, busy_s=0.5) for i, w in ((0.3, 0.9), (0.1, 0.7), (0.2, 0.8))]
+        m = median_traced(figs)
+        assert m["idle_fraction"] == 0.2 and m["wall_s"] == 0.8, m
+        assert [t["idle_fraction"] for t in m["turns"]] == [0.3, 0.1, 0.2]  # in the order they ran
+        assert median_traced(figs[:2])["idle_fraction"] == 0.1  # an even count: the lower middle
+        cpu = [dict(idle_fraction=None, wall_s=w, run_s=w) for w in (3.0, 1.0, 2.0, 4.0)]
+        assert median_traced(cpu)["wall_s"] == 2.0  # no device: by window
+        try:
+            median_traced([])
+        except ValueError:
+            print("ok")
+    """)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, "-c", script, BENCH], cwd=ROOT, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert res.returncode == 0 and res.stdout.strip() == "ok", res.stdout[-3000:] + res.stderr[-3000:]
+
+
+def test_adjoint_codecs_profile_turns_on_the_cpu(tmp_path: pathlib.Path) -> None:
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""), "CUDA_VISIBLE_DEVICES": ""}
+    res = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--schedules", "zcut", "--codecs",
+                          "none", "--profile", "--profile-turns", "2", "--out", str(tmp_path)],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    with open(tmp_path / "adjoint_codecs.json") as f:
+        z = json.load(f)["schedules"]["zcut"]
+    for fig in (z["a"]["profile"], z["b"]["profile"], z["d"]["none"]["profile"]):
+        assert len(fig["turns"]) == 2 and all(t["wall_s"] > 0 for t in fig["turns"])
+        assert fig["wall_s"] == min(t["wall_s"] for t in fig["turns"])  # the lower middle of two
+    assert (tmp_path / "profile_zcut_none.txt").exists() and (tmp_path / "profile_zcut_none_turn1.txt").exists()
+    bad = subprocess.run([sys.executable, os.path.join(BENCH, "adjoint_codecs.py"), "--profile-turns", "2"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "--profile-turns" in bad.stderr
+
+
 def test_adjoint_codecs_runs_each_codec_with_both_size_settings(tmp_path: pathlib.Path) -> None:
     """``--sizes exact,deferred``: each codec's (d) runs with ``defer_sizes`` off and on, in one process, traced too;
     the deferred row's image is the exact row's bit for bit (lossless and lossy: the restores decode the same bits);
