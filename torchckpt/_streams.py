@@ -19,6 +19,9 @@ per-call device lookups.
 #    starts, so that the per-action calls pass an ``int``.
 # 4. ``on_device(device)`` is ``torch.cuda.device(device)``, or nothing when ``device`` is the current device already
 #    (the common case: no device guard built per call).
+# 5. Inside these, the current device and the stream switch are torch's own calls under ``torch.cuda.current_device``
+#    and ``torch.cuda.set_stream`` (``torch._C._cuda_getDevice``, ``torch._C._cuda_setStream``), without their Python
+#    wrappers' lazy-initialisation checks: a ``Stream`` or a CUDA device in hand means CUDA is initialised.
 """
 from __future__ import annotations
 
@@ -45,8 +48,8 @@ def index(device: torch.device | int | None) -> int:
 
 def on_device(device: torch.device) -> Any:
     """``torch.cuda.device(device)`` for CUDA ``device``, or a shared null context when it is the current device
-    (NOTE [ Cheap streams ] Rule 4)."""
-    return _SAME_DEVICE if torch.cuda.current_device() == device.index else torch.cuda.device(device)
+    (NOTE [ Cheap streams ] Rules 4-5)."""
+    return _SAME_DEVICE if torch._C._cuda_getDevice() == device.index else torch.cuda.device(device)
 
 
 def current(idx: int) -> Any:
@@ -79,17 +82,22 @@ class on:  # noqa: N801 - used as ``with on(stream):``, like ``torch.cuda.stream
 
     def __enter__(self) -> None:
         s = self.stream
-        if torch.cuda.current_device() != s.device_index:
+        if torch._C._cuda_getDevice() != s.device_index:  # NOTE [ Cheap streams ] Rule 5
             self._full = torch.cuda.stream(s)
             self._full.__enter__()
             return
         self._prev = current(s.device_index)
-        torch.cuda.set_stream(s)
+        _set(s)
 
     def __exit__(self, *exc: object) -> None:
         if self._full is not None:
             self._full.__exit__(*exc)
             self._full = None
             return
-        torch.cuda.set_stream(self._prev)
+        _set(self._prev)
         self._prev = None
+
+
+def _set(s: Any) -> None:
+    """``torch.cuda.set_stream(s)`` for a ``Stream`` ``s`` (NOTE [ Cheap streams ] Rule 5)."""
+    torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
