@@ -63,8 +63,8 @@ sys.path.insert(2, os.path.join(os.path.dirname(HERE), "examples"))
 import torch  # noqa: E402
 
 from adjoint import Bench, stats_dict  # noqa: E402
-from common import (GiB, device_idle, fmt, out_dir, pinned_bandwidth, plot_bars, print_table,  # noqa: E402
-                    profiler_events, write_json)
+from common import (GiB, device_gaps, device_idle, fmt, out_dir, pinned_bandwidth, plot_bars,  # noqa: E402
+                    print_table, profiler_events, write_json)
 from torchckpt.adjoint import run_schedule  # noqa: E402
 from torchckpt.codecs import TritonQuant  # noqa: E402
 from torchckpt.schedules import Revolve, Tier, simulate  # noqa: E402
@@ -200,8 +200,11 @@ def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> d
         with record_function(WINDOW):
             run_s = fn()[0]
     events, window = profiler_events(prof, WINDOW)
+    gaps = None
     if cuda:
         fig = device_idle(events, window)
+        gaps = device_gaps(events, window)
+        fig["idle_by_tenth"] = gaps["idle_by_part"]
         head = (f"traced window {fig['wall_s']:.3f} s (timed run {run_s:.3f} s); device busy {fig['busy_s']:.3f} s "
                 f"(union of kernels, memcpys, memsets), idle {fig['idle_fraction']:.1%}; host synchronisations "
                 + (", ".join(f"{k} {v}" for k, v in fig["syncs"].items()) or "none") + "\n")
@@ -216,6 +219,12 @@ def profile_run(path: str, fn, untraced_s: float, trace: str | None = None) -> d
         f.write(f"untraced run {untraced_s:.3f} s; device time of all ops {dev_us / 1e6:.3f} s\n" + head)
         for e in syncs:
             f.write(f"sync {e.key}: {e.count} calls, host {e.cpu_time_total / 1e6:.3f} s\n")
+        if gaps is not None:  # where the idle was: over the window, and between which device work
+            f.write("\n== device idle by tenth of the window: "
+                    + ", ".join(f"{x:.0%}" for x in gaps["idle_by_part"]) + "\n== largest gaps, by the device work "
+                    "before and after them (any stream)\n")
+            for g in gaps["gaps"]:
+                f.write(f"{g['idle_s'] * 1e3:9.1f} ms {g['count']:6d} gaps  {g['before']}  ->  {g['after']}\n")
         f.write("\n== by device time\n" + ka.table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
         f.write("\n== by host time\n" + ka.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     print(f"wrote {path}", flush=True)

@@ -234,6 +234,57 @@ def device_idle(events: Iterable[tuple[float, float, str, str]], window: tuple[f
             "syncs": dict(sorted(syncs.items())), "sync_calls": sum(syncs.values())}
 
 
+def device_gaps(events: Iterable[tuple[float, float, str, str]], window: tuple[float, float], parts: int = 10,
+                top: int = 12) -> dict[str, Any]:
+    """Where the device was idle over ``window``: the idle fraction of each of ``parts`` equal parts of it, and the
+    gaps grouped by the device work before and after them (the work that ended last before a gap, on any stream, and
+    the work that started it), the largest groups first.
+
+    Args:
+        events, window: as ``device_idle`` takes them.
+
+    Returns:
+        ``idle_by_part`` (``parts`` fractions) and ``gaps``: up to ``top`` dicts ``before``, ``after`` (names, cut to
+        60 characters; ``"(start)"`` and ``"(end)"`` at the window's ends), ``idle_s`` and ``count``.
+
+    Example::
+
+        >>> g = device_gaps([(0.0, 1.0, "kernel", "a"), (2.0, 3.0, "kernel", "b"), (3.5, 4.0, "memcpy", "a")],
+        ...                 (0.0, 4.0), parts=2)
+        >>> g["idle_by_part"], [(x["before"], x["after"], x["idle_s"], x["count"]) for x in g["gaps"]]
+        ([0.5, 0.25], [('a', 'b', 1.0, 1), ('b', 'a', 0.5, 1)])
+    """
+    t0, t1 = window
+    if t1 <= t0 or parts < 1:
+        raise ValueError(f"device_gaps: window {window!r} must have a length and parts {parts} must be 1 or more")
+    width = (t1 - t0) / parts
+    per = [0.0] * parts
+    groups: dict[tuple[str, str], list[float]] = {}
+
+    def gap(a: float, b: float, before: str, after: str) -> None:
+        g = groups.setdefault((before[:60], after[:60]), [0.0, 0])
+        g[0] += b - a
+        g[1] += 1
+        for i in range(int((a - t0) / width), min(parts, int((b - t0) / width) + 1)):
+            lo, hi = t0 + i * width, t0 + (i + 1) * width
+            per[i] += max(0.0, min(b, hi) - max(a, lo))
+
+    end, last = t0, "(start)"
+    for s, e, kind, name in sorted(ev for ev in events if ev[2] in DEVICE_WORK):
+        s, e = max(s, t0), min(e, t1)
+        if e <= s:
+            continue
+        if s > end:
+            gap(end, s, last, name)
+        if e > end:
+            end, last = e, name
+    if t1 > end:
+        gap(end, t1, last, "(end)")
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"idle_by_part": [p / width for p in per],
+            "gaps": [dict(before=k[0], after=k[1], idle_s=v[0], count=int(v[1])) for k, v in ranked]}
+
+
 def profiler_events(prof: Any, window_name: str | None,
                     marker: str | None = None) -> tuple[list[tuple[float, float, str, str]], tuple[float, float]]:
     """A finished ``torch.profiler.profile``'s events as ``device_idle`` takes them (seconds), and the window of its

@@ -77,6 +77,31 @@ def test_busy_is_the_union_on_random_intervals() -> None:
         assert r["idle_fraction"] == pytest.approx(1 - len(cells) / 30), events
 
 
+def test_gaps_add_up_to_the_idle_time_by_part_and_by_group() -> None:
+    """``common.device_gaps``: on random work, the parts' idle and the groups' idle each add up to the window less
+    the busy time that ``device_idle`` measures; a gap is named by the work that ended last before it."""
+    rng = random.Random(3)
+    for _ in range(50):
+        ev = []
+        for _ in range(rng.randint(0, 30)):
+            s = rng.uniform(-1.0, 10.0)
+            ev.append((s, s + rng.uniform(0.0, 1.5), rng.choice(["kernel", "memcpy", "memset", "runtime"]),
+                       rng.choice("abc")))
+        window = (0.0, rng.uniform(1.0, 10.0))
+        parts = rng.randint(1, 12)
+        idle = window[1] * common.device_idle(ev, window)["idle_fraction"]
+        g = common.device_gaps(ev, window, parts=parts, top=10_000)
+        width = window[1] / parts
+        assert sum(p * width for p in g["idle_by_part"]) == pytest.approx(idle, abs=1e-9)
+        assert sum(x["idle_s"] for x in g["gaps"]) == pytest.approx(idle, abs=1e-9)
+        assert all(0.0 <= p <= 1.0 + 1e-12 for p in g["idle_by_part"])
+    g = common.device_gaps([(0.0, 3.0, "kernel", "long"), (1.0, 2.0, "kernel", "short"), (4.0, 5.0, "memcpy", "c")],
+                           (0.0, 6.0))
+    assert [(x["before"], x["after"]) for x in g["gaps"]] == [("long", "c"), ("c", "(end)")]
+    with pytest.raises(ValueError, match="device_gaps"):
+        common.device_gaps([], (1.0, 1.0))
+
+
 def test_counts_host_synchronisations_in_the_window() -> None:
     events = [(1.0, 1.1, "runtime", "cudaStreamSynchronize"), (2.0, 2.1, "runtime", "cudaStreamSynchronize"),
               (3.0, 3.1, "runtime", "cudaEventSynchronize"), (4.0, 4.1, "runtime", "cudaDeviceSynchronize"),
