@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib
 import math
 import os
@@ -130,7 +131,8 @@ def memstats_line(rec: dict) -> str:
     return (f"alloc retries {num('num_alloc_retries')}, cudaMalloc {num('num_device_alloc')}, cudaFree "
             f"{num('num_device_free')}, sync all streams {num('num_sync_all_streams')}, allocations "
             f"{num('allocation.all.allocated')}, segments {num('segment.all.allocated')}; peak inactive splits "
-            f"{num('inactive_split.all.peak', False)}, max reserved " + ("-" if mr is None else f"{mr / GiB:.3f} GiB"))
+            f"{num('inactive_split.all.peak', False)}, max reserved " + ("-" if mr is None else f"{mr / GiB:.3f} GiB")
+            + ("" if rec.get("gc_collections") is None else f"; Python gc collections {rec['gc_collections']}"))
 
 
 def with_memstats(fn, into: dict | None):
@@ -139,10 +141,12 @@ def with_memstats(fn, into: dict | None):
         return fn()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_stats()
+    gc_before = [g["collections"] for g in gc.get_stats()]
     try:
         return fn()
     finally:
         into.update(memstats_delta(before, torch.cuda.memory_stats(), torch.cuda.max_memory_reserved()))
+        into["gc_collections"] = [g["collections"] - b for g, b in zip(gc.get_stats(), gc_before)]  # per generation
 
 
 def store_kw(mode: str) -> dict:
@@ -480,13 +484,17 @@ def main() -> int:
             variants += [(f"{name}+jit", f"{label}, JIT launches", c, mode, False, g)
                          for name, label, _, c, mode, g in runs if isinstance(c, TritonQuant)]
         times: dict = {v[0]: [] for v in variants}
+        mems: dict = {v[0]: [] for v in variants}  # --memstats: each turn's figures
         for _ in range(args.turns):
             for key, _, c, mode, fast, g in variants:
                 _launch.ENABLED = fast
+                mem: dict | None = {} if memstats else None
                 try:
-                    times[key].append(run_codec(sh, c, mode, g=g)[0])
+                    times[key].append(run_codec(sh, c, mode, mem, g=g)[0])
                 finally:
                     _launch.ENABLED = True
+                if mem is not None:
+                    mems[key].append(mem)
         for key, label, _, _, _, g in variants:
             tb = base[g]  # (b) with the same steps
             med = statistics.median(times[key])
@@ -494,6 +502,10 @@ def main() -> int:
             d.update(turns_s=times[key], median_s=med, median_speedup_over_b=tb / med)
             print(f"[{s} (d) {label}, {args.turns} turns] median {med:.3f} s = {tb / med:.2f}x faster than (b); turns "
                   f"{', '.join(f'{t:.3f}' for t in times[key])}", flush=True)
+            if mems[key]:
+                d["turns_memstats"] = mems[key]
+                for t, m in zip(times[key], mems[key]):
+                    print(f"[{s} (d) {label}, turn {t:.3f} s memstats] {memstats_line(m)}", flush=True)
             rows.append([s, f"(d) {label}, median of {args.turns}", fmt(med, ".3f"), f"{tb / med:.2f}x", "-", "-", "-",
                          "-", "-"])
 
