@@ -293,9 +293,10 @@ def main() -> int:
                         "fraction, every turn's idle beside it (a host-bound run's idle differs from trace to trace; "
                         "default 1); the profiles of turns after the first go to profile_<schedule>_<run>_turnK.txt")
     p.add_argument("--profile-light", action="store_true",
-                   help="with --profile: trace each run a third time with the device's activity only (no op recorded "
-                        "on the host: less of the profiler's own host cost in a host-bound run) and report its window "
-                        "and idle fraction beside the full trace's (CUDA only)")
+                   help="with --profile: trace each run again with the device's activity only (no op recorded on "
+                        "the host: less of the profiler's own host cost in a host-bound run), as many times as "
+                        "--profile-turns, and report the median window and idle fraction beside the full trace's "
+                        "(CUDA only)")
     p.add_argument("--sizes", default="exact",
                    help="comma-separated SnapshotStore size settings to run each codec's (d) with: exact "
                         "(defer_sizes=False, the default), deferred (defer_sizes=True) and/or graphs (defer_sizes=True, "
@@ -461,17 +462,21 @@ def main() -> int:
                   f"{fig['idle_fraction']:.1%}{of}; {fig['sync_calls']} host synchronisations {fig['syncs']}", flush=True)
         light = None
         if args.profile_light and fig["idle_fraction"] is not None:
-            try:
-                light = fig["light"] = profile_light(fn)
+            try:  # as many device-only traces as full ones, the median kept (each turn's beside it)
+                lights = [profile_light(fn) for _ in range(args.profile_turns)]
+                light = fig["light"] = median_traced(lights) if len(lights) > 1 else lights[0]
+                of = "" if len(lights) == 1 else (f" (the median of {len(lights)}: "
+                                                  + ", ".join(f"{f['idle_fraction']:.1%}" for f in lights) + ")")
                 print(f"[{s} {run} traced, device activity only] window {light['wall_s']:.3f} s, device busy "
-                      f"{light['busy_s']:.3f} s, idle {light['idle_fraction']:.1%}", flush=True)
+                      f"{light['busy_s']:.3f} s, idle {light['idle_fraction']:.1%}{of}", flush=True)
             except RuntimeError as e:  # a trace without the marker calls: said, not invented
                 print(f"[{s} {run} traced, device activity only] not measured: {e}", flush=True)
         prows.append([s, run, fmt(untraced_s, ".3f"), fmt(fig["run_s"], ".3f"), fmt(fig["wall_s"], ".3f"),
                       fmt(fig["busy_s"], ".3f"), "-" if fig["idle_fraction"] is None else f"{fig['idle_fraction']:.1%}"
                       + ("" if len(figs) == 1 else f" (median of {len(figs)})"),
                       "-" if fig["sync_calls"] is None else str(fig["sync_calls"]),
-                      "-" if light is None else f"{light['wall_s']:.3f} s, {light['idle_fraction']:.1%}"])
+                      "-" if light is None else f"{light['wall_s']:.3f} s, {light['idle_fraction']:.1%}"
+                      + ("" if "turns" not in light else f" (median of {len(light['turns'])})")])
         return fig
 
     def turns_of(s: str, sh, base: dict, r: dict) -> None:

@@ -20,7 +20,7 @@ ROOT = pathlib.Path(torchckpt.__file__).parent
 # What each layer may import from torchckpt (besides itself). Lower layers never import upper ones.
 ALLOWED: dict[str, set[str]] = {
     "_errors": set(),
-    "_streams": set(),  # NOTE [ Cheap streams ]: torch only
+    "_streams": {"_errors"},  # NOTE [ Cheap streams ]: torch and the errors only
     "_args": {"_errors", "memory"},  # the host-pool type check imports memory lazily
     "_native": {"_errors"},
     "schedules": {"_errors"},

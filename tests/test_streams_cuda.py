@@ -75,3 +75,32 @@ def test_on_device_is_the_device_guard() -> None:
     with on_device(dev):
         assert torch.cuda.current_device() == dev.index
     assert torch.cuda.current_device() == dev.index
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_place_writes_the_bytes_copy_would(owned: bool) -> None:
+    """NOTE [ Cheap streams ] Rule 6: a slot written through the runtime's byte copies holds what ``Blob.write``'s
+    ``copy_`` writes, on the sizes stream, after its waits (a spin on the compute stream before the write's event)."""
+    from torchckpt._streams import copier
+    from torchckpt.codecs import Identity
+    from torchckpt.codecs.blob import Blob
+
+    assert copier() is not None, "torch's CUDA runtime was not found by name"
+    c = Identity()
+    g = torch.Generator(device="cuda").manual_seed(0)
+    xs = [torch.randn(1000, device="cuda", generator=g), torch.randint(0, 9, (77,), device="cuda", generator=g),
+          torch.randn(3, 5, device="cuda", generator=g).t()]  # the last is not contiguous: copy_ for it
+    packs = [c.compress(x) for x in xs]
+    blob = Blob(packs)
+    want = torch.zeros(blob.nbytes + 512, dtype=torch.uint8, device="cuda")
+    blob.write(want, packs)
+    m = Mover(torch.device("cuda"))
+    dst = torch.full((blob.nbytes + 512,), 7, dtype=torch.uint8, device="cuda")
+    dst.zero_()
+    torch.cuda._sleep(20_000_000)  # the compute stream busy: the write must still follow the zeroing (after_all)
+    ev = m.place(dst, blob, packs, after_all=True, owned=owned)
+    ev.synchronize()
+    assert torch.equal(dst, want)
+    got = [c.decompress(p) for p in blob.read(dst)]
+    assert all(torch.equal(a, b) for a, b in zip(got, xs))
+

@@ -22,15 +22,29 @@ per-call device lookups.
 # 5. Inside these, the current device and the stream switch are torch's own calls under ``torch.cuda.current_device``
 #    and ``torch.cuda.set_stream`` (``torch._C._cuda_getDevice``, ``torch._C._cuda_setStream``), without their Python
 #    wrappers' lazy-initialisation checks: a ``Stream`` or a CUDA device in hand means CUDA is initialised.
+# 6. ``copier()`` gives ``copy_bytes(dst_ptr, src_ptr, nbytes, stream)``: one ``cudaMemcpyAsync`` on ``stream``, called
+#    through ctypes into the CUDA runtime torch loaded (``libcudart.so.<major>``, found by its name among the loaded
+#    libraries), for the slot writes of settled snapshots (``Blob.write_raw``, ``Mover.place``). A
+#    ``flat[off:off + n].copy_(src)`` is a slice, a view, a copy and two conjugate/negative checks through torch's
+#    dispatcher per buffer: ten recorded ops per snapshot of two tensors in a trace (a fifth of the zCut run's ops with
+#    captured saves and steps, whose traced host time set its device idle), each with its Python and dispatch cost.
+#    Byte copies between allocations torch owns change no tensor metadata; the caller keeps the buffers alive as it
+#    did for ``copy_`` (``record_stream``, or buffers that outlive the stream's work). A runtime error raises
+#    ``CheckpointError`` with its name; ``copier()`` is ``None`` where the runtime is not found (no CUDA build), and
+#    the callers then use ``copy_`` (the same bytes).
 """
 from __future__ import annotations
 
 import contextlib
+import ctypes
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["current", "index", "on", "on_device"]
+from torchckpt._errors import CheckpointError
+
+__all__ = ["copier", "current", "index", "on", "on_device"]
 
 _SAME_DEVICE = contextlib.nullcontext()  # reusable
 _CURRENT: dict[int, Any] = {}  # per device: the Stream of the handle last seen (NOTE [ Cheap streams ] Rule 1)
@@ -101,3 +115,46 @@ class on:  # noqa: N801 - used as ``with on(stream):``, like ``torch.cuda.stream
 def _set(s: Any) -> None:
     """``torch.cuda.set_stream(s)`` for a ``Stream`` ``s`` (NOTE [ Cheap streams ] Rule 5)."""
     torch._C._cuda_setStream(stream_id=s.stream_id, device_index=s.device_index, device_type=s.device_type)
+
+
+_MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+_COPIER: list[Callable[[int, int, int, Any], None] | None] = []  # found once (NOTE [ Cheap streams ] Rule 6)
+
+
+def copier() -> Callable[[int, int, int, Any], None] | None:
+    """``copy_bytes(dst_ptr, src_ptr, nbytes, stream)``: one ``cudaMemcpyAsync`` on ``stream`` (a ``Stream``), or
+    ``None`` where torch's CUDA runtime is not found (NOTE [ Cheap streams ] Rule 6)."""
+    if not _COPIER:
+        _COPIER.append(_load_copier())
+    return _COPIER[0]
+
+
+def _load_copier() -> Callable[[int, int, int, Any], None] | None:
+    major = (torch.version.cuda or "").split(".")[0]
+    if not major:
+        return None
+    try:
+        lib = ctypes.CDLL(f"libcudart.so.{major}")  # the one torch loaded: the same library object, by its name
+    except OSError:
+        return None
+    memcpy = lib.cudaMemcpyAsync
+    memcpy.restype = ctypes.c_int
+    memcpy.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    name = lib.cudaGetErrorName
+    name.restype = ctypes.c_char_p
+    name.argtypes = [ctypes.c_int]
+    return _make_copier(memcpy, name)
+
+
+def _make_copier(memcpy: Callable[..., int], name: Callable[[int], bytes | None]) -> Callable[[int, int, int, Any], None]:
+    """``copy_bytes`` over the runtime's ``cudaMemcpyAsync`` and ``cudaGetErrorName`` (the tests pass fakes)."""
+
+    def copy_bytes(dst: int, src: int, nbytes: int, stream: Any) -> None:
+        rc = memcpy(dst, src, nbytes, _MEMCPY_DEFAULT, stream.cuda_stream)
+        if rc:
+            raise CheckpointError(
+                f"torchckpt: cudaMemcpyAsync of {nbytes} bytes failed with {(name(rc) or b'?').decode()} ({rc}): the "
+                "CUDA runtime refused the copy (an error left by earlier device work shows here too: run with "
+                "CUDA_LAUNCH_BLOCKING=1 to find where it started).")
+
+    return copy_bytes

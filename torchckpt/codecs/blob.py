@@ -7,10 +7,12 @@ buffer and reads ``Packed`` views back out of one. The metadata stays on the hos
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
+from torchckpt._errors import internal_error
 from torchckpt.codecs.base import Meta, Packed
 
 _ALIGN = 256
@@ -53,6 +55,25 @@ class Blob:
                 if n:
                     src = b if b.dtype is torch.uint8 and b.dim() == 1 else b.reshape(-1).view(torch.uint8)
                     flat[off : off + n].copy_(src, non_blocking=non_blocking)
+
+    def write_raw(self, flat: torch.Tensor, packs: Sequence[Packed], copy: Callable[[int, int, int, Any], None],
+                  stream: Any) -> None:
+        """``write`` through ``copy(dst_ptr, src_ptr, nbytes, stream)`` (NOTE [ Cheap streams ] Rule 6): byte copies
+        on ``stream``, no tensor op per buffer; a buffer that is not contiguous goes through ``copy_``."""
+        base, room = flat.data_ptr(), flat.numel() * flat.element_size()
+        if not flat.is_contiguous():
+            raise internal_error("Blob.write_raw needs a contiguous flat buffer")
+        for p, sp in zip(packs, self.spans):
+            for b, (off, n) in zip(p.buffers, sp):
+                if not n:
+                    continue
+                if off + n > room or b.numel() * b.element_size() != n:
+                    raise internal_error(f"Blob.write_raw: a buffer of {b.numel() * b.element_size()} bytes for the "
+                                         f"span ({off}, {n}) of a flat buffer of {room}")
+                if b.is_contiguous():
+                    copy(base + off, b.data_ptr(), n, stream)
+                else:
+                    flat[off : off + n].copy_(b.reshape(-1).view(torch.uint8), non_blocking=True)
 
     def read(self, flat: torch.Tensor) -> list[Packed]:
         out = []

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from torchckpt._streams import current, index, on
+from torchckpt._streams import copier, current, index, on
 from torchckpt.codecs.base import Codec, Packed
 from torchckpt.codecs.blob import Blob
 
@@ -263,7 +263,11 @@ class Mover:
         with on(s), nvtx_range("torchckpt.place"):
             if self.delay is not None:
                 self.delay("place", s)
-            blob.write(dst, packs, non_blocking=True)
+            raw = copier() if dst.is_cuda else None
+            if raw is None:
+                blob.write(dst, packs, non_blocking=True)
+            else:  # NOTE [ Cheap streams ] Rule 6
+                blob.write_raw(dst, packs, raw, s)
             if not owned:
                 _read_on(s, (b for p in packs for b in p.buffers))  # allocated on the compute stream, read here
             return self._event(s)
