@@ -26,7 +26,8 @@ def test_the_copier_passes_the_stream_and_names_a_runtime_error() -> None:
     cp = _make_copier(memcpy, lambda rc: b"cudaErrorInvalidValue")
     cp(64, 128, 9, _Stream())
     assert calls == [(64, 128, 9, 4, 12345)]  # cudaMemcpyDefault, on the stream's handle
-    with pytest.raises(CheckpointError, match=r"^torchckpt: cudaMemcpyAsync of 0 bytes failed with cudaErrorInvalidValue \(1\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"^torchckpt: cudaMemcpyAsync of 0 bytes failed with cudaErrorInvalidValue \(1\)"):
         cp(64, 128, 0, _Stream())
 
 

@@ -103,4 +103,3 @@ def test_place_writes_the_bytes_copy_would(owned: bool) -> None:
     assert torch.equal(dst, want)
     got = [c.decompress(p) for p in blob.read(dst)]
     assert all(torch.equal(a, b) for a, b in zip(got, xs))
-
