@@ -146,7 +146,8 @@ def _load_copier() -> Callable[[int, int, int, Any], None] | None:
     return _make_copier(memcpy, name)
 
 
-def _make_copier(memcpy: Callable[..., int], name: Callable[[int], bytes | None]) -> Callable[[int, int, int, Any], None]:
+def _make_copier(memcpy: Callable[..., int],
+                 name: Callable[[int], bytes | None]) -> Callable[[int, int, int, Any], None]:
     """``copy_bytes`` over the runtime's ``cudaMemcpyAsync`` and ``cudaGetErrorName`` (the tests pass fakes)."""
 
     def copy_bytes(dst: int, src: int, nbytes: int, stream: Any) -> None:
