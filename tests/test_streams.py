@@ -5,6 +5,8 @@ import ctypes
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from torchckpt._errors import CheckpointError
 from torchckpt._streams import _make_copier, copier
@@ -64,3 +66,28 @@ def test_write_raw_refuses_a_flat_buffer_too_small() -> None:
     small = torch.zeros(blob.nbytes - 512, dtype=torch.uint8)
     with pytest.raises(CheckpointError, match="internal error"):
         blob.write_raw(small, packs, _memmove, None)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3000), st.sampled_from([torch.float32, torch.bfloat16, torch.int64]),
+                          st.booleans(), st.sampled_from(["identity", "quant4", "quant8"])), min_size=1, max_size=4),
+       st.integers(0, 1024))
+def test_write_raw_is_write_for_random_packs(specs: list, room: int) -> None:
+    """Any codec's packs (TritonQuant's four buffers a tensor, empty tensors, strided ones) land where ``write`` puts
+    them, byte for byte, whatever the flat buffer's spare room (NOTE [ Cheap streams ] Rule 6)."""
+    from torchckpt.codecs import TritonQuant
+
+    codecs = {"identity": Identity(), "quant4": TritonQuant(4, "abs", 1e-2), "quant8": TritonQuant(8, "rel", 1e-2)}
+    packs = []
+    for i, (n, dtype, strided, name) in enumerate(specs):
+        g = torch.Generator().manual_seed(i)
+        x = (torch.randn(2 * n, generator=g) * 100).to(dtype)
+        x = x[::2] if strided else x[:n]
+        c = codecs[name] if dtype.is_floating_point else codecs["identity"]
+        packs.append(c.compress(x))
+    blob = Blob(packs)
+    want = torch.zeros(blob.nbytes + room, dtype=torch.uint8)
+    blob.write(want, packs)
+    got = torch.zeros(blob.nbytes + room, dtype=torch.uint8)
+    blob.write_raw(got, packs, _memmove, None)
+    assert torch.equal(got, want)
