@@ -233,6 +233,19 @@ def _slice(ctx: Ctx, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
     return x[(slice(None),) * d + (slice(start, None, step),)]
 
 
+@op("single")
+def _single(ctx: Ctx, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
+    """One element (none when ``k % 5 == 4``) with a stride other than 1, squared (so autograd saves it): a layout
+    torch calls contiguous that has no dtype view (``Identity.compress`` raised on it until ``codecs.base.flat_bytes``;
+    tests/codecs/test_identity.py)."""
+    f = x.reshape(-1)
+    if f.numel() < 2:
+        f = torch.cat([f, f, f])
+    n = f.numel()
+    one = f[n:: n] if k % 5 == 4 else f[(k % n):: n]
+    return one * one
+
+
 def _pieces(x: torch.Tensor, k: int) -> tuple[torch.Tensor, int, int]:
     if x.dim() == 0:
         x = x.reshape(1)

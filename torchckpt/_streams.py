@@ -23,8 +23,8 @@ per-call device lookups.
 #    and ``torch.cuda.set_stream`` (``torch._C._cuda_getDevice``, ``torch._C._cuda_setStream``), without their Python
 #    wrappers' lazy-initialisation checks: a ``Stream`` or a CUDA device in hand means CUDA is initialised.
 # 6. ``copier()`` gives ``copy_bytes(dst_ptr, src_ptr, nbytes, stream)``: one ``cudaMemcpyAsync`` on ``stream``, called
-#    through ctypes into the CUDA runtime torch loaded (``libcudart.so.<major>``, found by its name among the loaded
-#    libraries), for the slot writes of settled snapshots (``Blob.write_raw``, ``Mover.place``). A
+#    through ctypes into the CUDA runtime torch loaded (``libcudart.so.<major>``, found among the libraries the process
+#    has mapped: never a second runtime from the library path), for the slot writes of settled snapshots (``Blob.write_raw``, ``Mover.place``). A
 #    ``flat[off:off + n].copy_(src)`` is a slice, a view, a copy and two conjugate/negative checks through torch's
 #    dispatcher per buffer: ten recorded ops per snapshot of two tensors in a trace (a fifth of the zCut run's ops with
 #    captured saves and steps, whose traced host time set its device idle), each with its Python and dispatch cost.
@@ -129,12 +129,30 @@ def copier() -> Callable[[int, int, int, Any], None] | None:
     return _COPIER[0]
 
 
-def _load_copier() -> Callable[[int, int, int, Any], None] | None:
+def loaded_runtime() -> str | None:
+    """The path of the CUDA runtime library (``libcudart.so.<major>`` of ``torch.version.cuda``) this process has
+    loaded, or ``None`` (a CPU build of torch, a runtime linked into torch statically, not Linux)."""
     major = (torch.version.cuda or "").split(".")[0]
     if not major:
         return None
+    name = f"/libcudart.so.{major}"
     try:
-        lib = ctypes.CDLL(f"libcudart.so.{major}")  # the one torch loaded: the same library object, by its name
+        with open("/proc/self/maps") as f:
+            for line in f:
+                path = line.rstrip("\n").split(" ")[-1]
+                if path.endswith(name):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+def _load_copier() -> Callable[[int, int, int, Any], None] | None:
+    path = loaded_runtime()
+    if path is None:
+        return None
+    try:
+        lib = ctypes.CDLL(path)  # already loaded by torch: the same library object, not a second runtime
     except OSError:
         return None
     memcpy = lib.cudaMemcpyAsync

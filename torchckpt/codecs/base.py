@@ -383,6 +383,16 @@ def _on_stream(stream: torch.cuda.Stream, device: torch.device, inputs: tuple[to
         yield
 
 
+def flat_bytes(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s bytes as a flat ``uint8`` tensor: a view of ``t`` where it is contiguous (a copy otherwise), whatever
+    the strides of a tensor of one element or none (torch calls ``torch.empty(2)[::2]`` contiguous, yet will not view
+    it as another dtype: its stride is 2; the same element with stride 1 is the same memory)."""
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
+
 class Identity(Codec):
     """The lossless do-nothing codec: a byte copy. A baseline, and the codec of "no compression".
 
@@ -405,7 +415,7 @@ class Identity(Codec):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"torchckpt: {self.name}.compress needs a torch.Tensor, got {type(x).__name__}.")
         with on_stream(stream, x.device, x):
-            data = x.detach().contiguous().reshape(-1).view(torch.uint8).clone()
+            data = flat_bytes(x.detach()).clone()
         return Packed(data, Meta(x.shape, x.dtype, self.name))
 
     def decompress(self, p: Packed, out: torch.Tensor | None = None,
@@ -414,7 +424,7 @@ class Identity(Codec):
         out = self._output(p, out)
         with on_stream(stream, p.device, *p.buffers):
             if out.is_contiguous():
-                out.reshape(-1).view(torch.uint8).copy_(p.buffers[0])
+                flat_bytes(out).copy_(p.buffers[0])  # a view of out
             else:
                 out.copy_(p.buffers[0].view(p.meta.dtype).view(p.meta.shape))
         return out

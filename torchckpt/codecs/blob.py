@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from torchckpt._errors import internal_error
-from torchckpt.codecs.base import Meta, Packed
+from torchckpt.codecs.base import Meta, Packed, flat_bytes
 
 _ALIGN = 256
 
@@ -53,7 +53,7 @@ class Blob:
         for p, sp in zip(packs, self.spans):
             for b, (off, n) in zip(p.buffers, sp):
                 if n:
-                    src = b if b.dtype is torch.uint8 and b.dim() == 1 else b.reshape(-1).view(torch.uint8)
+                    src = b if b.dtype is torch.uint8 and b.dim() == 1 else flat_bytes(b)
                     flat[off : off + n].copy_(src, non_blocking=non_blocking)
 
     def write_raw(self, flat: torch.Tensor, packs: Sequence[Packed], copy: Callable[[int, int, int, Any], None],
@@ -73,7 +73,7 @@ class Blob:
                 if b.is_contiguous():
                     copy(base + off, b.data_ptr(), n, stream)
                 else:
-                    flat[off : off + n].copy_(b.reshape(-1).view(torch.uint8), non_blocking=True)
+                    flat[off : off + n].copy_(flat_bytes(b), non_blocking=True)
 
     def read(self, flat: torch.Tensor) -> list[Packed]:
         out = []
