@@ -43,8 +43,9 @@ compiled launches in one process.
 
 ``--memstats``: each (d) run's caching-allocator figures over its timed run (``torch.cuda.memory_stats()`` after
 minus before: allocator retries, ``cudaMalloc``/``cudaFree`` calls, synchronisations of all streams, allocations,
-segments; the peak of inactive split blocks and of reserved memory), in its JSON record (``memstats``) and one line
-per run; without CUDA, not measured (``memstats`` is ``None``).
+segments; the peak of inactive split blocks and of reserved memory) and the Python collector's collections per
+generation, in its JSON record (``memstats``; each ``--turns`` turn's in ``turns_memstats``) and one line per run and
+turn; without CUDA, not measured (``memstats`` is ``None``).
 """
 from __future__ import annotations
 
