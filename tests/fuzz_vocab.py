@@ -237,7 +237,7 @@ def _slice(ctx: Ctx, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
 def _single(ctx: Ctx, x: torch.Tensor, y: torch.Tensor, k: int) -> torch.Tensor:
     """One element (none when ``k % 5 == 4``) with a stride other than 1, squared (so autograd saves it): a layout
     torch calls contiguous that has no dtype view (``Identity.compress`` raised on it until ``codecs.base.flat_bytes``;
-    tests/codecs/test_identity.py)."""
+    tests/codecs/test_identity_codec.py)."""
     f = x.reshape(-1)
     if f.numel() < 2:
         f = torch.cat([f, f, f])
