@@ -51,7 +51,7 @@ _Meta = tuple[Hashable, tuple[int, ...], torch.dtype, int]  # key, shape, dtype,
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     """The tensor's bytes as a flat contiguous ``uint8`` tensor (NOTE [ Peer tier ] Rule 3)."""
     flat = t.detach().contiguous().reshape(-1)
-    if flat.numel() <= 1 and flat.stride(0) != 1:  # "contiguous", yet no dtype view with that stride (codecs.base.flat_bytes)
+    if flat.numel() <= 1 and flat.stride(0) != 1:  # "contiguous", yet no dtype view (see codecs.base.flat_bytes)
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)
 
