@@ -25,10 +25,11 @@ per-call device lookups.
 # 6. ``copier()`` gives ``copy_bytes(dst_ptr, src_ptr, nbytes, stream)``: one ``cudaMemcpyAsync`` on ``stream``, called
 #    through ctypes into the CUDA runtime torch loaded (``libcudart.so.<major>``, found among the libraries the process
 #    has mapped: never a second runtime from the library path), for the slot writes of settled snapshots
-#    (``Blob.write_raw``, ``Mover.place``). A ``flat[off:off + n].copy_(src)`` is a slice, a view, a copy and two
-#    conjugate/negative checks through torch's dispatcher per buffer: ten recorded ops per snapshot of two tensors in
-#    a trace (a fifth of the zCut run's ops with captured saves and steps, whose traced host time set its device
-#    idle), each with its Python and dispatch cost.
+#    (``Blob.write_raw``, ``Mover.place``). A ``flat[off:off + n].copy_(src)`` is a slice, a strided view and a copy
+#    through torch's dispatcher per buffer, each with its Python and dispatch cost and, in a trace, its record: in the
+#    traced zCut run of the RTM (Bitcomp, captured saves and steps, H100) ``aten::copy_`` fell from 1920 calls to 8
+#    and ``aten::slice`` from 5822 to 3862, the profile's recorded host calls from 54775 to 49475
+#    (docs/notes/2026-11-27-raw-slot-writes-h100.md).
 #    Byte copies between allocations torch owns change no tensor metadata; the caller keeps the buffers alive as it
 #    did for ``copy_`` (``record_stream``, or buffers that outlive the stream's work). A runtime error raises
 #    ``CheckpointError`` with its name; ``copier()`` is ``None`` where the runtime is not found (no CUDA build), and
