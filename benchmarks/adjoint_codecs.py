@@ -447,37 +447,40 @@ def main() -> int:
             bench.run_gpu(Revolve(warm.n_steps, 4))
             bench.run_sync(warm)
 
+    def median_of(figs: list[dict], what: str = "") -> tuple[dict, str, str]:
+        """The trace with the median idle of ``figs`` (``median_traced``; the only one when one), the words that list
+        every turn's idle after its figure, and the table's suffix ("" for one trace)."""
+        if len(figs) == 1:
+            return figs[0], "", ""
+        return (median_traced(figs), f" (the median of {len(figs)}{what}: "
+                + ", ".join(f"{f['idle_fraction']:.1%}" for f in figs) + ")", f" (median of {len(figs)})")
+
     def traced(s: str, key: str, run: str, fn, untraced_s: float) -> dict:
         """``profile_run`` of one run, its figures printed and tabled; ``key`` names it in the files."""
         tag = f"{s}_{key}".replace(":", "_").replace("+", "_")
         figs = [profile_run(os.path.join(out, f"profile_{tag}{f'_turn{i}' if i else ''}.txt"), fn, untraced_s,
                             os.path.join(args.trace_dir, f"trace_{tag}.json") if args.trace_dir and not i else None)
                 for i in range(args.profile_turns)]
-        fig = median_traced(figs) if len(figs) > 1 else figs[0]
-        if fig["idle_fraction"] is None:
+        if figs[0]["idle_fraction"] is None:
+            fig, of, suffix = (median_traced(figs) if len(figs) > 1 else figs[0]), "", ""
             print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s; no device: idle fraction not measured", flush=True)
         else:
-            of = "" if len(figs) == 1 else (f" (the median of {len(figs)} traced runs: "
-                                            + ", ".join(f"{f['idle_fraction']:.1%}" for f in figs) + ")")
+            fig, of, suffix = median_of(figs, " traced runs")
             print(f"[{s} {run} traced] window {fig['wall_s']:.3f} s, device busy {fig['busy_s']:.3f} s, idle "
                   f"{fig['idle_fraction']:.1%}{of}; {fig['sync_calls']} host synchronisations {fig['syncs']}", flush=True)
-        light = None
+        light, light_suffix = None, ""
         if args.profile_light and fig["idle_fraction"] is not None:
             try:  # as many device-only traces as full ones, the median kept (each turn's beside it)
-                lights = [profile_light(fn) for _ in range(args.profile_turns)]
-                light = fig["light"] = median_traced(lights) if len(lights) > 1 else lights[0]
-                of = "" if len(lights) == 1 else (f" (the median of {len(lights)}: "
-                                                  + ", ".join(f"{f['idle_fraction']:.1%}" for f in lights) + ")")
+                light, of, light_suffix = median_of([profile_light(fn) for _ in range(args.profile_turns)])
+                fig["light"] = light
                 print(f"[{s} {run} traced, device activity only] window {light['wall_s']:.3f} s, device busy "
                       f"{light['busy_s']:.3f} s, idle {light['idle_fraction']:.1%}{of}", flush=True)
             except RuntimeError as e:  # a trace without the marker calls: said, not invented
                 print(f"[{s} {run} traced, device activity only] not measured: {e}", flush=True)
         prows.append([s, run, fmt(untraced_s, ".3f"), fmt(fig["run_s"], ".3f"), fmt(fig["wall_s"], ".3f"),
                       fmt(fig["busy_s"], ".3f"), "-" if fig["idle_fraction"] is None else f"{fig['idle_fraction']:.1%}"
-                      + ("" if len(figs) == 1 else f" (median of {len(figs)})"),
-                      "-" if fig["sync_calls"] is None else str(fig["sync_calls"]),
-                      "-" if light is None else f"{light['wall_s']:.3f} s, {light['idle_fraction']:.1%}"
-                      + ("" if "turns" not in light else f" (median of {len(light['turns'])})")])
+                      + suffix, "-" if fig["sync_calls"] is None else str(fig["sync_calls"]),
+                      "-" if light is None else f"{light['wall_s']:.3f} s, {light['idle_fraction']:.1%}{light_suffix}"])
         return fig
 
     def turns_of(s: str, sh, base: dict, r: dict) -> None:

@@ -6,7 +6,7 @@ import os
 import statistics
 import time
 import traceback
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -212,19 +212,8 @@ def device_idle(events: Iterable[tuple[float, float, str, str]], window: tuple[f
     t0, t1 = window
     if t1 < t0:
         raise ValueError(f"device_idle: window {window!r} ends before it starts")
-    spans = sorted((max(s, t0), min(e, t1)) for s, e, kind, _ in events if kind in DEVICE_WORK)
-    busy, cur_s, cur_e = 0.0, None, None
-    for s, e in spans:
-        if e <= s:
-            continue  # outside the window, or empty
-        if cur_e is None or s > cur_e:
-            if cur_e is not None:
-                busy += cur_e - cur_s
-            cur_s, cur_e = s, e
-        else:
-            cur_e = max(cur_e, e)
-    if cur_e is not None:
-        busy += cur_e - cur_s
+    events = list(events)
+    busy = (t1 - t0) - sum(b - a for a, b, _, _ in _idle_stretches(events, window))
     syncs: dict[str, int] = {}
     for s, _, kind, name in events:
         if kind not in DEVICE_WORK and t0 <= s <= t1 and is_sync_call(name):
@@ -232,6 +221,25 @@ def device_idle(events: Iterable[tuple[float, float, str, str]], window: tuple[f
     wall = t1 - t0
     return {"wall_s": wall, "busy_s": busy, "idle_fraction": 1 - busy / wall if wall > 0 else None,
             "syncs": dict(sorted(syncs.items())), "sync_calls": sum(syncs.values())}
+
+
+def _idle_stretches(events: Iterable[tuple[float, float, str, str]],
+                    window: tuple[float, float]) -> Iterator[tuple[float, float, str, str]]:
+    """The stretches of ``window`` with no device work on any stream, in order: ``(start, end, before, after)``, named
+    by the work that ended last before the stretch and the work that ends it (``"(start)"``, ``"(end)"`` at the
+    window's ends). ``device_idle`` and ``device_gaps`` both sweep the device's work through here."""
+    t0, t1 = window
+    end, last = t0, "(start)"
+    for s, e, _, name in sorted(ev for ev in events if ev[2] in DEVICE_WORK):
+        s, e = max(s, t0), min(e, t1)
+        if e <= s:
+            continue  # outside the window, or empty
+        if s > end:
+            yield end, s, last, name
+        if e > end:
+            end, last = e, name
+    if t1 > end:
+        yield end, t1, last, "(end)"
 
 
 def device_gaps(events: Iterable[tuple[float, float, str, str]], window: tuple[float, float], parts: int = 10,
@@ -260,26 +268,13 @@ def device_gaps(events: Iterable[tuple[float, float, str, str]], window: tuple[f
     width = (t1 - t0) / parts
     per = [0.0] * parts
     groups: dict[tuple[str, str], list[float]] = {}
-
-    def gap(a: float, b: float, before: str, after: str) -> None:
+    for a, b, before, after in _idle_stretches(events, window):
         g = groups.setdefault((before[:60], after[:60]), [0.0, 0])
         g[0] += b - a
         g[1] += 1
         for i in range(int((a - t0) / width), min(parts, int((b - t0) / width) + 1)):
             lo, hi = t0 + i * width, t0 + (i + 1) * width
             per[i] += max(0.0, min(b, hi) - max(a, lo))
-
-    end, last = t0, "(start)"
-    for s, e, kind, name in sorted(ev for ev in events if ev[2] in DEVICE_WORK):
-        s, e = max(s, t0), min(e, t1)
-        if e <= s:
-            continue
-        if s > end:
-            gap(end, s, last, name)
-        if e > end:
-            end, last = e, name
-    if t1 > end:
-        gap(end, t1, last, "(end)")
     ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
     return {"idle_by_part": [p / width for p in per],
             "gaps": [dict(before=k[0], after=k[1], idle_s=v[0], count=int(v[1])) for k, v in ranked]}
