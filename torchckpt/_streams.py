@@ -23,8 +23,8 @@ per-call device lookups.
 #    and ``torch.cuda.set_stream`` (``torch._C._cuda_getDevice``, ``torch._C._cuda_setStream``), without their Python
 #    wrappers' lazy-initialisation checks: a ``Stream`` or a CUDA device in hand means CUDA is initialised.
 # 6. ``copier()`` gives ``copy_bytes(dst_ptr, src_ptr, nbytes, stream)``: one ``cudaMemcpyAsync`` on ``stream``, called
-#    through ctypes into the CUDA runtime torch loaded (``libcudart.so.<major>``, found among the libraries the process
-#    has mapped: never a second runtime from the library path), for the slot writes of settled snapshots
+#    through ctypes into the CUDA runtime torch loaded (``libcudart.so.<major>``, by its name: the library the process
+#    has loaded already), for the slot writes of settled snapshots
 #    (``Blob.write_raw``, ``Mover.place``). A ``flat[off:off + n].copy_(src)`` is a slice, a strided view and a copy
 #    through torch's dispatcher per buffer, each with its Python and dispatch cost and, in a trace, its record: in the
 #    traced zCut run of the RTM (Bitcomp, captured saves and steps, H100) ``aten::copy_`` fell from 1920 calls to 8
@@ -131,30 +131,12 @@ def copier() -> Callable[[int, int, int, Any], None] | None:
     return _COPIER[0]
 
 
-def loaded_runtime() -> str | None:
-    """The path of the CUDA runtime library (``libcudart.so.<major>`` of ``torch.version.cuda``) this process has
-    loaded, or ``None`` (a CPU build of torch, a runtime linked into torch statically, not Linux)."""
+def _load_copier() -> Callable[[int, int, int, Any], None] | None:
     major = (torch.version.cuda or "").split(".")[0]
     if not major:
         return None
-    name = f"/libcudart.so.{major}"
     try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(" ")[-1]
-                if path.endswith(name):
-                    return path
-    except OSError:
-        pass
-    return None
-
-
-def _load_copier() -> Callable[[int, int, int, Any], None] | None:
-    path = loaded_runtime()
-    if path is None:
-        return None
-    try:
-        lib = ctypes.CDLL(path)  # already loaded by torch: the same library object, not a second runtime
+        lib = ctypes.CDLL(f"libcudart.so.{major}")  # the one torch loaded: the same library object, by its name
     except OSError:
         return None
     memcpy = lib.cudaMemcpyAsync
