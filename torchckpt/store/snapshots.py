@@ -515,7 +515,9 @@ class SnapshotStore(CodecSide, DiskSide, PeerSide):
         if self.codec is not None and self.codec.scratch is not None:
             self.codec.scratch.clear()  # NOTE [ Snapshot sizes ] Rule 8
         self._mover.drain()
-        self._graphs = None  # its graphs' memory goes with it, after the mover's reads of it (NOTE [ Captured saves ] Rule 8)
+        if self._graphs is not None:  # after the mover's reads of its buffers (NOTE [ Captured saves ] Rules 8-9)
+            self._graphs.close()
+            self._graphs = None
         self._save_views.clear()  # they hold the slots' memory
         self._slots.release()
         self._slots = Slots()
