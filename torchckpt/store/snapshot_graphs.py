@@ -109,7 +109,7 @@ class SaveGraphs:
         self._idx = index(device)
         self._warm: dict[tuple[Any, ...], tuple[int, torch.dtype] | None] = {}  # per key: its sizes' numel and dtype
         self._warned = False
-        self._pools: list[Any] = []  # each graph's MemPool, dropped after the graphs (Rule 9)
+        self._pools: list[Any] = []  # each graph's MemPool, dropped after the graphs (NOTE [ Captured saves ] Rule 9)
         self.captures = 0
         self.retries = 0  # captures tried again after emptying the allocator's cache (NOTE [ Captured saves ] Rule 6)
 
@@ -188,7 +188,7 @@ class SaveGraphs:
         the pinned ``row`` (NOTE [ Captured saves ] Rule 7); ``None`` if it ran out of GPU memory and this is not
         the ``last`` try (NOTE [ Captured saves ] Rules 4, 6)."""
         g = torch.cuda.CUDAGraph()
-        pool = torch.cuda.MemPool()  # on the ring's stream's device (Rule 9)
+        pool = torch.cuda.MemPool()  # on the ring's stream's device (NOTE [ Captured saves ] Rule 9)
         handle: Any = pool.id  # a pool id as capture_begin takes it (typed there as graph_pool_handle's)
         try:
             g.capture_begin(pool=handle, capture_error_mode="thread_local")
