@@ -54,6 +54,11 @@ class Setting:
     slow: bool = False  # random delays before each copy on the store's streams (CUDA only)
     bf16: bool = False  # the forward under torch.autocast(dtype=torch.bfloat16)
     reentrant: bool = False  # Recompute(reentrant=True) (NOTE [ Reentrant recompute ])
+    graphed: bool = False  # Recompute(graphed=True) (NOTE [ Graphed recompute ]): a third step replays the graphs
+
+    @property
+    def steps(self) -> int:
+        return STEPS + 1 if self.graphed else STEPS
 
     @property
     def recompute(self) -> bool:
@@ -86,6 +91,9 @@ CUDA_SETTINGS: dict[str, Setting] = {
     "offload_partial_bf16": Setting("model", "offload", PARTIAL, bf16=True),
     "block_offload_identity_bf16": Setting("blocks", "offload", 0, codec=True, bf16=True),
     "block_recompute_store_bf16": Setting("blocks", "recompute", 0, bf16=True),
+    "block_recompute_graphed": Setting("blocks", "recompute", graphed=True),
+    "block_recompute_graphed_bf16": Setting("blocks", "recompute", graphed=True, bf16=True),
+    "hf_recompute_graphed": Setting("hf", "recompute", graphed=True),
 }
 
 
@@ -102,7 +110,7 @@ def make_policy(s: Setting, store: torchckpt.Store | None) -> torchckpt.Policy:
     if s.policy == "offload":
         return Offload(store)
     if s.policy == "recompute":
-        return Recompute(store=store, reentrant=s.reentrant)
+        return Recompute(store=store, reentrant=s.reentrant, graphed=s.graphed)
     return Keep()
 
 
@@ -136,13 +144,14 @@ def prepare(s: Setting, model: nn.Module, z: Zoo, store: torchckpt.Store | None)
 Record = list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]]
 
 
-def train(model: nn.Module, z: Zoo, batch: Batch, ctx: Callable[[], Any], use_cache: bool, bf16: bool = False) -> Record:
-    """``STEPS`` SGD steps from fixed seeds; the loss and the parameter gradients of each."""
+def train(model: nn.Module, z: Zoo, batch: Batch, ctx: Callable[[], Any], use_cache: bool, bf16: bool = False,
+          steps: int = STEPS) -> Record:
+    """``steps`` SGD steps from fixed seeds; the loss and the parameter gradients of each."""
     model.train(z.train)
     device = next(iter(batch.values())).device.type
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
     out: Record = []
-    for i in range(STEPS):
+    for i in range(steps):
         opt.zero_grad(set_to_none=True)
         torch.manual_seed(100 + i)
         with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16), ctx():
@@ -154,7 +163,7 @@ def train(model: nn.Module, z: Zoo, batch: Batch, ctx: Callable[[], Any], use_ca
 
 
 _built: dict[str, tuple[nn.Module, Batch]] = {}
-_reference: dict[tuple[str, str, bool, bool], tuple[nn.Module, Record]] = {}
+_reference: dict[tuple[str, str, bool, bool, int], tuple[nn.Module, Record]] = {}
 
 
 def build(z: Zoo, device: str) -> tuple[nn.Module, Batch]:
@@ -165,12 +174,12 @@ def build(z: Zoo, device: str) -> tuple[nn.Module, Batch]:
     return copy.deepcopy(model).to(device), to(batch, device)
 
 
-def reference(z: Zoo, device: str, use_cache: bool, bf16: bool = False) -> tuple[nn.Module, Record]:
-    """Plain autograd from the same model and seeds (computed once per model, device and flags)."""
-    key = (z.name, device, use_cache, bf16)
+def reference(z: Zoo, device: str, use_cache: bool, bf16: bool = False, steps: int = STEPS) -> tuple[nn.Module, Record]:
+    """Plain autograd from the same model and seeds (computed once per model, device, flags and steps)."""
+    key = (z.name, device, use_cache, bf16, steps)
     if key not in _reference:
         model, batch = build(z, device)
-        rec = train(model, z, batch, torch.enable_grad, use_cache, bf16)
+        rec = train(model, z, batch, torch.enable_grad, use_cache, bf16, steps)
         _reference[key] = (model, rec)
     return _reference[key]
 
@@ -204,7 +213,7 @@ def check(z: Zoo, name: str, device: str) -> None:
     pytest.importorskip(z.package)
     s = CUDA_SETTINGS[name]
     use_cache = not s.recompute and s.scope != "hf"
-    plain, ref = reference(z, device, use_cache, s.bf16)
+    plain, ref = reference(z, device, use_cache, s.bf16, s.steps)
 
     model, batch = build(z, device)
     store = None if s.gpu_bytes is None else make_store(device, s.gpu_bytes, s.codec)
@@ -213,11 +222,11 @@ def check(z: Zoo, name: str, device: str) -> None:
         rng = random.Random(0)
         store._set_delay(lambda kind, stream: torch.cuda._sleep(rng.randint(0, 2_000_000)))
     ctx, calls = prepare(s, model, z, store)
-    got = train(model, z, batch, ctx, use_cache, s.bf16)
+    got = train(model, z, batch, ctx, use_cache, s.bf16, s.steps)
 
     assert_same_records(got, ref)
     if s.scope == "hf":
-        assert len(calls) == STEPS * len(z.blocks(model))
+        assert len(calls) == s.steps * len(z.blocks(model))
     assert_same_buffers(model, plain)  # NOTE [ Buffers written in a forward ]: under Recompute too
     if store is None:
         return

@@ -51,6 +51,7 @@ from torchckpt.recompute.buffers import guarded
 from torchckpt.recompute.chain import ChainRuntime, ChainStats
 from torchckpt.recompute.mutation import check_recomputed, watched
 from torchckpt.recompute.parts import run_in_parts
+from torchckpt.recompute.graphed import block_graphs
 from torchckpt.recompute.reentrant import run_reentrant
 from torchckpt.recompute.selective import selective_contexts
 
@@ -225,7 +226,8 @@ def run(policy: Policy, fn: Callable[..., T], *args: Any, module: nn.Module | No
     with ctx:  # the inputs saved at the boundary go to the store
         done = False
         if policy.reentrant and not torch.compiler.is_compiling():  # NOTE [ Reentrant recompute ]
-            done, out = run_reentrant(fn, args, kwargs, policy.preserve_rng_state, module)
+            done, out = run_reentrant(fn, args, kwargs, policy.preserve_rng_state, module,
+                                      block_graphs if policy.graphed else None)  # NOTE [ Graphed recompute ]
         if done:  # ran in one node (NOTE [ Reentrant recompute ] Rule 4 leaves some calls to the frame below)
             pass
         elif policy.parts is not None and not torch.compiler.is_compiling():  # NOTE [ Recompute in parts ] Rule 12

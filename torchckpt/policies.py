@@ -71,6 +71,16 @@ class Recompute:
             argument nor a parameter of its module raises ``CheckpointError`` in backward (it
             would get no gradient); every floating output then requires grad. Not with ``save``,
             ``parts``, ``codec``, ``determinism_check="none"`` or ``debug``.
+        graphed: ``reentrant=True`` (implied) whose backward replays a CUDA graph of the block's
+            recomputation and gradients (NOTE [ Graphed recompute ], recompute/graphed.py), captured
+            at a call signature's second backward and checked bit for bit against the eager
+            backward then: the backward costs the host a few copies and one launch instead of the
+            block's ops. For blocks whose forward is a function of its arguments, parameters and
+            buffers (Python attributes it reads are taken as they were at the capture); blocks that
+            draw random numbers, read other tensors, or cannot be captured recompute eagerly
+            (``torchckpt.recompute.graphed.stats()`` says why). Holds GPU memory beyond the
+            allocator's count: the graphs' buffers and one pool of intermediates per device
+            (``graphed.pool_bytes()``; ``graphed.clear()`` frees them). No effect off CUDA.
 
     Example::
 
@@ -91,6 +101,7 @@ class Recompute:
     codec: Codec | None = None
     parts: tuple[int, ...] | None = None
     reentrant: bool = False
+    graphed: bool = False
 
     def __post_init__(self) -> None:
         _check_store("Recompute", self.store)
@@ -107,7 +118,7 @@ class Recompute:
                     "torchckpt: Recompute(codec=...) compresses the outputs kept by save=... on their way through "
                     "store=...; pass both (e.g. Recompute(store=store, save={torch.ops.aten.mm.default}, codec=codec)), "
                     "or use Offload(store, codec) to compress what a block saves.")
-        for name in ("preserve_rng_state", "debug", "reentrant"):
+        for name in ("preserve_rng_state", "debug", "reentrant", "graphed"):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise TypeError(
@@ -118,6 +129,8 @@ class Recompute:
                 f"torchckpt: Recompute(determinism_check=...) must be one of {_DETERMINISM}, "
                 f"got {self.determinism_check!r}."
             )
+        if self.graphed:  # NOTE [ Graphed recompute ]: the reentrant node's backward, graphed
+            object.__setattr__(self, "reentrant", True)
         if self.reentrant:
             other = [n for n, v in (("save", self.save), ("parts", self.parts), ("codec", self.codec)) if v is not None]
             other += [n for n, v in (("determinism_check", self.determinism_check != "default"),

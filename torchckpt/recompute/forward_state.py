@@ -68,11 +68,12 @@ class ForwardState:
                 self.devices, self.device_states = get_device_states(*tensors)
 
     @contextlib.contextmanager
-    def replayed(self) -> Iterator[None]:
-        """Run the body under the captured RNG states (restoring the current ones after), autocast and device context."""
-        with torch.random.fork_rng(devices=self.devices if self.had_device else [], enabled=self.preserve,
+    def replayed(self, rng: bool = True) -> Iterator[None]:
+        """Run the body under the captured RNG states (restoring the current ones after; not with ``rng=False``),
+        autocast and device context."""
+        with torch.random.fork_rng(devices=self.devices if self.had_device else [], enabled=self.preserve and rng,
                                    device_type=self.device_type):
-            if self.preserve:
+            if self.preserve and rng:
                 assert self.cpu_state is not None
                 torch.set_rng_state(self.cpu_state)
                 if self.had_device:

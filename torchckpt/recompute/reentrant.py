@@ -34,7 +34,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -44,19 +44,20 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torchckpt._errors import CheckpointError
 from torchckpt.recompute.forward_state import ForwardState
 
-__all__ = ["run_reentrant"]
+__all__ = ["gradients", "run_reentrant"]
 
 
 class _Call:
     """One call: the block, the arguments' structure with their tensors taken out, the forward's result."""
 
-    __slots__ = ("fn", "leaves", "spec", "at", "n_args", "state", "result")
+    __slots__ = ("fn", "leaves", "spec", "at", "n_args", "state", "result", "graphs")
 
     def __init__(self, fn: Callable[..., Any], leaves: list[Any], spec: Any, at: list[int], state: ForwardState) -> None:
         self.fn, self.spec, self.at, self.state = fn, spec, at, state
         self.leaves = [None if isinstance(x, torch.Tensor) else x for x in leaves]
         self.n_args = len(at)
         self.result: tuple[list[Any], Any, list[int]] | None = None
+        self.graphs: Any = None  # a BlockGraphs where the backward may replay a CUDA graph (NOTE [ Graphed recompute ])
 
     def run(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         """The block on ``tensors`` (the arguments' tensors), its result's tensors (NOTE [ Reentrant recompute ] Rule 2)."""
@@ -113,29 +114,41 @@ class _Node(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> Any:
         call: _Call = ctx.call
-        args = tuple(t.detach().requires_grad_(t.requires_grad) for t in ctx.saved_tensors)
-        params = ctx.params
-        with call.state.replayed(), torch.enable_grad():
-            outs = call.run(args)
-        pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
-        inputs = args + tuple(params)
+        saved = ctx.saved_tensors
         need = ctx.needs_input_grad[1:]
-        wanted = [i for i, (t, w) in enumerate(zip(inputs, need)) if w and t.requires_grad]
-        known = {id(t) for t in inputs}
-        stray = [t for t in _leaves([o.grad_fn for o, _ in pairs]) if t.requires_grad and id(t) not in known]
-        if stray:
-            shapes = ", ".join(str(tuple(t.shape)) for t in stray[:3])
-            raise CheckpointError(
-                f"torchckpt: Recompute(reentrant=True): the block uses {len(stray)} tensor(s) that need grad and are "
-                f"neither its arguments nor its module's parameters (shapes {shapes}): they would get no gradient. "
-                "Pass them as arguments, or use Recompute() (reentrant=False).")
-        got: list[torch.Tensor | None] = [None] * len(inputs)
-        if pairs and wanted:
-            res = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
-                                      allow_unused=True, create_graph=torch.is_grad_enabled())
-            for i, g in zip(wanted, res):
-                got[i] = g
-        return (None, *got)
+        if call.graphs is not None and not torch.is_grad_enabled():  # NOTE [ Graphed recompute ]
+            got = call.graphs.backward(call, saved, ctx.params, grads, need)
+            if got is not None:
+                return (None, *got)
+        return (None, *gradients(call, saved, ctx.params, grads, need))
+
+
+def gradients(call: _Call, saved: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+              grads: Sequence[torch.Tensor | None], need: tuple[bool, ...], rng: bool = True) -> list[torch.Tensor | None]:
+    """The gradients of the node's inputs (``saved``, the arguments' tensors, then ``params``) for the outputs'
+    ``grads``, the block run again (NOTE [ Reentrant recompute ] Rules 3-4); ``None`` where ``need`` says none.
+    ``rng=False`` leaves the RNG states as they are (a capture, NOTE [ Graphed recompute ] Rule 3)."""
+    args = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+    with call.state.replayed(rng), torch.enable_grad():
+        outs = call.run(args)
+    pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
+    inputs = args + tuple(params)
+    wanted = [i for i, (t, w) in enumerate(zip(inputs, need)) if w and t.requires_grad]
+    known = {id(t) for t in inputs}
+    stray = [t for t in _leaves([o.grad_fn for o, _ in pairs]) if t.requires_grad and id(t) not in known]
+    if stray:
+        shapes = ", ".join(str(tuple(t.shape)) for t in stray[:3])
+        raise CheckpointError(
+            f"torchckpt: Recompute(reentrant=True): the block uses {len(stray)} tensor(s) that need grad and are "
+            f"neither its arguments nor its module's parameters (shapes {shapes}): they would get no gradient. "
+            "Pass them as arguments, or use Recompute() (reentrant=False).")
+    got: list[torch.Tensor | None] = [None] * len(inputs)
+    if pairs and wanted:
+        res = torch.autograd.grad([o for o, _ in pairs], [inputs[i] for i in wanted], [g for _, g in pairs],
+                                  allow_unused=True, create_graph=torch.is_grad_enabled())
+        for i, g in zip(wanted, res):
+            got[i] = g
+    return got
 
 
 def _params(mod: nn.Module) -> list[nn.Parameter]:
@@ -158,9 +171,11 @@ def _module_of(fn: Callable[..., Any], module: nn.Module | None) -> nn.Module | 
 
 
 def run_reentrant(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], preserve_rng_state: bool,
-                  module: nn.Module | None = None) -> tuple[bool, Any]:
+                  module: nn.Module | None = None, graphs: Callable[[nn.Module], Any] | None = None) -> tuple[bool, Any]:
     """``(True, fn(*args, **kwargs))`` run through one node (NOTE [ Reentrant recompute ]), or ``(False, None)`` where
-    NOTE [ Reentrant recompute ] Rule 4 leaves the call to the non-reentrant frame (nothing ran)."""
+    NOTE [ Reentrant recompute ] Rule 4 leaves the call to the non-reentrant frame (nothing ran). ``graphs``: the
+    block's module to the graphs its backward may replay (NOTE [ Graphed recompute ]); a call with no module
+    recomputes eagerly."""
     if not kwargs and all(isinstance(a, torch.Tensor) for a in args):  # the common call, module(x): no tree to walk
         leaves, spec = list(args), None
     else:
@@ -172,6 +187,8 @@ def run_reentrant(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[st
     if not any(t.requires_grad for t in tensors) and not params:
         return False, None
     call = _Call(fn, leaves, spec, at, ForwardState(tensors, preserve_rng_state))
+    if graphs is not None and mod is not None:
+        call.graphs = graphs(mod)  # NOTE [ Graphed recompute ]: its backward may replay a CUDA graph
     outs = _Node.apply(call, *tensors, *params)
     assert call.result is not None
     out_leaves, out_spec, where = call.result

@@ -1,0 +1,53 @@
+"""NOTE [ Graphed recompute ] off CUDA and its arguments: ``Recompute(graphed=True)`` is ``Recompute(reentrant=True)``
+with the same checks, runs eagerly on the CPU (the same bits as plain autograd) and counts those backwards; its
+signature takes only immutable arguments. The CUDA side: tests/recompute/test_graphed_cuda.py."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import torchckpt
+from ckpt_models import assert_same_grads, grads
+from torchckpt import Recompute
+from torchckpt.recompute import graphed
+
+
+def test_graphed_implies_reentrant_and_its_checks() -> None:
+    p = Recompute(graphed=True)
+    assert p.reentrant and p.graphed
+    with pytest.raises(ValueError, match="reentrant=True"):
+        Recompute(graphed=True, save=frozenset({torch.ops.aten.mm.default}))
+    with pytest.raises(TypeError, match=r"torchckpt: Recompute\(graphed=...\) expects True or False"):
+        Recompute(graphed=1)  # type: ignore[arg-type]
+
+
+def test_cpu_blocks_run_eagerly_with_plain_bits() -> None:
+    graphed.clear()
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.BatchNorm1d(8), nn.GELU()) for _ in range(3)])
+    ref = copy.deepcopy(model)
+    for b in model:
+        torchckpt.checkpoint(b, policy=Recompute(graphed=True))
+    x = torch.randn(16, 8, requires_grad=True)
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        ref.zero_grad(set_to_none=True)
+        model(x).square().mean().backward()
+        ref(x).square().mean().backward()
+        assert_same_grads(grads(model), grads(ref))
+        for (n, a), (_, b) in zip(model.named_buffers(), ref.named_buffers()):
+            assert torch.equal(a, b), f"step {step}: buffer {n}"
+    st = graphed.stats()
+    assert st.get("captures", 0) == 0 and st["eager"] == 9, st  # CPU tensors: no signature (Rule 6)
+    assert graphed.pool_bytes() == 0
+
+
+@pytest.mark.parametrize(("value", "plain"), [
+    (None, True), (3, True), (0.5, True), ("causal", True), (torch.float16, True), ((1, (2, "a")), True),
+    ([1, 2], False), ({"a": 1}, False), (object(), False), ((1, [2]), False),
+])
+def test_signature_takes_immutable_values_only(value: object, plain: bool) -> None:
+    assert graphed._plain(value) is plain

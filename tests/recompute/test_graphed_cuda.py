@@ -1,0 +1,226 @@
+"""NOTE [ Graphed recompute ] on a GPU: blocks recomputed by replaying CUDA graphs give plain autograd's gradients and
+buffers bit for bit over several steps (capture at the second backward, replays after); what a graph cannot serve
+(random draws, tensors read from outside the call, a synchronisation, a second order, more signatures than kept)
+recomputes eagerly, with the same bits, and says why; ``clear()`` gives the pool back."""
+from __future__ import annotations
+
+import copy
+import gc
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import torchckpt
+from ckpt_models import assert_same_grads, grads
+from torchckpt import Recompute
+from torchckpt.recompute import graphed
+
+pytestmark = pytest.mark.cuda
+GRAPHED = Recompute(graphed=True)
+
+
+@pytest.fixture(autouse=True)
+def _fresh() -> Iterator[None]:
+    old = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    graphed.clear()
+    try:
+        yield
+    finally:
+        graphed.clear()
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = old
+
+
+class Bottleneck(nn.Module):
+    """ResNet's block: convolutions, batch norm in training (running statistics written), ReLU, a residual."""
+
+    def __init__(self, c: int = 32) -> None:
+        super().__init__()
+        self.c1, self.b1 = nn.Conv2d(c, c // 4, 1, bias=False), nn.BatchNorm2d(c // 4)
+        self.c2, self.b2 = nn.Conv2d(c // 4, c // 4, 3, padding=1, bias=False), nn.BatchNorm2d(c // 4)
+        self.c3, self.b3 = nn.Conv2d(c // 4, c, 1, bias=False), nn.BatchNorm2d(c)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b1(self.c1(x)).relu()
+        y = self.b2(self.c2(y)).relu()
+        return (self.b3(self.c3(y)) + x).relu()
+
+
+def _net(blocks: int = 4, c: int = 32) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, c, 3, padding=1), *[Bottleneck(c) for _ in range(blocks)],
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(c, 10)).cuda().to(memory_format=torch.channels_last)
+
+
+def _train(model: nn.Module, xs: list[torch.Tensor], bf16: bool = False) -> list[tuple[torch.Tensor, dict[str, Any]]]:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    out = []
+    for i, x in enumerate(xs):
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(10 + i)
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        out.append((loss.detach().clone(), grads(model)))
+        opt.step()
+    return out
+
+
+def _same(got: list[Any], want: list[Any]) -> None:
+    for i, ((la, ga), (lb, gb)) in enumerate(zip(got, want, strict=True)):
+        assert torch.equal(la, lb), f"step {i}: loss"
+        try:
+            assert_same_grads(ga, gb)
+        except AssertionError as e:
+            raise AssertionError(f"step {i}: {e}") from None
+
+
+def _same_buffers(a: nn.Module, b: nn.Module) -> None:
+    for (n, x), (_, y) in zip(a.named_buffers(), b.named_buffers(), strict=True):
+        assert torch.equal(x, y), f"buffer {n}"
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bottlenecks_replay_with_plain_bits_and_buffers(bf16: bool) -> None:
+    model = _net()
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:5]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    xs = [torch.randn(8, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(4)]
+    _same(_train(model, xs, bf16), _train(ref, xs, bf16))
+    _same_buffers(model, ref)
+    st = graphed.stats()
+    # step 1 eager, step 2 captures each block (the first block's input needs no grad: its own signature), 3-4 replay
+    assert st["captures"] == 4 and st["replays"] == 4 * 3, st
+    assert graphed.pool_bytes() > 0
+
+
+def test_the_comparison_is_live() -> None:
+    """A replay that left the gradients one ulp off would fail the bit-for-bit comparison above."""
+    model = _net(blocks=2)
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:3]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    replay = graphed._Entry.replay
+
+    def off(self: Any, *a: Any) -> Any:
+        return [None if g is None else g * (1 + torch.finfo(g.dtype).eps) for g in replay(self, *a)]
+
+    graphed._Entry.replay = off  # type: ignore[method-assign]
+    try:
+        xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
+        with pytest.raises(AssertionError):
+            _same(_train(model, xs), _train(ref, xs))
+    finally:
+        graphed._Entry.replay = replay  # type: ignore[method-assign]
+
+
+class Noisy(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.drop = nn.Dropout(0.3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x)).tanh() + x
+
+
+class Outside(nn.Module):
+    """Reads a tensor that is neither an argument, a parameter nor a buffer (replaced each step)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.scale = torch.ones(16, device="cuda")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh() * self.scale + x
+
+
+class Syncs(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        return y * float(y.abs().max().item() > 0) + x
+
+
+@pytest.mark.parametrize(("block", "reason"), [(Noisy, "random draws"), (Outside, "reads tensors outside"),
+                                               (Syncs, "capture failed")])
+def test_what_a_graph_cannot_serve_runs_eagerly(block: type[nn.Module], reason: str) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), block(), block()).cuda()
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    xs = [torch.randn(8, 16, device="cuda") for _ in range(4)]
+    got, want = [], []
+    for i, x in enumerate(xs):
+        for m, out in ((model, got), (ref, want)):
+            if isinstance(m[1], Outside):
+                for b in list(m)[1:]:
+                    b.scale = torch.full((16,), 1.0 + i, device="cuda")  # a new tensor each step
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(i)
+            m(x).square().mean().backward()
+            out.append(grads(m))
+    for a, b in zip(got, want, strict=True):
+        assert_same_grads(a, b)
+    st = graphed.stats()
+    assert st.get("replays", 0) == 0, st
+    assert any(reason in k and v == 2 for k, v in st.items()), st  # each block's signature, once
+
+
+def test_second_order_runs_eagerly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).cuda()
+    ref = copy.deepcopy(model)
+    torchckpt.checkpoint(model[1], policy=GRAPHED)
+    x = torch.randn(4, 8, device="cuda", requires_grad=True)
+    for _ in range(3):
+        (g,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        (gr,) = torch.autograd.grad(ref(x).square().sum(), x, create_graph=True)
+        assert torch.equal(g, gr)
+        (h,) = torch.autograd.grad(g.sum(), x)
+        (hr,) = torch.autograd.grad(gr.sum(), x)
+        assert torch.equal(h, hr)
+    assert graphed.stats().get("captures", 0) == 0
+
+
+def test_signatures_past_the_limit_run_eagerly_with_a_warning() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.GELU())).cuda()
+    ref = copy.deepcopy(model)
+    torchckpt.checkpoint(model[1], policy=GRAPHED)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for n in [2, 3, 4, 5, 6, 2, 3, 4, 5, 6, 2, 3]:  # six batch sizes, each twice or more
+            x = torch.randn(n, 8, device="cuda")
+            for m in (model, ref):
+                m.zero_grad(set_to_none=True)
+                m(x).square().mean().backward()
+            assert_same_grads(grads(model), grads(ref))
+    st = graphed.stats()
+    assert st["captures"] == graphed.MAX_KEYS and st["eager_keys"] > 0, st
+    assert any("more than" in str(w.message) for w in seen)
+
+
+def test_clear_gives_the_pool_back() -> None:
+    model = _net(blocks=2)
+    for b in list(model)[1:3]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
+    _train(model, xs)
+    assert graphed.pool_bytes() > 0
+    ids = {d.pool.id for d in graphed._DEVICES.values()}
+    graphed.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    left = [s for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in ids]
+    assert not left, left

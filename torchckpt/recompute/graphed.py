@@ -1,0 +1,356 @@
+"""``Recompute(graphed=True)``: the reentrant recomputation (reentrant.py) whose backward replays a CUDA graph.
+
+# NOTE [ Graphed recompute ]
+# 1. Under ``Recompute(reentrant=True)`` a block's backward runs its forward again in Python and takes the gradients
+#    op by op: a few hundred microseconds of host work a block, which on a model whose step the host bounds (many
+#    small blocks, many small ops: ResNet-152's Bottlenecks, ConvNeXt's) the device waits for. Here that backward,
+#    the recomputation and its gradients, is captured once as one CUDA graph per block and call signature (Rule 2)
+#    and replayed: the backward then costs the host the copies of its inputs into the graph's buffers, one launch
+#    and the copies of the gradients out. The forward is the reentrant one (no grad, no hook), run eagerly.
+# 2. A graph serves the calls of its signature: the tensors' shapes, strides, dtypes, devices, ``requires_grad``
+#    and 16-byte alignment; the non-tensor arguments and the call's structure (immutable values only: None, bools,
+#    numbers, strings, dtypes, devices, and tuples of them; another value and the block recomputes eagerly); which
+#    outputs got a gradient and its layout; which inputs autograd asks for; autocast; the addresses of the module's
+#    parameters and buffers; the backends' flags that choose kernels (TF32, reduced-precision reductions,
+#    deterministic algorithms, cuDNN's benchmark and determinism, the attention backends enabled). Another signature is another graph, up to
+#    ``MAX_KEYS`` per block; past that the block recomputes eagerly (``stats()['eager_keys']``).
+# 3. A signature's first backward runs eagerly, so a call made once pays no capture. At its second: the backward
+#    runs eagerly on the graph's own input buffers (on the capture stream, under a dispatch mode that watches every
+#    op), is captured, and is replayed; the replay's gradients are compared with the eager run's bit for bit (one
+#    synchronisation per capture). The signature recomputes eagerly from then on (its reason in ``stats()``) where:
+#    an op draws random numbers (an op tagged ``nondeterministic_seeded``: a replay would draw others than the
+#    forward did); an op reads a tensor, on the device or the host, that is not one of the call's, a parameter or a
+#    buffer of the module, nor made during the backward, and that is still alive after it (a graph would read it at
+#    the address it had at the capture, whatever the module holds later); a tensor is not dense (an expanded
+#    gradient); the capture fails (a synchronisation, a copy from pageable memory); or the replay differs from the
+#    eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
+# 4. Memory: the graphs' inputs and outputs are buffers kept per device and shared by every graphed block, one per
+#    role (argument, incoming gradient, argument's or parameter's gradient), layout and position in a call, so
+#    blocks of one shape share them; the gradients are copied out of them after each replay (``clone``, same
+#    strides), before any other replay. Each graph's intermediates live in one private memory pool per device shared by all
+#    graphs (captured one after another, replayed one at a time on the backward's stream, each reading only
+#    buffers it writes first). The allocator's peak does not count a replay's intermediates: ``pool_bytes()``
+#    says what the pool holds, ``held_bytes()`` the pool and the buffers; ``clear()`` lets every graph, buffer and
+#    pool go.
+# 5. What a capture bakes in beside Rule 2's signature: the Python values the forward reads other than its
+#    arguments (a module's float attribute changed later is not seen), and Python side effects of a recomputation
+#    run at the capture only. A block whose forward reads Python state that changes from step to step must not be
+#    graphed. One backward at a time per device (the buffers are shared).
+# 6. Not graphed (the backward recomputes eagerly as ``Recompute(reentrant=True)``, the same values): a second order
+#    (grad mode on in the backward), tensors off CUDA or on several devices, a call with no module (a function
+#    checkpointed alone), under ``torch.compile`` (api.run) and while a stream capture is under way.
+"""
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch._prims_common
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from torchckpt.recompute.reentrant import gradients
+
+__all__ = ["BlockGraphs", "block_graphs", "clear", "held_bytes", "pool_bytes", "stats"]
+
+MAX_KEYS = 4  # signatures captured per block (NOTE [ Graphed recompute ] Rule 2)
+_PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
+_STATS: Counter[str] = Counter()
+
+
+def stats() -> dict[str, int]:
+    """Counts since the process began or ``clear()``: ``captures``, ``replays``, ``eager`` (backwards run eagerly),
+    and for each signature left eager, its reason (NOTE [ Graphed recompute ] Rule 3)."""
+    return dict(_STATS)
+
+
+class _Device:
+    """One device's capture stream, memory pool and shared buffers (NOTE [ Graphed recompute ] Rule 4)."""
+
+    __slots__ = ("buffers", "index", "pool", "stream")
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        with torch.cuda.device(index):
+            self.pool = torch.cuda.MemPool()
+            self.stream = torch.cuda.Stream()
+        self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+
+    def buffer(self, role: str, t: torch.Tensor, slot: int) -> torch.Tensor:
+        key = (role, t.shape, t.stride(), t.dtype, slot)
+        got = self.buffers.get(key)
+        if got is None:
+            got = self.buffers[key] = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
+        return got
+
+
+_DEVICES: dict[int, _Device] = {}
+_BLOCKS: weakref.WeakKeyDictionary[nn.Module, BlockGraphs] = weakref.WeakKeyDictionary()
+
+
+def clear() -> None:
+    """Let every block's graphs go, then the shared buffers and the pools (NOTE [ Graphed recompute ] Rule 4)."""
+    for b in list(_BLOCKS.values()):
+        b.entries.clear()
+    _BLOCKS.clear()
+    for d in _DEVICES.values():
+        d.buffers.clear()
+    _DEVICES.clear()
+    _STATS.clear()
+
+
+def pool_bytes() -> int:
+    """Bytes the graphs' private pools hold on every device (their intermediates; NOTE [ Graphed recompute ] Rule 4)."""
+    ids = {d.pool.id for d in _DEVICES.values()}
+    if not ids:
+        return 0
+    return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in ids)
+
+
+def held_bytes() -> int:
+    """Bytes the graphs hold beyond the tensors the allocator counts at a replay: the shared buffers and the pools
+    (NOTE [ Graphed recompute ] Rule 4)."""
+    return sum(t.untyped_storage().nbytes() for d in _DEVICES.values() for t in d.buffers.values()) + pool_bytes()
+
+
+def block_graphs(module: nn.Module) -> BlockGraphs:
+    """The graphs of ``module``'s backward (kept while the module lives)."""
+    got = _BLOCKS.get(module)
+    if got is None:
+        got = _BLOCKS[module] = BlockGraphs(module)
+    return got
+
+
+def _dense(t: torch.Tensor) -> bool:
+    return bool(torch._prims_common.is_non_overlapping_and_dense_or_false(t))
+
+
+def _plain(x: Any) -> bool:
+    if isinstance(x, tuple):
+        return all(_plain(y) for y in x)
+    return isinstance(x, _PLAIN)
+
+
+def _flags() -> tuple[Any, ...]:
+    """The backends' flags that choose kernels (NOTE [ Graphed recompute ] Rule 2)."""
+    b = torch.backends.cuda
+    m = b.matmul
+    c = torch.backends.cudnn
+    return (m.allow_tf32, m.allow_fp16_reduced_precision_reduction, m.allow_bf16_reduced_precision_reduction,
+            c.allow_tf32, c.benchmark, c.deterministic, torch.are_deterministic_algorithms_enabled(),
+            b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(), b.cudnn_sdp_enabled())
+
+
+class _Reads(TorchDispatchMode):
+    """Watches a backward's ops: random draws, and tensors read that the backward did not make (NOTE [ Graphed
+    recompute ] Rule 3)."""
+
+    def __init__(self, allowed: set[tuple[str, int]]) -> None:
+        super().__init__()
+        self.allowed = allowed
+        self.made: set[tuple[str, int]] = set()
+        self.read: dict[tuple[str, int], tuple[StorageWeakRef, tuple[int, ...]]] = {}
+        self.random: str | None = None
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if torch.Tag.nondeterministic_seeded in func.tags and self.random is None:
+            self.random = str(func)
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor):
+                s = t.untyped_storage()
+                k = (str(t.device), s.data_ptr())
+                if s.nbytes() and k not in self.made and k not in self.allowed and k not in self.read:
+                    self.read[k] = (StorageWeakRef(s), tuple(t.shape))
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.add((str(t.device), t.untyped_storage().data_ptr()))
+        return out
+
+    def outside(self) -> list[tuple[int, ...]]:
+        """Shapes of the tensors read that were neither allowed nor made, and are alive still."""
+        return [shape for k, (ref, shape) in self.read.items() if k not in self.made and not ref.expired()]
+
+
+def _storages(ts: Sequence[torch.Tensor | None]) -> set[tuple[str, int]]:
+    return {(str(t.device), t.untyped_storage().data_ptr()) for t in ts if t is not None}
+
+
+class _Entry:
+    """One captured backward: its graph, the buffers it reads (arguments, incoming gradients) and writes (the
+    gradients, ``None`` where the eager backward gave none)."""
+
+    __slots__ = ("args", "graph", "grads", "outs")
+
+    def __init__(self, graph: Any, args: list[torch.Tensor], grads: list[torch.Tensor | None],
+                 outs: list[torch.Tensor | None]) -> None:
+        self.graph, self.args, self.grads, self.outs = graph, args, grads, outs
+
+    def replay(self, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+        for b, t in zip(self.args, saved):
+            b.copy_(t)
+        for gb, g in zip(self.grads, grads):
+            if gb is not None and g is not None:
+                gb.copy_(g)
+        self.graph.replay()
+        _STATS["replays"] += 1
+        return [None if o is None else o.clone() for o in self.outs]
+
+
+class BlockGraphs:
+    """One block's captured backwards by signature (NOTE [ Graphed recompute ] Rules 2-3): an ``_Entry``, a count of
+    eager runs before the capture, or the reason the signature stays eager."""
+
+    __slots__ = ("__weakref__", "entries", "module", "warned")
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = weakref.ref(module)
+        self.entries: dict[tuple[Any, ...], _Entry | int | str] = {}
+        self.warned = False
+
+    def _key(self, call: Any, saved: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
+             grads: Sequence[torch.Tensor | None], need: tuple[bool, ...]) -> tuple[Any, ...] | None:
+        mod = self.module()
+        if mod is None:
+            return None
+        dev = None
+        ts: list[tuple[Any, ...] | None] = []
+        for t in (*saved, *grads):
+            if t is None:
+                ts.append(None)
+                continue
+            if t.device.type != "cuda" or (dev is not None and t.device != dev):
+                return None
+            dev = t.device
+            ts.append((t.shape, t.stride(), t.dtype, t.requires_grad, t.data_ptr() % 16 == 0))
+        if dev is None or not all(_plain(x) for x in call.leaves):
+            return None
+        a_dev, a_cpu = call.state.autocast
+        auto = (None if a_dev is None else (a_dev["enabled"], a_dev["dtype"], a_dev["cache_enabled"]),
+                a_cpu["enabled"], a_cpu["dtype"])
+        key = (dev.index, tuple(ts), need, call.spec, tuple(call.leaves), auto, _flags(),
+               tuple(p.data_ptr() for p in params), tuple(b.data_ptr() for b in mod.buffers()))
+        try:
+            hash(key)
+        except TypeError:
+            return None
+        return key
+
+    def backward(self, call: Any, saved: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...],
+                 grads: tuple[torch.Tensor | None, ...], need: tuple[bool, ...]) -> list[torch.Tensor | None] | None:
+        """The gradients by a replay, or ``None``: the caller runs the backward eagerly (NOTE [ Graphed recompute ]
+        Rules 3, 6)."""
+        key = self._key(call, saved, params, grads, need)
+        if key is None or torch.cuda.is_current_stream_capturing():
+            _STATS["eager"] += 1
+            return None
+        got = self.entries.get(key)
+        if isinstance(got, _Entry):
+            return got.replay(saved, grads)
+        if got is None:
+            if len(self.entries) >= MAX_KEYS:
+                _STATS["eager"] += 1
+                _STATS["eager_keys"] += 1
+                if not self.warned:
+                    self.warned = True
+                    warnings.warn(
+                        f"torchckpt: Recompute(graphed=True): a block was called with more than {MAX_KEYS} signatures "
+                        "(shapes, layouts, arguments, parameter addresses); further ones recompute eagerly, the same "
+                        "values at the host's cost. Keep the block's inputs and parameters the same from step to step.",
+                        RuntimeWarning, stacklevel=4)
+                return None
+            self.entries[key] = 1
+            _STATS["eager"] += 1
+            return None
+        if isinstance(got, str):
+            _STATS["eager"] += 1
+            return None
+        entry = self._capture(call, saved, params, grads, need, key[0])
+        if isinstance(entry, str):
+            self.entries[key] = entry
+            _STATS[entry] += 1
+            _STATS["eager"] += 1
+            return None
+        self.entries[key] = entry[0]
+        return entry[1]
+
+    def _capture(self, call: Any, saved: tuple[torch.Tensor, ...], params: tuple[torch.Tensor, ...],
+                 grads: tuple[torch.Tensor | None, ...], need: tuple[bool, ...],
+                 index: int) -> tuple[_Entry, list[torch.Tensor | None]] | str:
+        """NOTE [ Graphed recompute ] Rule 3's capture: the entry and this backward's gradients (the replay's), or why
+        the signature stays eager."""
+        mod = self.module()
+        if mod is None:
+            return "module gone"
+        if not all(_dense(t) for t in saved) or not all(g is None or _dense(g) for g in grads):
+            return "eager: a tensor not dense"
+        dev = _DEVICES.get(index)
+        if dev is None:
+            dev = _DEVICES[index] = _Device(index)
+        slots: Counter[tuple[Any, ...]] = Counter()
+
+        def buffer(role: str, t: torch.Tensor) -> torch.Tensor:
+            k = (role, t.shape, t.stride(), t.dtype)
+            slots[k] += 1
+            return dev.buffer(role, t, slots[k] - 1)
+
+        args = [buffer("arg", t) for t in saved]
+        ins = [None if g is None else buffer("grad", g) for g in grads]
+        for b, t in zip(args, saved):
+            b.copy_(t)
+        for gb, g in zip(ins, grads):
+            if gb is not None and g is not None:
+                gb.copy_(g)
+        views = tuple(b.detach().requires_grad_(t.requires_grad) for b, t in zip(args, saved))
+        allowed = _storages([*args, *ins, *params, *mod.parameters(), *mod.buffers()])
+        cur = torch.cuda.current_stream(index)
+        s = dev.stream
+        s.wait_stream(cur)
+        with torch.cuda.stream(s):
+            reads = _Reads(allowed)
+            with reads:  # the eager backward on the graph's buffers, watched (NOTE [ Graphed recompute ] Rule 3)
+                warm = gradients(call, views, params, ins, need)
+            if reads.random is not None:
+                return f"eager: random draws ({reads.random})"
+            far = reads.outside()
+            if far:
+                return f"eager: reads tensors outside the call, its parameters and buffers (shapes {far[:3]})"
+            if not all(w is None or _dense(w) for w in warm):
+                return "eager: a gradient not dense"
+            outs = [None if w is None else buffer("out", w) for w in warm]
+            graph = torch.cuda.CUDAGraph()
+            try:
+                pool: Any = dev.pool.id  # a pool id as capture_begin takes it (typed there as graph_pool_handle's)
+                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+                try:
+                    got = gradients(call, views, params, ins, need, rng=False)
+                    for o, g in zip(outs, got):
+                        if o is None or g is None:
+                            if (o is None) != (g is None):
+                                raise RuntimeError("the capture's gradients are not the eager run's")
+                            continue
+                        o.copy_(g)
+                    del got
+                finally:
+                    graph.capture_end()
+            except Exception as e:  # noqa: BLE001 - any failure leaves the signature eager (NOTE [ Graphed recompute ] Rule 3)
+                return f"eager: capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
+        cur.wait_stream(s)
+        entry = _Entry(graph, args, ins, outs)
+        _STATS["captures"] += 1
+        result = entry.replay(saved, grads)
+        same = all((r is None and w is None) or (r is not None and w is not None and r.stride() == w.stride()
+                                                   and torch.equal(r, w)) for r, w in zip(result, warm))
+        for w in warm:
+            if w is not None:
+                w.record_stream(cur)
+        if not same:
+            return "eager: the replay differs from the eager run"
+        return entry, result
