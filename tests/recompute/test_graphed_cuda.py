@@ -152,7 +152,7 @@ class Syncs(nn.Module):
 
 
 @pytest.mark.parametrize(("block", "reason"), [(Noisy, "random draws"), (Outside, "reads tensors outside"),
-                                               (Syncs, "capture failed")])
+                                               (Syncs, "synchronises")])
 def test_what_a_graph_cannot_serve_runs_eagerly(block: type[nn.Module], reason: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), block(), block()).cuda()
@@ -175,6 +175,43 @@ def test_what_a_graph_cannot_serve_runs_eagerly(block: type[nn.Module], reason: 
     st = graphed.stats()
     assert st.get("replays", 0) == 0, st
     assert any(reason in k and v == 2 for k, v in st.items()), st  # each block's signature, once
+
+
+def test_a_failed_capture_turns_captures_off_and_leaves_the_process_working(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An error inside the capture (after Rule 3's checks passed): the step's gradients are the eager ones, a warning
+    says captures are off, and the allocator and the RNG work as before (NOTE [ Graphed recompute ] Rule 7)."""
+    model = _net(blocks=2)
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:3]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    run = graphed._run
+
+    def failing(*a: Any, rng: bool) -> Any:
+        if not rng:  # inside the capture
+            raise RuntimeError("injected")
+        return run(*a, rng=rng)
+
+    monkeypatch.setattr(graphed, "_run", failing)
+    xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
+    with pytest.warns(RuntimeWarning, match="captures? failed"):
+        got = _train(model, xs)
+    _same(got, _train(ref, xs))
+    st = graphed.stats()
+    assert st.get("captures", 0) == 0 and sum(v for k, v in st.items() if "injected" in k) == 1, st
+    torch.randn(1000, device="cuda").sum().item()  # the generator and the allocator as before
+    side = torch.cuda.Stream()
+    with torch.cuda.stream(side):
+        y = torch.empty(1 << 20, device="cuda").fill_(1.0)
+    torch.cuda.current_stream().wait_stream(side)
+    assert y.sum().item() == float(1 << 20)
+    graphed.clear()  # captures tried again, and they work
+    monkeypatch.setattr(graphed, "_run", run)
+    model = _net(blocks=2)
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:3]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    _same(_train(model, xs), _train(ref, xs))
+    assert graphed.stats()["captures"] == 2, graphed.stats()
 
 
 def test_second_order_runs_eagerly() -> None:

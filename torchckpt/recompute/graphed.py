@@ -17,12 +17,15 @@
 # 3. A signature's first backward runs eagerly, so a call made once pays no capture. At its second: the backward
 #    runs eagerly on the graph's own input buffers (on the capture stream, under a dispatch mode that watches every
 #    op), is captured, and is replayed; the replay's gradients are compared with the eager run's bit for bit (one
-#    synchronisation per capture). The signature recomputes eagerly from then on (its reason in ``stats()``) where:
-#    an op draws random numbers (an op tagged ``nondeterministic_seeded``: a replay would draw others than the
-#    forward did); an op reads a tensor, on the device or the host, that is not one of the call's, a parameter or a
-#    buffer of the module, nor made during the backward, and that is still alive after it (a graph would read it at
-#    the address it had at the capture, whatever the module holds later); a tensor is not dense (an expanded
-#    gradient); the capture fails (a synchronisation, a copy from pageable memory); or the replay differs from the
+#    synchronisation per capture). The module's parameters are taken through aliases made on the capture stream
+#    (``_run``): their own gradient accumulators belong to the forward's stream, and a gradient handed to one from
+#    another stream makes that stream wait on it, which a capture cannot record. The signature recomputes eagerly
+#    from then on (its reason in ``stats()``) where: an op draws random numbers (tagged ``nondeterministic_seeded``:
+#    a replay would draw others than the forward did); an op synchronises (a value read on the host, an output
+#    whose shape depends on the data, a tensor copied between host and device); an op reads a tensor, on the
+#    device or the host, that is not one of the call's, a parameter or a buffer of the module, nor made during the
+#    backward, and that is still alive after it (a graph would read it at the address it had at the capture,
+#    whatever the module holds later); a tensor is not dense (an expanded gradient); or the replay differs from the
 #    eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
 # 4. Memory: the graphs' inputs and outputs are buffers kept per device and shared by every graphed block, one per
 #    role (argument, incoming gradient, argument's or parameter's gradient), layout and position in a call, so
@@ -39,9 +42,13 @@
 # 6. Not graphed (the backward recomputes eagerly as ``Recompute(reentrant=True)``, the same values): a second order
 #    (grad mode on in the backward), tensors off CUDA or on several devices, a call with no module (a function
 #    checkpointed alone), under ``torch.compile`` (api.run) and while a stream capture is under way.
+# 7. A capture that fails after Rule 3's checks leaves torch's allocator routing the capture stream's allocations to
+#    the pool (``CUDAGraph.capture_end`` raises before it ends that): ``_record`` ends it, warns, and turns captures
+#    off for the process (every block recomputes eagerly, the same values) until ``clear()``.
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 import weakref
 from collections import Counter
@@ -53,6 +60,7 @@ import torch._prims_common
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._pytree import tree_leaves
 
 from torchckpt.recompute.reentrant import gradients
@@ -62,6 +70,8 @@ __all__ = ["BlockGraphs", "block_graphs", "clear", "held_bytes", "pool_bytes", "
 MAX_KEYS = 4  # signatures captured per block (NOTE [ Graphed recompute ] Rule 2)
 _PLAIN = (type(None), bool, int, float, complex, str, torch.dtype, torch.device, torch.layout, torch.memory_format)
 _STATS: Counter[str] = Counter()
+_OFF: list[str] = []  # why captures are off in this process (a capture failed: NOTE [ Graphed recompute ] Rule 7)
+_SYNC_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
 def stats() -> dict[str, int]:
@@ -95,7 +105,8 @@ _BLOCKS: weakref.WeakKeyDictionary[nn.Module, BlockGraphs] = weakref.WeakKeyDict
 
 
 def clear() -> None:
-    """Let every block's graphs go, then the shared buffers and the pools (NOTE [ Graphed recompute ] Rule 4)."""
+    """Let every block's graphs go, then the shared buffers and the pools (NOTE [ Graphed recompute ] Rule 4), and
+    let captures be tried again after one failed (NOTE [ Graphed recompute ] Rule 7)."""
     for b in list(_BLOCKS.values()):
         b.entries.clear()
     _BLOCKS.clear()
@@ -103,6 +114,7 @@ def clear() -> None:
         d.buffers.clear()
     _DEVICES.clear()
     _STATS.clear()
+    _OFF.clear()
 
 
 def pool_bytes() -> int:
@@ -157,20 +169,28 @@ class _Reads(TorchDispatchMode):
         self.made: set[tuple[str, int]] = set()
         self.read: dict[tuple[str, int], tuple[StorageWeakRef, tuple[int, ...]]] = {}
         self.random: str | None = None
+        self.sync: str | None = None
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if torch.Tag.nondeterministic_seeded in func.tags and self.random is None:
             self.random = str(func)
-        for t in tree_leaves((args, kwargs)):
-            if isinstance(t, torch.Tensor):
-                s = t.untyped_storage()
-                k = (str(t.device), s.data_ptr())
-                if s.nbytes() and k not in self.made and k not in self.allowed and k not in self.read:
-                    self.read[k] = (StorageWeakRef(s), tuple(t.shape))
+        if self.sync is None and (any(tag in func.tags for tag in _SYNC_TAGS)
+                                  or func is torch.ops.aten._local_scalar_dense.default):
+            self.sync = str(func)
+        ins = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        if self.sync is None and any(t.is_cuda for t in ins) and any(t.device.type == "cpu" and t.dim() for t in ins):
+            self.sync = f"{func} (a host tensor into a device op)"
+        for t in ins:
+            s = t.untyped_storage()
+            k = (str(t.device), s.data_ptr())
+            if s.nbytes() and k not in self.made and k not in self.allowed and k not in self.read:
+                self.read[k] = (StorageWeakRef(s), tuple(t.shape))
         out = func(*args, **kwargs)
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
+                if self.sync is None and t.device.type == "cpu" and any(x.is_cuda for x in ins):
+                    self.sync = f"{func} (a device tensor to the host)"
                 self.made.add((str(t.device), t.untyped_storage().data_ptr()))
         return out
 
@@ -202,6 +222,57 @@ class _Entry:
         self.graph.replay()
         _STATS["replays"] += 1
         return [None if o is None else o.clone() for o in self.outs]
+
+
+def _run(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence[torch.Tensor],
+         params: Sequence[torch.Tensor], ins: list[torch.Tensor | None], need: tuple[bool, ...],
+         rng: bool) -> list[torch.Tensor | None]:
+    """The eager backward on the graph's buffers (``args``, ``ins``), the module's parameters that require grad
+    taken through aliases made on the current (capture) stream (NOTE [ Graphed recompute ] Rule 3): the
+    parameters' own gradient accumulators belong to the forward's stream, and a gradient handed to one from the
+    capture stream makes that stream wait, which a capture cannot record."""
+    views = tuple(b.detach().requires_grad_(t.requires_grad) for b, t in zip(args, saved))
+    alias = {id(p): p.detach().requires_grad_(True) for p in params}
+    names = {n: alias[id(p)] for n, p in mod.named_parameters(remove_duplicate=False) if id(p) in alias}
+    with _reparametrize_module(mod, names):
+        return gradients(call, views, [alias[id(p)] for p in params], ins, need, rng=rng)
+
+
+def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence[torch.Tensor],
+            params: Sequence[torch.Tensor], ins: list[torch.Tensor | None], need: tuple[bool, ...],
+            outs: list[torch.Tensor | None], dev: _Device) -> Any:
+    """The capture of ``_run`` (its gradients copied into ``outs``) on the current stream, or why it failed. A failed
+    capture leaves torch's allocator routing this stream's allocations to the pool: that is ended here, and captures
+    are off for the process from then on (NOTE [ Graphed recompute ] Rule 7)."""
+    graph = torch.cuda.CUDAGraph()
+    pool: Any = dev.pool.id  # a pool id as capture_begin takes it (typed there as graph_pool_handle's)
+    began = False
+    try:
+        graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        began = True
+        try:
+            got = _run(call, mod, args, saved, params, ins, need, rng=False)
+            for o, g in zip(outs, got):
+                if o is None or g is None:
+                    if (o is None) != (g is None):
+                        raise RuntimeError("the capture's gradients are not the eager run's")
+                    continue
+                o.copy_(g)
+            del got
+        finally:
+            graph.capture_end()
+    except Exception as e:  # noqa: BLE001 - any failure turns captures off (NOTE [ Graphed recompute ] Rule 7)
+        if began:
+            with contextlib.suppress(Exception):
+                torch._C._cuda_endAllocateToPool(dev.index, pool)
+        why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        _OFF.append(why)
+        warnings.warn(
+            f"torchckpt: Recompute(graphed=True): a capture failed ({why}); blocks recompute eagerly from now on in "
+            "this process (the same values at the host's cost). Please report it with the block's code; "
+            "torchckpt.recompute.graphed.clear() lets captures be tried again.", RuntimeWarning, stacklevel=6)
+        return f"eager: capture failed ({why})"
+    return graph
 
 
 class BlockGraphs:
@@ -269,7 +340,7 @@ class BlockGraphs:
             self.entries[key] = 1
             _STATS["eager"] += 1
             return None
-        if isinstance(got, str):
+        if isinstance(got, str) or _OFF:
             _STATS["eager"] += 1
             return None
         entry = self._capture(call, saved, params, grads, need, key[0])
@@ -308,41 +379,30 @@ class BlockGraphs:
         for gb, g in zip(ins, grads):
             if gb is not None and g is not None:
                 gb.copy_(g)
-        views = tuple(b.detach().requires_grad_(t.requires_grad) for b, t in zip(args, saved))
         allowed = _storages([*args, *ins, *params, *mod.parameters(), *mod.buffers()])
         cur = torch.cuda.current_stream(index)
         s = dev.stream
         s.wait_stream(cur)
-        with torch.cuda.stream(s):
-            reads = _Reads(allowed)
-            with reads:  # the eager backward on the graph's buffers, watched (NOTE [ Graphed recompute ] Rule 3)
-                warm = gradients(call, views, params, ins, need)
-            if reads.random is not None:
-                return f"eager: random draws ({reads.random})"
-            far = reads.outside()
-            if far:
-                return f"eager: reads tensors outside the call, its parameters and buffers (shapes {far[:3]})"
-            if not all(w is None or _dense(w) for w in warm):
-                return "eager: a gradient not dense"
-            outs = [None if w is None else buffer("out", w) for w in warm]
-            graph = torch.cuda.CUDAGraph()
-            try:
-                pool: Any = dev.pool.id  # a pool id as capture_begin takes it (typed there as graph_pool_handle's)
-                graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-                try:
-                    got = gradients(call, views, params, ins, need, rng=False)
-                    for o, g in zip(outs, got):
-                        if o is None or g is None:
-                            if (o is None) != (g is None):
-                                raise RuntimeError("the capture's gradients are not the eager run's")
-                            continue
-                        o.copy_(g)
-                    del got
-                finally:
-                    graph.capture_end()
-            except Exception as e:  # noqa: BLE001 - any failure leaves the signature eager (NOTE [ Graphed recompute ] Rule 3)
-                return f"eager: capture failed ({type(e).__name__}: {str(e).splitlines()[0][:120] if str(e) else ''})"
-        cur.wait_stream(s)
+        try:
+            with torch.cuda.stream(s):
+                reads = _Reads(allowed)
+                with reads:  # the eager backward on the graph's buffers, watched (NOTE [ Graphed recompute ] Rule 3)
+                    warm = _run(call, mod, args, saved, params, ins, need, rng=True)
+                if reads.random is not None:
+                    return f"eager: random draws ({reads.random})"
+                if reads.sync is not None:
+                    return f"eager: synchronises ({reads.sync})"
+                far = reads.outside()
+                if far:
+                    return f"eager: reads tensors outside the call, its parameters and buffers (shapes {far[:3]})"
+                if not all(w is None or _dense(w) for w in warm):
+                    return "eager: a gradient not dense"
+                outs = [None if w is None else buffer("out", w) for w in warm]
+                graph = _record(call, mod, args, saved, params, ins, need, outs, dev)
+                if isinstance(graph, str):
+                    return graph
+        finally:
+            cur.wait_stream(s)
         entry = _Entry(graph, args, ins, outs)
         _STATS["captures"] += 1
         result = entry.replay(saved, grads)
