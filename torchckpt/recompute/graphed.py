@@ -17,11 +17,12 @@
 # 3. A signature's first backward runs eagerly, so a call made once pays no capture. At its second: the backward
 #    runs eagerly on the graph's own input buffers (on the capture stream, under a dispatch mode that watches every
 #    op), is captured, and is replayed; the replay's gradients are compared with the eager run's bit for bit (one
-#    synchronisation per capture). The module's parameters are taken through aliases made on the capture stream
+#    synchronisation per capture; a replay that moves the device's generator counts as a draw, its state put
+#    back). The module's parameters are taken through aliases made on the capture stream
 #    (``_run``): their own gradient accumulators belong to the forward's stream, and a gradient handed to one from
 #    another stream makes that stream wait on it, which a capture cannot record. The signature recomputes eagerly
-#    from then on (its reason in ``stats()``) where: an op draws random numbers (tagged ``nondeterministic_seeded``:
-#    a replay would draw others than the forward did); an op synchronises (a value read on the host, an output
+#    from then on (its reason in ``stats()``) where: an op draws random numbers (tagged ``nondeterministic_seeded``,
+#    unless its dropout probability is 0 or it is not training: a replay would draw others than the forward did); an op synchronises (a value read on the host, an output
 #    whose shape depends on the data, a tensor copied between host and device); an op reads a tensor, on the
 #    device or the host, that is not one of the call's, a parameter or a buffer of the module, nor made during the
 #    backward, and that is still alive after it (a graph would read it at the address it had at the capture,
@@ -173,7 +174,7 @@ class _Reads(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if torch.Tag.nondeterministic_seeded in func.tags and self.random is None:
+        if self.random is None and _draws(func, args, kwargs):
             self.random = str(func)
         if self.sync is None and (any(tag in func.tags for tag in _SYNC_TAGS)
                                   or func is torch.ops.aten._local_scalar_dense.default):
@@ -197,6 +198,19 @@ class _Reads(TorchDispatchMode):
     def outside(self) -> list[tuple[int, ...]]:
         """Shapes of the tensors read that were neither allowed nor made, and are alive still."""
         return [shape for k, (ref, shape) in self.read.items() if k not in self.made and not ref.expired()]
+
+
+def _draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
+    """Whether an op tagged ``nondeterministic_seeded`` draws here: not where its dropout probability (``dropout_p``,
+    ``p``) is 0 or ``train`` is False (attention without dropout, dropout in evaluation)."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    for i, a in enumerate(func._schema.arguments):
+        if a.name in ("dropout_p", "p", "train"):
+            v = args[i] if i < len(args) else kwargs.get(a.name, a.default_value)
+            if (a.name == "train" and v is False) or (a.name != "train" and isinstance(v, (int, float)) and v == 0):
+                return False
+    return True
 
 
 def _storages(ts: Sequence[torch.Tensor | None]) -> set[tuple[str, int]]:
@@ -405,7 +419,11 @@ class BlockGraphs:
             cur.wait_stream(s)
         entry = _Entry(graph, args, ins, outs)
         _STATS["captures"] += 1
+        rng = torch.cuda.get_rng_state(index)
         result = entry.replay(saved, grads)
+        if not torch.equal(torch.cuda.get_rng_state(index), rng):  # the graph moved the generator: a draw after all
+            torch.cuda.set_rng_state(rng, index)
+            return "eager: random draws (the replay moved the generator)"
         same = all((r is None and w is None) or (r is not None and w is not None and r.stride() == w.stride()
                                                    and torch.equal(r, w)) for r, w in zip(result, warm))
         for w in warm:
