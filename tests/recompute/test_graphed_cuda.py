@@ -100,11 +100,15 @@ def test_bottlenecks_replay_with_plain_bits_and_buffers(bf16: bool) -> None:
 
 
 def test_the_comparison_is_live() -> None:
-    """A replay that left the gradients one ulp off would fail the bit-for-bit comparison above."""
+    """Replays that left the gradients one ulp off (after the captures, which compare them bit for bit too) fail
+    the comparison above."""
     model = _net(blocks=2)
     ref = copy.deepcopy(model)
     for b in list(model)[1:3]:
         torchckpt.checkpoint(b, policy=GRAPHED)
+    xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
+    _same(_train(model, xs[:2]), _train(ref, xs[:2]))  # eager, then the captures
+    assert graphed.stats()["captures"] == 2
     replay = graphed._Entry.replay
 
     def off(self: Any, *a: Any) -> Any:
@@ -112,9 +116,8 @@ def test_the_comparison_is_live() -> None:
 
     graphed._Entry.replay = off  # type: ignore[method-assign]
     try:
-        xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
         with pytest.raises(AssertionError):
-            _same(_train(model, xs), _train(ref, xs))
+            _same(_train(model, xs[2:]), _train(ref, xs[2:]))
     finally:
         graphed._Entry.replay = replay  # type: ignore[method-assign]
 
@@ -151,8 +154,40 @@ class Syncs(nn.Module):
         return y * float(y.abs().max().item() > 0) + x
 
 
-@pytest.mark.parametrize(("block", "reason"), [(Noisy, "random draws"), (Outside, "reads tensors outside"),
-                                               (Syncs, "synchronises")])
+def test_dropout_replays_the_forwards_masks() -> None:
+    """NOTE [ Graphed recompute ] Rule 8: blocks that draw replay with the forward's generator state: plain autograd's
+    bits over four steps, and the step's RNG stream as plain autograd leaves it (the next draw equal)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Noisy(), Noisy()).cuda()
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    for i in range(4):
+        x = torch.randn(8, 16, device="cuda")
+        got = []
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            torch.manual_seed(i)
+            m(x).square().mean().backward()
+            got.append((grads(m), torch.rand(4, device="cuda")))
+        assert_same_grads(got[0][0], got[1][0])
+        assert torch.equal(got[0][1], got[1][1]), f"step {i}: the RNG stream after backward"
+    st = graphed.stats()
+    assert st["captures"] == 2 and st["replays"] == 2 * 3, st
+
+
+def test_dropout_without_the_forwards_state_runs_eagerly() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Noisy(), Noisy()).cuda()
+    for b in list(model)[1:]:
+        torchckpt.checkpoint(b, policy=Recompute(graphed=True, preserve_rng_state=False))
+    for _ in range(3):
+        model(torch.randn(8, 16, device="cuda")).square().mean().backward()
+    st = graphed.stats()
+    assert st.get("captures", 0) == 0 and any("without the forward's generator state" in k for k in st), st
+
+
+@pytest.mark.parametrize(("block", "reason"), [(Outside, "reads tensors outside"), (Syncs, "synchronises")])
 def test_what_a_graph_cannot_serve_runs_eagerly(block: type[nn.Module], reason: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), block(), block()).cuda()

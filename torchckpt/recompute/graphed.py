@@ -21,9 +21,9 @@
 #    back). The module's parameters are taken through aliases made on the capture stream
 #    (``_run``): their own gradient accumulators belong to the forward's stream, and a gradient handed to one from
 #    another stream makes that stream wait on it, which a capture cannot record. The signature recomputes eagerly
-#    from then on (its reason in ``stats()``) where: an op draws random numbers (tagged ``nondeterministic_seeded``,
-#    unless its dropout probability is 0 or it is not training: a replay would draw others than the forward did); an op synchronises (a value read on the host, an output
-#    whose shape depends on the data, a tensor copied between host and device); an op reads a tensor, on the
+#    from then on (its reason in ``stats()``) where: an op synchronises (a value read on the host, an output
+#    whose shape depends on the data, a tensor copied between host and device); an op draws random numbers and the
+#    forward's generator state was not kept (``preserve_rng_state=False``; Rule 8); an op reads a tensor, on the
 #    device or the host, that is not one of the call's, a parameter or a buffer of the module, nor made during the
 #    backward, and that is still alive after it (a graph would read it at the address it had at the capture,
 #    whatever the module holds later); a tensor is not dense (an expanded gradient); or the replay differs from the
@@ -46,6 +46,12 @@
 # 7. A capture that fails after Rule 3's checks leaves torch's allocator routing the capture stream's allocations to
 #    the pool (``CUDAGraph.capture_end`` raises before it ends that): ``_record`` ends it, warns, and turns captures
 #    off for the process (every block recomputes eagerly, the same values) until ``clear()``.
+# 8. Random draws (an op tagged ``nondeterministic_seeded``, unless its dropout probability is 0 or it is not
+#    training): a graph captured with them reads the device generator's seed and offset at each replay and moves
+#    the offset by what it draws. Each replay of such a graph runs with the device generator set to the state the
+#    block's forward started from (``ForwardState``, as the eager recomputation sets it), and the step's state put
+#    back after: the same masks as the forward's (checked at the capture with the rest, Rule 3), the step's RNG
+#    stream untouched.
 """
 from __future__ import annotations
 
@@ -89,7 +95,9 @@ class _Device:
     def __init__(self, index: int) -> None:
         self.index = index
         with torch.cuda.device(index):
-            self.pool = torch.cuda.MemPool()
+            # one pool id for every graph of the device (torch.cuda.MemPool shared by graphs, the graphs then let go
+            # before it, tripped an assertion of torch's host allocator at the next pool's first capture on the H100)
+            self.pool: Any = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream()
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
 
@@ -120,7 +128,7 @@ def clear() -> None:
 
 def pool_bytes() -> int:
     """Bytes the graphs' private pools hold on every device (their intermediates; NOTE [ Graphed recompute ] Rule 4)."""
-    ids = {d.pool.id for d in _DEVICES.values()}
+    ids = {tuple(d.pool) for d in _DEVICES.values()}
     if not ids:
         return 0
     return sum(s["total_size"] for s in torch.cuda.memory_snapshot() if tuple(s.get("segment_pool_id", ())) in ids)
@@ -221,19 +229,26 @@ class _Entry:
     """One captured backward: its graph, the buffers it reads (arguments, incoming gradients) and writes (the
     gradients, ``None`` where the eager backward gave none)."""
 
-    __slots__ = ("args", "graph", "grads", "outs")
+    __slots__ = ("args", "draws", "graph", "grads", "outs")
 
     def __init__(self, graph: Any, args: list[torch.Tensor], grads: list[torch.Tensor | None],
-                 outs: list[torch.Tensor | None]) -> None:
-        self.graph, self.args, self.grads, self.outs = graph, args, grads, outs
+                 outs: list[torch.Tensor | None], draws: int | None) -> None:
+        self.graph, self.args, self.grads, self.outs, self.draws = graph, args, grads, outs, draws
 
-    def replay(self, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None]) -> list[torch.Tensor | None]:
+    def replay(self, saved: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+               state: Any) -> list[torch.Tensor | None]:
         for b, t in zip(self.args, saved):
             b.copy_(t)
         for gb, g in zip(self.grads, grads):
             if gb is not None and g is not None:
                 gb.copy_(g)
-        self.graph.replay()
+        if self.draws is None:
+            self.graph.replay()
+        else:  # NOTE [ Graphed recompute ] Rule 8: the forward's generator state for the replay, then the step's back
+            now = torch.cuda.get_rng_state(self.draws)
+            torch.cuda.set_rng_state(state.device_states[state.devices.index(self.draws)], self.draws)
+            self.graph.replay()
+            torch.cuda.set_rng_state(now, self.draws)
         _STATS["replays"] += 1
         return [None if o is None else o.clone() for o in self.outs]
 
@@ -259,11 +274,9 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
     capture leaves torch's allocator routing this stream's allocations to the pool: that is ended here, and captures
     are off for the process from then on (NOTE [ Graphed recompute ] Rule 7)."""
     graph = torch.cuda.CUDAGraph()
-    pool: Any = dev.pool.id  # a pool id as capture_begin takes it (typed there as graph_pool_handle's)
-    began = False
+    pool = dev.pool
     try:
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-        began = True
         try:
             got = _run(call, mod, args, saved, params, ins, need, rng=False)
             for o, g in zip(outs, got):
@@ -276,9 +289,8 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
         finally:
             graph.capture_end()
     except Exception as e:  # noqa: BLE001 - any failure turns captures off (NOTE [ Graphed recompute ] Rule 7)
-        if began:
-            with contextlib.suppress(Exception):
-                torch._C._cuda_endAllocateToPool(dev.index, pool)
+        with contextlib.suppress(Exception):  # capture_begin routes the allocations before anything can fail
+            torch._C._cuda_endAllocateToPool(dev.index, pool)
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         _OFF.append(why)
         warnings.warn(
@@ -338,7 +350,7 @@ class BlockGraphs:
             return None
         got = self.entries.get(key)
         if isinstance(got, _Entry):
-            return got.replay(saved, grads)
+            return got.replay(saved, grads, call.state)
         if got is None:
             if len(self.entries) >= MAX_KEYS:
                 _STATS["eager"] += 1
@@ -402,8 +414,12 @@ class BlockGraphs:
                 reads = _Reads(allowed)
                 with reads:  # the eager backward on the graph's buffers, watched (NOTE [ Graphed recompute ] Rule 3)
                     warm = _run(call, mod, args, saved, params, ins, need, rng=True)
-                if reads.random is not None:
-                    return f"eager: random draws ({reads.random})"
+                draws = None
+                if reads.random is not None:  # NOTE [ Graphed recompute ] Rule 8
+                    st = call.state
+                    if not (st.preserve and st.had_device and index in st.devices):
+                        return f"eager: random draws without the forward's generator state ({reads.random})"
+                    draws = index
                 if reads.sync is not None:
                     return f"eager: synchronises ({reads.sync})"
                 far = reads.outside()
@@ -417,10 +433,10 @@ class BlockGraphs:
                     return graph
         finally:
             cur.wait_stream(s)
-        entry = _Entry(graph, args, ins, outs)
+        entry = _Entry(graph, args, ins, outs, draws)
         _STATS["captures"] += 1
         rng = torch.cuda.get_rng_state(index)
-        result = entry.replay(saved, grads)
+        result = entry.replay(saved, grads, call.state)
         if not torch.equal(torch.cuda.get_rng_state(index), rng):  # the graph moved the generator: a draw after all
             torch.cuda.set_rng_state(rng, index)
             return "eager: random draws (the replay moved the generator)"
@@ -430,5 +446,5 @@ class BlockGraphs:
             if w is not None:
                 w.record_stream(cur)
         if not same:
-            return "eager: the replay differs from the eager run"
+            return "eager: the replay differs from the eager run" + (" (random draws)" if draws is not None else "")
         return entry, result
