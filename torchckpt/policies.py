@@ -66,8 +66,9 @@ class Recompute:
             (NOTE [ Reentrant recompute ]): no saved-tensor hook and no autograd graph in the
             forward, so the forward costs the host about what the block's own forward does (where
             the non-reentrant frame's hooks make a host-bound model's forward the step's
-            bottleneck). Gradients are plain autograd's bit for bit, ``torch.autograd.grad`` and
-            second orders included; a block that uses a tensor needing grad that is neither an
+            bottleneck). Gradients are plain autograd's bit for bit, ``torch.autograd.grad``
+            included; a second order (``create_graph``) through the block is plain autograd's
+            within rounding (another summation order); a block that uses a tensor needing grad that is neither an
             argument nor a parameter of its module raises ``CheckpointError`` in backward (it
             would get no gradient); every floating output then requires grad. Not with ``save``,
             ``parts``, ``codec``, ``determinism_check="none"`` or ``debug``.

@@ -275,8 +275,10 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
     are off for the process from then on (NOTE [ Graphed recompute ] Rule 7)."""
     graph = torch.cuda.CUDAGraph()
     pool = dev.pool
+    began = ended = False
     try:
         graph.capture_begin(pool=pool, capture_error_mode="thread_local")
+        began = True
         try:
             got = _run(call, mod, args, saved, params, ins, need, rng=False)
             for o, g in zip(outs, got):
@@ -288,9 +290,11 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
             del got
         finally:
             graph.capture_end()
+            ended = True
     except Exception as e:  # noqa: BLE001 - any failure turns captures off (NOTE [ Graphed recompute ] Rule 7)
-        with contextlib.suppress(Exception):  # capture_begin routes the allocations before anything can fail
-            torch._C._cuda_endAllocateToPool(dev.index, pool)
+        if began and not ended:  # capture_end raised before it ended the routing (ended twice breaks the allocator)
+            with contextlib.suppress(Exception):
+                torch._C._cuda_endAllocateToPool(dev.index, pool)
         why = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         _OFF.append(why)
         warnings.warn(
