@@ -33,7 +33,8 @@
 #    blocks of one shape share them; the gradients are copied out of them after each replay (``clone``, same
 #    strides), before any other replay. Each graph's intermediates live in one private memory pool per device shared by all
 #    graphs (captured one after another, replayed one at a time on the backward's stream, each reading only
-#    buffers it writes first). The allocator's peak does not count a replay's intermediates: ``pool_bytes()``
+#    buffers it writes first; a graph captured and then not used is kept until ``clear()``: the pool dies with the
+#    last graph in it, and torch's allocator asserts at a capture into a dead pool). The allocator's peak does not count a replay's intermediates: ``pool_bytes()``
 #    says what the pool holds, ``held_bytes()`` the pool and the buffers; ``clear()`` lets every graph, buffer and
 #    pool go.
 # 5. What a capture bakes in beside Rule 2's signature: the Python values the forward reads other than its
@@ -90,7 +91,7 @@ def stats() -> dict[str, int]:
 class _Device:
     """One device's capture stream, memory pool and shared buffers (NOTE [ Graphed recompute ] Rule 4)."""
 
-    __slots__ = ("buffers", "index", "pool", "stream")
+    __slots__ = ("buffers", "index", "kept", "pool", "stream")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -100,6 +101,10 @@ class _Device:
             self.pool: Any = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream()
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
+        # graphs captured and then not used (NOTE [ Graphed recompute ] Rule 3's checks after the capture): kept until clear(), since the pool
+        # dies with the last graph in it, and a later capture into a dead pool fails torch's allocator assertion
+        # (use_count > 0), as it did on the H100 when the first graph of T5's pool was dropped
+        self.kept: list[Any] = []
 
     def buffer(self, role: str, t: torch.Tensor, slot: int) -> torch.Tensor:
         key = (role, t.shape, t.stride(), t.dtype, slot)
@@ -121,6 +126,7 @@ def clear() -> None:
     _BLOCKS.clear()
     for d in _DEVICES.values():
         d.buffers.clear()
+        d.kept.clear()
     _DEVICES.clear()
     _STATS.clear()
     _OFF.clear()
@@ -274,6 +280,7 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
     capture leaves torch's allocator routing this stream's allocations to the pool: that is ended here, and captures
     are off for the process from then on (NOTE [ Graphed recompute ] Rule 7)."""
     graph = torch.cuda.CUDAGraph()
+    dev.kept.append(graph)  # until it is known good (NOTE [ Graphed recompute ] Rule 4): the pool lives while it does
     pool = dev.pool
     began = ended = False
     try:
@@ -302,6 +309,7 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
             "this process (the same values at the host's cost). Please report it with the block's code; "
             "torchckpt.recompute.graphed.clear() lets captures be tried again.", RuntimeWarning, stacklevel=6)
         return f"eager: capture failed ({why})"
+    dev.kept.remove(graph)
     return graph
 
 
@@ -432,7 +440,7 @@ class BlockGraphs:
                 if not all(w is None or _dense(w) for w in warm):
                     return "eager: a gradient not dense"
                 outs = [None if w is None else buffer("out", w) for w in warm]
-                graph = _record(call, mod, args, saved, params, ins, need, outs, dev)
+                graph = _record(call, mod, args, saved, params, ins, need, outs, dev)  # failed: kept in dev.kept
                 if isinstance(graph, str):
                     return graph
         finally:
@@ -443,6 +451,7 @@ class BlockGraphs:
         result = entry.replay(saved, grads, call.state)
         if not torch.equal(torch.cuda.get_rng_state(index), rng):  # the graph moved the generator: a draw after all
             torch.cuda.set_rng_state(rng, index)
+            dev.kept.append(graph)
             return "eager: random draws (the replay moved the generator)"
         same = all((r is None and w is None) or (r is not None and w is not None and r.stride() == w.stride()
                                                    and torch.equal(r, w)) for r, w in zip(result, warm))
@@ -450,5 +459,6 @@ class BlockGraphs:
             if w is not None:
                 w.record_stream(cur)
         if not same:
+            dev.kept.append(graph)
             return "eager: the replay differs from the eager run" + (" (random draws)" if draws is not None else "")
         return entry, result
