@@ -101,9 +101,10 @@ class _Device:
             self.pool: Any = torch.cuda.graph_pool_handle()
             self.stream = torch.cuda.Stream()
         self.buffers: dict[tuple[Any, ...], torch.Tensor] = {}
-        # graphs captured and then not used (NOTE [ Graphed recompute ] Rule 3's checks after the capture): kept until clear(), since the pool
-        # dies with the last graph in it, and a later capture into a dead pool fails torch's allocator assertion
-        # (use_count > 0), as it did on the H100 when the first graph of T5's pool was dropped
+        # graphs captured and then not used (NOTE [ Graphed recompute ] Rule 3's checks after the capture): kept
+        # until clear(), since the pool dies with the last graph in it, and a later capture into a dead pool fails
+        # torch's allocator assertion (use_count > 0), as it did on the H100 when the first graph of T5's pool was
+        # dropped
         self.kept: list[Any] = []
 
     def buffer(self, role: str, t: torch.Tensor, slot: int) -> torch.Tensor:
