@@ -249,7 +249,9 @@ def test_a_failed_capture_turns_captures_off_and_leaves_the_process_working(monk
     assert graphed.stats()["captures"] == 2, graphed.stats()
 
 
-def test_second_order_runs_eagerly() -> None:
+def test_second_order_as_plain_within_rounding() -> None:
+    """A backward with create_graph runs eagerly (NOTE [ Graphed recompute ] Rule 6); the second order's own pass
+    through the node (grad mode off) may replay."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 8), nn.Tanh())).cuda()
     ref = copy.deepcopy(model)
@@ -262,7 +264,6 @@ def test_second_order_runs_eagerly() -> None:
         (h,) = torch.autograd.grad(g.sum(), x)
         (hr,) = torch.autograd.grad(gr.sum(), x)
         assert torch.allclose(h, hr, rtol=1e-5, atol=1e-6)  # NOTE [ Reentrant recompute ] Rule 7: within rounding
-    assert graphed.stats().get("captures", 0) == 0
 
 
 def test_signatures_past_the_limit_run_eagerly_with_a_warning() -> None:
@@ -307,6 +308,23 @@ def test_a_graph_dropped_after_its_capture_leaves_the_pool_working(monkeypatch: 
     st = graphed.stats()
     assert st["captures"] == 3 and sum(v for k, v in st.items() if k.startswith("eager:")) == 1, st
     assert st["replays"] == 3 + 2 * 2, st
+
+
+def test_captures_after_every_graph_went_with_its_module() -> None:
+    """Models freed (their graphs with them), then new ones captured: a new pool (torch's allocator asserted at a
+    capture into the pool that had died with its last graph)."""
+    xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
+    for _ in range(3):
+        model = _net(blocks=2)
+        ref = copy.deepcopy(model)
+        for b in list(model)[1:3]:
+            torchckpt.checkpoint(b, policy=GRAPHED)
+        _same(_train(model, xs), _train(ref, xs))
+        del model, ref, b
+        gc.collect()
+    st = graphed.stats()
+    assert st["captures"] == 6 and not any(k.startswith("eager:") for k in st), st
+    torch.rand(4, device="cuda").sum().item()
 
 
 def test_clear_gives_the_pool_back() -> None:

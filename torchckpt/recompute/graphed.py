@@ -34,7 +34,8 @@
 #    strides), before any other replay. Each graph's intermediates live in one private memory pool per device shared by all
 #    graphs (captured one after another, replayed one at a time on the backward's stream, each reading only
 #    buffers it writes first; a graph captured and then not used is kept until ``clear()``: the pool dies with the
-#    last graph in it, and torch's allocator asserts at a capture into a dead pool). The allocator's peak does not count a replay's intermediates: ``pool_bytes()``
+#    last graph in it, and torch's allocator asserts at a capture into a dead pool, so a capture after every graph
+#    went, with their modules, takes a new pool). The allocator's peak does not count a replay's intermediates: ``pool_bytes()``
 #    says what the pool holds, ``held_bytes()`` the pool and the buffers; ``clear()`` lets every graph, buffer and
 #    pool go.
 # 5. What a capture bakes in beside Rule 2's signature: the Python values the forward reads other than its
@@ -91,7 +92,7 @@ def stats() -> dict[str, int]:
 class _Device:
     """One device's capture stream, memory pool and shared buffers (NOTE [ Graphed recompute ] Rule 4)."""
 
-    __slots__ = ("buffers", "index", "kept", "pool", "stream")
+    __slots__ = ("buffers", "entries", "index", "kept", "pool", "stream")
 
     def __init__(self, index: int) -> None:
         self.index = index
@@ -106,6 +107,7 @@ class _Device:
         # torch's allocator assertion (use_count > 0), as it did on the H100 when the first graph of T5's pool was
         # dropped
         self.kept: list[Any] = []
+        self.entries: weakref.WeakSet[_Entry] = weakref.WeakSet()  # the graphs in use (they go with their modules)
 
     def buffer(self, role: str, t: torch.Tensor, slot: int) -> torch.Tensor:
         key = (role, t.shape, t.stride(), t.dtype, slot)
@@ -236,7 +238,7 @@ class _Entry:
     """One captured backward: its graph, the buffers it reads (arguments, incoming gradients) and writes (the
     gradients, ``None`` where the eager backward gave none)."""
 
-    __slots__ = ("args", "draws", "graph", "grads", "outs")
+    __slots__ = ("__weakref__", "args", "draws", "graph", "grads", "outs")
 
     def __init__(self, graph: Any, args: list[torch.Tensor], grads: list[torch.Tensor | None],
                  outs: list[torch.Tensor | None], draws: int | None) -> None:
@@ -280,6 +282,8 @@ def _record(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence
     """The capture of ``_run`` (its gradients copied into ``outs``) on the current stream, or why it failed. A failed
     capture leaves torch's allocator routing this stream's allocations to the pool: that is ended here, and captures
     are off for the process from then on (NOTE [ Graphed recompute ] Rule 7)."""
+    if not dev.kept and not dev.entries:  # every graph of the pool gone (modules freed): the pool with them
+        dev.pool = torch.cuda.graph_pool_handle()
     graph = torch.cuda.CUDAGraph()
     dev.kept.append(graph)  # until it is known good (NOTE [ Graphed recompute ] Rule 4): the pool lives while it does
     pool = dev.pool
@@ -447,6 +451,7 @@ class BlockGraphs:
         finally:
             cur.wait_stream(s)
         entry = _Entry(graph, args, ins, outs, draws)
+        dev.entries.add(entry)
         _STATS["captures"] += 1
         rng = torch.cuda.get_rng_state(index)
         result = entry.replay(saved, grads, call.state)
