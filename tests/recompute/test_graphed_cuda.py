@@ -249,6 +249,37 @@ def test_a_failed_capture_turns_captures_off_and_leaves_the_process_working(monk
     assert graphed.stats()["captures"] == 2, graphed.stats()
 
 
+def test_a_tensor_held_outside_read_through_a_view_runs_eagerly() -> None:
+    """transformers' hook hands ``partial(layer.__call__, **kwargs)`` over, the rotary tables bound in it, new each
+    step, and read through views: a graph would read the capture's tables (a wrong gradient on the H100 before
+    views were told apart from new memory). Here a plain attribute, replaced each step, read through a view."""
+    torch.manual_seed(0)
+    lin = nn.Linear(16, 16).cuda()
+    ref = copy.deepcopy(lin)
+    bound = _Bound(lin, torch.ones(16, device="cuda"))
+    torchckpt.checkpoint(bound, policy=GRAPHED)
+    for step in range(4):
+        x = torch.randn(8, 16, device="cuda", requires_grad=True)
+        bound.cos = torch.full((16,), 1.0 + step, device="cuda")
+        gx, gw = torch.autograd.grad(bound(x).square().sum(), (x, lin.weight))
+        want = ref(x).tanh() * bound.cos.unsqueeze(0)
+        rx, rw = torch.autograd.grad(want.square().sum(), (x, ref.weight))
+        assert torch.equal(gx, rx) and torch.equal(gw, rw), f"step {step}"
+    st = graphed.stats()
+    assert st.get("captures", 0) == 0 and any("reads tensors outside" in k for k in st), st
+
+
+class _Bound(nn.Module):
+    """A module whose forward reads a tensor held as a plain attribute through a view (the bound table)."""
+
+    def __init__(self, lin: nn.Module, cos: torch.Tensor) -> None:
+        super().__init__()
+        self.lin, self.cos = lin, cos
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).tanh() * self.cos.unsqueeze(0)
+
+
 def test_second_order_as_plain_within_rounding() -> None:
     """A backward with create_graph runs eagerly (NOTE [ Graphed recompute ] Rule 6); the second order's own pass
     through the node (grad mode off) may replay."""

@@ -25,9 +25,12 @@
 #    whose shape depends on the data, a tensor copied between host and device); an op draws random numbers and the
 #    forward's generator state was not kept (``preserve_rng_state=False``; Rule 8); an op reads a tensor, on the
 #    device or the host, that is not one of the call's, a parameter or a buffer of the module, nor made during the
-#    backward, and that is still alive after it (a graph would read it at the address it had at the capture,
-#    whatever the module holds later); a tensor is not dense (an expanded gradient); or the replay differs from the
-#    eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
+#    backward (a view of it or an op writing it in place makes nothing), and that is still alive after it (a
+#    graph would read it at the address it had at the capture, whatever the module holds later: transformers'
+#    checkpointing hook binds a layer's rotary tables in the function it hands over, new each step; before views
+#    were told apart from new memory a replay of Llama's layers read the capture's tables and gave a wrong
+#    gradient, caught by tests/test_zoo.py on the H100); a tensor is not dense (an expanded gradient); or the
+#    replay differs from the eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
 # 4. Memory: the graphs' inputs and outputs are buffers kept per device and shared by every graphed block, one per
 #    role (argument, incoming gradient, argument's or parameter's gradient), layout and position in a call, so
 #    blocks of one shape share them; the gradients are copied out of them after each replay (``clone``, same
@@ -205,16 +208,19 @@ class _Reads(TorchDispatchMode):
             if s.nbytes() and k not in self.made and k not in self.allowed and k not in self.read:
                 self.read[k] = (StorageWeakRef(s), tuple(t.shape))
         out = func(*args, **kwargs)
+        held = {(str(t.device), t.untyped_storage().data_ptr()) for t in ins}
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 if self.sync is None and t.device.type == "cpu" and any(x.is_cuda for x in ins):
                     self.sync = f"{func} (a device tensor to the host)"
-                self.made.add((str(t.device), t.untyped_storage().data_ptr()))
+                k = (str(t.device), t.untyped_storage().data_ptr())
+                if k not in held:  # a view or an in-place result is its input's memory, not made here
+                    self.made.add(k)
         return out
 
     def outside(self) -> list[tuple[int, ...]]:
-        """Shapes of the tensors read that were neither allowed nor made, and are alive still."""
-        return [shape for k, (ref, shape) in self.read.items() if k not in self.made and not ref.expired()]
+        """Shapes of the tensors read before anything made their memory, neither allowed, and alive still."""
+        return [shape for ref, shape in self.read.values() if not ref.expired()]
 
 
 def _draws(func: Any, args: Sequence[Any], kwargs: dict[str, Any]) -> bool:
