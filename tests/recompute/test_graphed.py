@@ -51,3 +51,23 @@ def test_cpu_blocks_run_eagerly_with_plain_bits() -> None:
 ])
 def test_signature_takes_immutable_values_only(value: object, plain: bool) -> None:
     assert graphed._plain(value) is plain
+
+
+def test_reads_sees_a_tensor_held_outside_through_a_view() -> None:
+    """NOTE [ Graphed recompute ] Rule 3's watch on the CPU: a tensor held outside the call and read through a view
+    (transformers' rotary tables) is reported while alive; a temporary made outside the watch and dropped, an allowed
+    tensor and memory an op made are not. Before views were told apart, the view's output counted the table's
+    memory as made and the table went unreported (a wrong gradient on the H100)."""
+    table = torch.arange(4.0)
+    allowed = torch.ones(4)
+    x = torch.randn(3, 4)
+    reads = graphed._Reads(graphed._storages([allowed, x]))
+    temp = torch.zeros(4)
+    with reads:
+        y = (x * table.unsqueeze(0)).sum() + (x * allowed).sum() + (x * temp).sum()
+        z = y.exp().view(1)
+        z.add_(1)
+    del temp
+    assert reads.outside() == [(4,)]  # the table alone
+    del table
+    assert reads.outside() == []
