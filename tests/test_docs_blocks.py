@@ -190,6 +190,15 @@ def _fsdp(ns: dict[str, Any], out: str) -> None:
     assert len(ns["plan"].blocks) == 8 and "keep" in out
 
 
+def _graphed(ns: dict[str, Any], out: str) -> None:
+    st = ns["graphed"].stats()
+    if torch.cuda.is_available():
+        assert st.get("captures", 0) >= 1 and st.get("replays", 0) >= 2, st
+    else:
+        assert st.get("eager", 0) >= 3 and "captures" not in st, st
+    assert "eager" in out
+
+
 # (file, a phrase of the block) -> how to run it
 BLOCKS: dict[tuple[str, str], Entry] = {
     ("README.md", "torchckpt.offload(store)"): Entry(_NET, ("model", "x", "layer", "fn"), _use),
@@ -203,6 +212,7 @@ BLOCKS: dict[tuple[str, str], Entry] = {
                                                          "backward", "seen"), _codec),
     ("guide.md", "graph_captures"): Entry(_GRAPHS, ("q", "schedule", "forward", "save", "backward", "u", "u_prev"),
                                           _graphs, cuda=True),
+    ("guide.md", "Recompute(graphed=True)"): Entry(check=_graphed),
     ("guide.md", "torch.save(m, buf)"): Entry(),
     ("guide.md", "PlanCallback(budget=\"1GiB\")"): Entry(check=_trainer, needs=_hf_trainer),
     ("guide.md", "PlanCallback(budget=\"1GiB\", module="): Entry(check=_lightning, needs=_pl),
