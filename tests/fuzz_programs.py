@@ -103,6 +103,11 @@ hypothesis shrinks it freely. ``repr(program)`` is Python you can paste back::
 #    modified in place (a ``clobber`` program) has a new ``grad_fn`` whose graph reaches the node that saved it,
 #    which holds it: a cycle through C++ in plain autograd itself (found with seed 7: batch norm's input, then
 #    written in place; ``Keep()``, which runs the block as plain autograd, left the same five tensors alive).
+# 12. ``rec_reentrant`` runs each segment under ``Recompute(reentrant=True)`` (``Reent``), with the program's
+#    parameters handed to ``api.run`` as a module's: the node takes them as inputs, as it takes a layer's own
+#    parameters, instead of refusing them as a closure's tensors (NOTE [ Reentrant recompute ] Rule 4). It is
+#    its own twin and, like every Recompute setting, is compared with plain autograd within ``RECOMPUTE_TOL`` and
+#    not where plain autograd raises (the recomputation saves only the segment's inputs).
 """
 
 from __future__ import annotations
@@ -281,6 +286,27 @@ class Pol:
     def __repr__(self) -> str:
         p = type(self.policy).__name__
         return f"Hooks(None)+{p}" if self.ref_hooks else p
+
+
+class Reent:
+    """``api.run(Recompute(reentrant=True), fn, *args, module=...)``, the program's parameters handed over as a
+    module's (NOTE [ Fuzzer semantics ] Rule 12): reentrant refuses a closure's tensor that needs grad (NOTE
+    [ Reentrant recompute ] Rule 4), and the vocabulary's parameters are the segment's closure."""
+
+    def __init__(self) -> None:
+        self.params: list[torch.Tensor] = []
+
+    def bind(self, ctx: Ctx) -> None:
+        self.params = [t for _, t in param_tensors(ctx.params)]
+
+    def call(self, fn: Callable[..., Any], *args: torch.Tensor) -> Any:
+        holder = nn.Module()
+        for i, t in enumerate(self.params):
+            holder._parameters[f"p{i}"] = t  # the tensors themselves: register_parameter would want nn.Parameter
+        return torchckpt.api.run(Recompute(reentrant=True), fn, *args, module=holder)
+
+    def __repr__(self) -> str:
+        return "Recompute(reentrant)"
 
 
 class Parts:
@@ -472,6 +498,10 @@ def execute(prog: Program, layout: Layout, leaves: list[torch.Tensor], ctx: Ctx)
     if isinstance(outer, ChainRun):
         return outer.execute(segment, leaves)
 
+    for r in (outer, *per_seg):
+        if isinstance(r, Reent):  # NOTE [ Fuzzer semantics ] Rule 12
+            r.bind(ctx)
+
     def body(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
         vals = list(ts)
         for j in range(len(segs)):
@@ -479,7 +509,12 @@ def execute(prog: Program, layout: Layout, leaves: list[torch.Tensor], ctx: Ctx)
             vals.extend(new)
         return tuple(vals)
 
-    return list(outer.call(body, *leaves))
+    try:
+        return list(outer.call(body, *leaves))
+    finally:
+        for r in (outer, *per_seg):
+            if isinstance(r, Reent):
+                r.params = []  # the nodes hold what their backward needs; the layout holds nothing (Rule 11)
 
 
 def loss_of(vals: Sequence[torch.Tensor], seed: int) -> torch.Tensor:
@@ -783,6 +818,8 @@ class Setting:
             return (plain, (rec,))
         if st == "rec_store":
             return (plain, (rec_store,))
+        if st == "rec_reentrant":  # NOTE [ Fuzzer semantics ] Rule 12
+            return (plain, (Reent(),))
         if st == "rec_save":  # selective recomputation: matmul outputs kept (through the store, if any)
             return (plain, (Pol(Recompute(save=SAVE_OPS, store=s)) if not twin else Pol(Recompute(save=SAVE_OPS)),))
         if st == "rec_save_all":  # every op position named: what can be kept is (the planner names positions)
@@ -814,7 +851,7 @@ def default_settings() -> list[Setting]:
     out += [Setting("ctx_rec", "budget"), Setting("off", "resident"), Setting("off", "evicted"),
             Setting("off", "budget"), Setting("off_some", "evicted"), Setting("off_some", "budget"),
             Setting("off_codec", "evicted"), Setting("off_codec", "budget"),
-            Setting("rec"), Setting("rec_store", "evicted"), Setting("rec_store", "budget"), Setting("keep"),
+            Setting("rec"), Setting("rec_reentrant"), Setting("rec_store", "evicted"), Setting("rec_store", "budget"), Setting("keep"),
             Setting("rec_save"), Setting("rec_save", "evicted"), Setting("rec_save", "budget"),
             Setting("rec_save_all"), Setting("rec_save_all", "evicted"),
             Setting("rec_save_all_codec", "evicted"), Setting("rec_parts"), Setting("rec_parts_store", "evicted"),

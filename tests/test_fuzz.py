@@ -25,7 +25,8 @@ semantics ]):
   whole program with every store configuration; ``checkpoint(fn, *args, policy=...)`` per segment
   with ``Offload(store)``, ``Offload(store, tensors=...)`` (every other saved tensor, the planner's per-tensor
   decisions), ``Offload(store, codec=Identity())``, ``Recompute()``,
-  ``Recompute(store=store)``, ``Keep()``; ``Recompute(save=...)`` keeping matmul and attention outputs
+  ``Recompute(store=store)``, ``Recompute(reentrant=True)`` (the program's parameters handed over as a module's),
+  ``Keep()``; ``Recompute(save=...)`` keeping matmul and attention outputs
   (the fused kernels with ``dropout_p=0``, each followed by a dropout now and then) or every op it can, through
   the store or not, and compressed on the way (``Recompute(codec=Identity())``); ``Recompute(parts=...)`` (one to
   three parts, alone, with a store, with ``save=``), bit for bit against torch's whole recomputation; nested: a
