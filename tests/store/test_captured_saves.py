@@ -45,9 +45,14 @@ def test_close_drains_every_copy_stream_before_it_drops_the_graphs() -> None:
     Streams faked: the order of the calls is what is checked."""
     store = SnapshotStore("cpu", slots=2, defer_sizes=True, codec=TritonQuant(8, "abs", 1e-3))
     store.save(0, Tier.HOST, [torch.linspace(-1, 1, 3000)])
-    ring = object()
-    store._graphs = ring  # type: ignore[assignment]  # what a CUDA store holds after its first captured save
     waited: list[str] = []
+
+    class Ring:  # what a CUDA store holds after its first captured save; close() after the drain (NOTE [ Captured saves ] Rule 9)
+        def close(self) -> None:
+            waited.append("ring closed")
+
+    ring = Ring()
+    store._graphs = ring  # type: ignore[assignment]
     graphs_at_drain: list[object] = []
 
     class Stream:
@@ -68,5 +73,6 @@ def test_close_drains_every_copy_stream_before_it_drops_the_graphs() -> None:
     m.cuda = False  # close's own CPU work from here
     m.drain = lambda: (setattr(m, "cuda", True), Mover.drain(m), setattr(m, "cuda", False))  # type: ignore[method-assign]
     store.close()
-    assert sorted(waited) == ["offload", "prefetch", "sizes"] and all(g is ring for g in graphs_at_drain)
+    assert sorted(waited[:3]) == ["offload", "prefetch", "sizes"] and all(g is ring for g in graphs_at_drain)
+    assert waited[3:] == ["ring closed"] and store._graphs is None
     assert store._graphs is None
