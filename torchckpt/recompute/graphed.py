@@ -71,8 +71,8 @@ import torch
 import torch._prims_common
 from torch import nn
 from torch.multiprocessing.reductions import StorageWeakRef
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.nn.utils.stateless import _reparametrize_module
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from torchckpt.recompute.reentrant import gradients
