@@ -159,6 +159,35 @@ def test_second_order_through_a_nonlinear_block_as_plain(twice: bool) -> None:
         assert (a is None and r is None) or torch.allclose(a, r, rtol=1e-5, atol=1e-6), (a - r).abs().max()
 
 
+def test_autocast_reads_the_input_as_plain_autograd_does() -> None:
+    """Rule 8: under bf16 autocast, a block whose input (a previous layer's output) feeds three linears: plain
+    autograd casts it once per linear and sums their gradients in float32; a recomputation from a detached leaf
+    had autocast cache one cast for all three and summed in bfloat16 (BERT's layers off by up to 1.5e-5)."""
+    torch.manual_seed(0)
+
+    class Qkv(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.q, self.k, self.v = nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 32)
+
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            return (self.q(h) * self.k(h)).tanh() + self.v(h)
+
+    pre, blk = nn.Linear(32, 32), Qkv()
+    rpre, rblk = copy.deepcopy(pre), copy.deepcopy(blk)
+    torchckpt.checkpoint(blk, policy=REENTRANT)
+    x = torch.randn(16, 32)
+    got, want = [], []
+    for p, b, out in ((pre, blk, got), (rpre, rblk, want)):
+        h = p(x)  # float32, as BERT's embeddings after their layer norm
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = b(h).float().square().sum()
+        loss.backward()
+        out += [t.grad for t in (*p.parameters(), *b.parameters())]
+    for a, r in zip(got, want, strict=True):
+        assert torch.equal(a, r), (a - r).abs().max()
+
+
 def test_a_tensor_outside_the_nodes_inputs_raises_rather_than_no_gradient() -> None:
     """Rule 4: a closure's tensor that needs grad would get none: backward raises, naming it."""
     w = torch.randn(4, requires_grad=True)

@@ -36,6 +36,12 @@
 #    through the block is plain autograd's within rounding (its graph sums the terms in another order: 5e-7 in
 #    float32 on a CPU test; with detached copies it lost every term through the block's nonlinearity, 0.22 in that
 #    test). The first order stays bit for bit. Rule 4's walk stops at those views.
+# 8. Without ``create_graph`` the recomputation's inputs are views of detached copies (``_input``), not the detached
+#    leaves themselves: autocast caches its lower-precision cast of a leaf that requires grad, so one cast of such
+#    an input served every op that read it, and their gradients were summed in bfloat16 before the cast's backward,
+#    where plain autograd (whose input is the previous layer's output, not a leaf) casts it once per op and sums the
+#    gradients in float32: BERT's layers under bf16 autocast gave gradients off by up to 1.5e-5 (tests/test_zoo.py
+#    on an H100 and on the CPU). A view is neither a leaf nor cached.
 """
 from __future__ import annotations
 
@@ -130,6 +136,12 @@ class _Node(torch.autograd.Function):
         return (None, *gradients(call, saved, ctx.params, grads, need))
 
 
+def _input(t: torch.Tensor) -> torch.Tensor:
+    """The saved input as the recomputation's input (NOTE [ Reentrant recompute ] Rule 8)."""
+    a = t.detach().requires_grad_(t.requires_grad)
+    return a.view_as(a) if a.requires_grad else a
+
+
 def gradients(call: _Call, saved: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
               grads: Sequence[torch.Tensor | None], need: tuple[bool, ...], rng: bool = True) -> list[torch.Tensor | None]:
     """The gradients of the node's inputs (``saved``, the arguments' tensors, then ``params``) for the outputs'
@@ -137,8 +149,9 @@ def gradients(call: _Call, saved: Sequence[torch.Tensor], params: Sequence[torch
     ``rng=False`` leaves the RNG states as they are (a capture, NOTE [ Graphed recompute ] Rule 3)."""
     if torch.is_grad_enabled():  # a second order (NOTE [ Reentrant recompute ] Rule 7): hang off the inputs' history
         args = tuple(t.view_as(t) if t.requires_grad else t.detach() for t in saved)
-    else:
-        args = tuple(t.detach().requires_grad_(t.requires_grad) for t in saved)
+    else:  # NOTE [ Reentrant recompute ] Rule 8: a view of the detached input, so autocast caches no cast of it
+        with torch.enable_grad():  # a view made without grad would not carry it
+            args = tuple(_input(t) for t in saved)
     with call.state.replayed(rng), torch.enable_grad():
         outs = call.run(args)
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
