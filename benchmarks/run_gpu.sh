@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The one command the GPU machine runs: CUDA tests, then the training-step benchmark.
-#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|compressed|graphs|compressed_profile|memory|memdiag|planner|tiers|zoo] [extra benchmark args, e.g. --sweep]
+#   benchmarks/run_gpu.sh [all|tests|train|adjoint|codecs|compressed|graphs|graphed|compressed_profile|memory|memdiag|planner|tiers|zoo] [extra benchmark args, e.g. --sweep]
 # codecs: codecs.py, codec_quality.py, adjoint_codecs.py, train_codecs.py (the compression claims); compressed: the
 # compressed adjoints' CUDA tests (issue 26), launch_cost.py and adjoint_codecs.py's deferred runs in turns (not part of
 # `all`); graphs: the captured saves' and steps' CUDA tests and adjoint_codecs.py with captured saves at 2 and 4
@@ -8,7 +8,9 @@
 # memory: host_init.py and device_cache_init.py (the native memory engine); memdiag: after_pin.py and
 # register_stall.py (why the lazy pool blocks what it blocks; not part of `all`); planner: the planner's CUDA tests
 # and benchmarks/frontier.py on the GPT stack (with --compile) and a Llama (not part of `all`); tiers: benchmarks/tiers.py
-# (snapshots beyond a host cap: the disk tier against recomputation; not part of `all`); zoo: benchmarks/zoo.py with the
+# (snapshots beyond a host cap: the disk tier against recomputation; not part of `all`); graphed: Recompute(graphed=True)'s
+# CUDA tests, the zoo's graphed and reentrant CUDA tests, and benchmarks/graphed_recompute.py per model of
+# GRAPHED_MODELS (default resnet152 convnext t5) in a process of its own (not part of `all`); zoo: benchmarks/zoo.py with the
 # extra args (e.g. --models t5), its summary and peak_check.py (not part of `all`). `all` runs the rest.
 # PACK=1 packs everything under $OUT into $OUT/results.tgz at the end (the GPU machine returns at most 8 files a call;
 # the zoo writes three to four per model).
@@ -20,7 +22,7 @@ export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
 PART=${1:-all}
 shift || true
-case "$PART" in all|tests|train|adjoint|codecs|compressed|graphs|compressed_profile|memory|memdiag|planner|tiers|zoo) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|compressed|graphs|compressed_profile|memory|memdiag|planner|tiers|zoo] [benchmark args]" >&2; exit 2;; esac
+case "$PART" in all|tests|train|adjoint|codecs|compressed|graphs|graphed|compressed_profile|memory|memdiag|planner|tiers|zoo) ;; *) echo "usage: $0 [all|tests|train|adjoint|codecs|compressed|graphs|graphed|compressed_profile|memory|memdiag|planner|tiers|zoo] [benchmark args]" >&2; exit 2;; esac
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 
@@ -162,6 +164,16 @@ if [[ $PART == zoo ]]; then
   echo "zoo exit code ${PIPESTATUS[0]}"
   python3 benchmarks/peak_check.py "$OUT/zoo" 2>&1 | tee "$OUT/peak_check.log"
   set -e
+fi
+if [[ $PART == graphed ]]; then  # Recompute(graphed=True) (NOTE [ Graphed recompute ]); not part of `all`
+  echo "== graphed recompute: CUDA tests"
+  python3 -m pytest -q -rs -m cuda tests/recompute/test_graphed_cuda.py 2>&1 | tail -15 | tee "$OUT/graphed_tests.log" || true
+  python3 -m pytest -q -rs -m cuda tests/test_zoo.py -k "graphed or reentrant" 2>&1 | tail -15 | tee "$OUT/graphed_zoo_tests.log" || true
+  # each model in its own process: a capture that fails leaves the process's CUDA RNG unusable (Rule 7)
+  for m in ${GRAPHED_MODELS:-resnet152 convnext t5}; do
+    run_part "graphed_$m" benchmarks/graphed_recompute.py --models "$m" --turns 3 "$@"
+    for f in graphed_recompute.json graphed_recompute.png; do [[ -f "$OUT/$f" ]] && mv "$OUT/$f" "$OUT/${f%.*}_$m.${f##*.}"; done
+  done
 fi
 if [[ $PART == memdiag ]]; then
   run_part register_stall benchmarks/register_stall.py --region 32G --reps 60 --lead 20
