@@ -71,3 +71,38 @@ def test_reads_sees_a_tensor_held_outside_through_a_view() -> None:
     assert reads.outside() == [(4,)]  # the table alone
     del table
     assert reads.outside() == []
+
+
+def test_draws_reads_the_dropout_probability() -> None:
+    """NOTE [ Graphed recompute ] Rule 8's tag: an op tagged ``nondeterministic_seeded`` draws unless its dropout
+    probability is 0 or it is not training."""
+    aten = torch.ops.aten
+    x = torch.ones(4)
+    assert graphed._draws(aten.native_dropout.default, (x, 0.1, True), {})
+    assert not graphed._draws(aten.native_dropout.default, (x, 0.0, True), {})
+    assert not graphed._draws(aten.native_dropout.default, (x, 0.1, False), {})
+    assert graphed._draws(aten.bernoulli_.float, (x, 0.5), {})
+    assert graphed._draws(aten.randn.default, ([2],), {})
+    assert not graphed._draws(aten.add.Tensor, (x, x), {})
+    q = torch.randn(1, 1, 4, 8)
+    assert not graphed._draws(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q), {"dropout_p": 0.0})
+    assert graphed._draws(aten._scaled_dot_product_flash_attention_for_cpu.default, (q, q, q, 0.2), {})
+
+
+@pytest.mark.parametrize(("fn", "what"), [
+    (lambda x: x.sum().item(), "_local_scalar_dense"),
+    (lambda x: torch.nonzero(x > 0), "nonzero"),
+    (lambda x: x[x > 0], "index"),
+])
+def test_reads_sees_what_synchronises(fn: object, what: str) -> None:
+    """NOTE [ Graphed recompute ] Rule 3: a value read on the host or an output whose shape depends on the data is a
+    synchronisation (a capture would fail and leave the process's RNG unusable, Rule 7)."""
+    x = torch.randn(8)
+    reads = graphed._Reads(set())
+    with reads:
+        fn(x)  # type: ignore[operator]
+    assert reads.sync is not None and what in reads.sync, reads.sync
+    quiet = graphed._Reads(set())
+    with quiet:
+        (x * 2).sum()
+    assert quiet.sync is None
