@@ -188,6 +188,28 @@ def test_autocast_reads_the_input_as_plain_autograd_does() -> None:
         assert torch.equal(a, r), (a - r).abs().max()
 
 
+@pytest.mark.parametrize("graph", [False, True])
+def test_autocast_reads_a_leaf_input_as_plain_autograd_does(graph: bool) -> None:
+    """Rule 8, the other side: an input that is a leaf requiring grad (fed straight in) has one cached cast in plain
+    autograd; so in the recomputation, with and without ``create_graph`` (Rule 7)."""
+    torch.manual_seed(0)
+    blk = nn.ModuleList([nn.Linear(32, 32) for _ in range(3)])
+    ref = copy.deepcopy(blk)
+
+    def f(m: nn.ModuleList, h: torch.Tensor) -> torch.Tensor:
+        return (m[0](h) * m[1](h)).tanh() + m[2](h)
+
+    x = torch.randn(16, 32, requires_grad=True)
+    got, want = [], []
+    for m, out, wrap in ((blk, got, True), (ref, want, False)):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = torchckpt.api.run(REENTRANT, lambda h, m=m: f(m, h), x, module=m) if wrap else f(m, x)
+            loss = y.float().square().sum()
+        out += torch.autograd.grad(loss, (x, *m.parameters()), create_graph=graph)
+    for a, r in zip(got, want, strict=True):
+        assert torch.equal(a, r), (a - r).abs().max()
+
+
 def test_a_tensor_outside_the_nodes_inputs_raises_rather_than_no_gradient() -> None:
     """Rule 4: a closure's tensor that needs grad would get none: backward raises, naming it."""
     w = torch.randn(4, requires_grad=True)

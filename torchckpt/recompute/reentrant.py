@@ -31,17 +31,19 @@
 # 6. Every floating tensor of the result requires grad (the node's outputs), where plain autograd may say
 #    ``requires_grad=False`` of one computed from tensors that need none; its gradient is then zero.
 # 7. A backward with ``create_graph`` (grad mode on in it) recomputes from views of the saved inputs (``view_as``,
-#    one per argument, so that an input passed twice gets each use's gradient), not detached copies: the gradients
+#    one per argument, so that an input passed twice gets each use's gradient; a leaf itself at its first use,
+#    Rule 8), not detached copies: the gradients
 #    it returns then depend on the inputs through the recomputed block, as plain autograd's do, and a second order
 #    through the block is plain autograd's within rounding (its graph sums the terms in another order: 5e-7 in
 #    float32 on a CPU test; with detached copies it lost every term through the block's nonlinearity, 0.22 in that
 #    test). The first order stays bit for bit. Rule 4's walk stops at those views.
-# 8. Without ``create_graph`` the recomputation's inputs are views of detached copies (``_input``), not the detached
-#    leaves themselves: autocast caches its lower-precision cast of a leaf that requires grad, so one cast of such
-#    an input served every op that read it, and their gradients were summed in bfloat16 before the cast's backward,
-#    where plain autograd (whose input is the previous layer's output, not a leaf) casts it once per op and sums the
-#    gradients in float32: BERT's layers under bf16 autocast gave gradients off by up to 1.5e-5 (tests/test_zoo.py
-#    on an H100 and on the CPU). A view is neither a leaf nor cached.
+# 8. An input is a leaf in the recomputation where it was one in the forward, and a view (of a detached copy
+#    without ``create_graph``) where it was not (``_inputs``): autocast caches its lower-precision cast of a leaf
+#    that requires grad, so one cast serves every op that reads it and their gradients are summed in bfloat16
+#    before the cast's backward, where a non-leaf is cast once per op and its gradients summed in float32. With
+#    every input a detached leaf, BERT's layers under bf16 autocast (inputs: the previous layer's outputs) gave
+#    gradients off by up to 1.5e-5 (tests/test_zoo.py on an H100 and on the CPU). A view is neither a leaf nor
+#    cached.
 """
 from __future__ import annotations
 
@@ -136,10 +138,22 @@ class _Node(torch.autograd.Function):
         return (None, *gradients(call, saved, ctx.params, grads, need))
 
 
-def _input(t: torch.Tensor) -> torch.Tensor:
-    """The saved input as the recomputation's input (NOTE [ Reentrant recompute ] Rule 8)."""
-    a = t.detach().requires_grad_(t.requires_grad)
-    return a.view_as(a) if a.requires_grad else a
+def _inputs(saved: Sequence[torch.Tensor], graph: bool) -> tuple[torch.Tensor, ...]:
+    """The saved inputs as the recomputation's inputs, each a leaf where plain autograd's was one and a view
+    otherwise (NOTE [ Reentrant recompute ] Rules 7-8); with ``graph`` (``create_graph``) hanging off the saved
+    tensors' own history, a leaf itself at its first use."""
+    seen: set[int] = set()
+    out = []
+    for t in saved:
+        if not t.requires_grad:
+            out.append(t.detach())
+        elif graph:
+            out.append(t if t.is_leaf and id(t) not in seen else t.view_as(t))
+        else:
+            a = t.detach().requires_grad_(True)
+            out.append(a if t.is_leaf else a.view_as(a))
+        seen.add(id(t))
+    return tuple(out)
 
 
 def gradients(call: _Call, saved: Sequence[torch.Tensor], params: Sequence[torch.Tensor],
@@ -147,11 +161,9 @@ def gradients(call: _Call, saved: Sequence[torch.Tensor], params: Sequence[torch
     """The gradients of the node's inputs (``saved``, the arguments' tensors, then ``params``) for the outputs'
     ``grads``, the block run again (NOTE [ Reentrant recompute ] Rules 3-4); ``None`` where ``need`` says none.
     ``rng=False`` leaves the RNG states as they are (a capture, NOTE [ Graphed recompute ] Rule 3)."""
-    if torch.is_grad_enabled():  # a second order (NOTE [ Reentrant recompute ] Rule 7): hang off the inputs' history
-        args = tuple(t.view_as(t) if t.requires_grad else t.detach() for t in saved)
-    else:  # NOTE [ Reentrant recompute ] Rule 8: a view of the detached input, so autocast caches no cast of it
-        with torch.enable_grad():  # a view made without grad would not carry it
-            args = tuple(_input(t) for t in saved)
+    graph = torch.is_grad_enabled()  # a second order (NOTE [ Reentrant recompute ] Rule 7)
+    with torch.enable_grad():  # a view made without grad would not carry it
+        args = _inputs(saved, graph)
     with call.state.replayed(rng), torch.enable_grad():
         outs = call.run(args)
     pairs = [(o, g) for o, g in zip(outs, grads) if g is not None and o.requires_grad]
