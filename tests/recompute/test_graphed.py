@@ -106,3 +106,18 @@ def test_reads_sees_what_synchronises(fn: object, what: str) -> None:
     with quiet:
         (x * 2).sum()
     assert quiet.sync is None
+
+
+def test_a_buffer_stands_for_its_input_as_a_leaf_or_a_view() -> None:
+    """NOTE [ Graphed recompute ] Rule 3 with NOTE [ Reentrant recompute ] Rule 8: the recomputation the graph
+    captures takes each buffer as the eager recomputation takes the input it stands for (a leaf where the input is
+    one, else a view), so autocast caches the same casts in both."""
+    from torchckpt.recompute.reentrant import _inputs
+
+    leaf = torch.randn(3, requires_grad=True)
+    for t in (leaf, leaf * 2, torch.randn(3)):
+        with torch.enable_grad():
+            direct = _inputs([t], False)[0]
+            via = _inputs([graphed._like(torch.empty(3), t)], False)[0]
+        assert (direct.is_leaf, direct.requires_grad, direct._is_view()) == (via.is_leaf, via.requires_grad,
+                                                                               via._is_view())

@@ -268,14 +268,23 @@ class _Entry:
         return [None if o is None else o.clone() for o in self.outs]
 
 
+def _like(b: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """Buffer ``b`` as the input ``t``: requiring grad as it does, a leaf where it is one, else a view."""
+    v = b.detach().requires_grad_(t.requires_grad)
+    return v if t.is_leaf or not t.requires_grad else v.view_as(v)
+
+
 def _run(call: Any, mod: nn.Module, args: list[torch.Tensor], saved: Sequence[torch.Tensor],
          params: Sequence[torch.Tensor], ins: list[torch.Tensor | None], need: tuple[bool, ...],
          rng: bool) -> list[torch.Tensor | None]:
     """The eager backward on the graph's buffers (``args``, ``ins``), the module's parameters that require grad
     taken through aliases made on the current (capture) stream (NOTE [ Graphed recompute ] Rule 3): the
     parameters' own gradient accumulators belong to the forward's stream, and a gradient handed to one from the
-    capture stream makes that stream wait, which a capture cannot record."""
-    views = tuple(b.detach().requires_grad_(t.requires_grad) for b, t in zip(args, saved))
+    capture stream makes that stream wait, which a capture cannot record. Each buffer stands for its input as a
+    leaf where the input is one and as a view where not, as the eager recomputation takes them (autocast caches a
+    leaf's cast: NOTE [ Reentrant recompute ] Rule 8)."""
+    with torch.enable_grad():  # a view made without grad would not carry it
+        views = tuple(_like(b, t) for b, t in zip(args, saved))
     alias = {id(p): p.detach().requires_grad_(True) for p in params}
     names = {n: alias[id(p)] for n, p in mod.named_parameters(remove_duplicate=False) if id(p) in alias}
     with _reparametrize_module(mod, names):
