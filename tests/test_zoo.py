@@ -78,6 +78,7 @@ SETTINGS: dict[str, Setting] = {
     "block_recompute_store": Setting("blocks", "recompute", 0),
     "block_recompute_reentrant": Setting("blocks", "recompute", reentrant=True),
     "block_recompute_reentrant_bf16": Setting("blocks", "recompute", reentrant=True, bf16=True),
+    "block_recompute_reentrant_store": Setting("blocks", "recompute", 0, reentrant=True),
     "block_keep": Setting("blocks", "keep"),
     "hf_recompute": Setting("hf", "recompute"),
     "hf_recompute_reentrant": Setting("hf", "recompute", reentrant=True),
