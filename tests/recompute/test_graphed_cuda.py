@@ -280,6 +280,41 @@ class _Bound(nn.Module):
         return self.lin(x).tanh() * self.cos.unsqueeze(0)
 
 
+class Running(nn.Module):
+    """Reads a buffer, then writes it in place (its version moves): the guard puts its forward-start value back
+    around each recomputation, from a copy made at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.register_buffer("scale", torch.ones(16))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x) * self.scale.clone()
+        self.scale.mul_(1.5)
+        return y.tanh() + x
+
+
+def test_a_block_writing_its_buffers_runs_eagerly() -> None:
+    """NOTE [ Graphed recompute ] Rule 3: a replay would put back the capture's copy of the buffer, not this step's."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), Running(), Running()).cuda()
+    ref = copy.deepcopy(model)
+    for b in list(model)[1:]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    for i in range(4):
+        x = torch.randn(8, 16, device="cuda")
+        got = []
+        for m in (model, ref):
+            m.zero_grad(set_to_none=True)
+            m(x).square().mean().backward()
+            got.append(grads(m))
+        assert_same_grads(got[0], got[1])
+        _same_buffers(model, ref)
+    st = graphed.stats()
+    assert st.get("captures", 0) == 0 and any("writes buffers" in k for k in st), st
+
+
 def test_second_order_as_plain_within_rounding() -> None:
     """A backward with create_graph runs eagerly (NOTE [ Graphed recompute ] Rule 6); the second order's own pass
     through the node (grad mode off) may replay."""

@@ -29,8 +29,12 @@
 #    graph would read it at the address it had at the capture, whatever the module holds later: transformers'
 #    checkpointing hook binds a layer's rotary tables in the function it hands over, new each step; before views
 #    were told apart from new memory a replay of Llama's layers read the capture's tables and gave a wrong
-#    gradient, caught by tests/test_zoo.py on the H100); a tensor is not dense (an expanded gradient); or the
-#    replay differs from the eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
+#    gradient, caught by tests/test_zoo.py on the H100); a tensor is not dense (an expanded gradient); the block
+#    writes buffers in its forward that NOTE [ Buffers written in a forward ] Rule 2 puts back around each
+#    recomputation (a norm of its own ``forward``, a buffer whose version moved): those copies read the values the
+#    forward started from, cloned anew at each call, which a graph would read where the capture's call left them
+#    (torch's own norms are not among them: their statistics are written to fresh tensors, made in the capture); or
+#    the replay differs from the eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
 # 4. Memory: the graphs' inputs and outputs are buffers kept per device and shared by every graphed block, one per
 #    role (argument, incoming gradient, argument's or parameter's gradient), layout and position in a call, so
 #    blocks of one shape share them; the gradients are copied out of them after each replay (``clone``, same
@@ -75,6 +79,7 @@ from torch.nn.utils.stateless import _reparametrize_module
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from torchckpt.recompute.buffers import BufferGuard
 from torchckpt.recompute.reentrant import gradients
 
 __all__ = ["BlockGraphs", "block_graphs", "clear", "held_bytes", "pool_bytes", "stats"]
@@ -420,6 +425,8 @@ class BlockGraphs:
             return "module gone"
         if not all(_dense(t) for t in saved) or not all(g is None or _dense(g) for g in grads):
             return "eager: a tensor not dense"
+        if isinstance(call.fn, BufferGuard) and call.fn.written:  # NOTE [ Graphed recompute ] Rule 3
+            return "eager: writes buffers its recomputation puts back (a replay would read the capture's copies)"
         dev = _DEVICES.get(index)
         if dev is None:
             dev = _DEVICES[index] = _Device(index)
