@@ -77,7 +77,8 @@ class Recompute:
             at a call signature's second backward and checked bit for bit against the eager
             backward then: the backward costs the host a few copies and one launch instead of the
             block's ops. For blocks whose forward is a function of its arguments, parameters and
-            buffers (Python attributes it reads are taken as they were at the capture); blocks that
+            buffers (Python attributes it reads are taken as they were at the capture) and does not
+            communicate (not under FSDP); blocks that
             draw random numbers, read other tensors, or cannot be captured recompute eagerly
             (``torchckpt.recompute.graphed.stats()`` says why). Holds GPU memory beyond the
             allocator's count: the graphs' buffers and one pool of intermediates per device

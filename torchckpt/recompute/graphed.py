@@ -48,7 +48,8 @@
 # 5. What a capture bakes in beside Rule 2's signature: the Python values the forward reads other than its
 #    arguments (a module's float attribute changed later is not seen), and Python side effects of a recomputation
 #    run at the capture only. A block whose forward reads Python state that changes from step to step must not be
-#    graphed. One backward at a time per device (the buffers are shared).
+#    graphed, nor one whose forward communicates (FSDP's all-gathers in its hooks): a capture that fails leaves the
+#    process's CUDA RNG unusable (Rule 7). One backward at a time per device (the buffers are shared).
 # 6. Not graphed (the backward recomputes eagerly as ``Recompute(reentrant=True)``, the same values): a second order
 #    (grad mode on in the backward), tensors off CUDA or on several devices, a call with no module (a function
 #    checkpointed alone), under ``torch.compile`` (api.run) and while a stream capture is under way.
