@@ -7,49 +7,50 @@
 #    the recomputation and its gradients, is captured once as one CUDA graph per block and call signature (Rule 2)
 #    and replayed: the backward then costs the host the copies of its inputs into the graph's buffers, one launch
 #    and the copies of the gradients out. The forward is the reentrant one (no grad, no hook), run eagerly.
-# 2. A graph serves the calls of its signature: the tensors' shapes, strides, dtypes, devices, ``requires_grad``
-#    and 16-byte alignment; the non-tensor arguments and the call's structure (immutable values only: None, bools,
+# 2. A graph serves the calls of its signature: the tensors' shapes, strides, dtypes, devices, ``requires_grad`` and
+#    16-byte alignment; the non-tensor arguments and the call's structure (immutable values only: None, bools,
 #    numbers, strings, dtypes, devices, and tuples of them; another value and the block recomputes eagerly); which
 #    outputs got a gradient and its layout; which inputs autograd asks for; autocast; the addresses of the module's
 #    parameters and buffers; the backends' flags that choose kernels (TF32, reduced-precision reductions,
-#    deterministic algorithms, cuDNN's benchmark and determinism, the attention backends enabled). Another signature is another graph, up to
-#    ``MAX_KEYS`` per block; past that the block recomputes eagerly (``stats()['eager_keys']``).
+#    deterministic algorithms, cuDNN's benchmark and determinism, the attention backends enabled). Another signature
+#    is another graph, up to ``MAX_KEYS`` per block; past that the block recomputes eagerly
+#    (``stats()['eager_keys']``).
 # 3. A signature's first backward runs eagerly, so a call made once pays no capture. At its second: the backward
 #    runs eagerly on the graph's own input buffers (on the capture stream, under a dispatch mode that watches every
 #    op), is captured, and is replayed; the replay's gradients are compared with the eager run's bit for bit (one
-#    synchronisation per capture; a replay that moves the device's generator counts as a draw, its state put
-#    back). The module's parameters are taken through aliases made on the capture stream
-#    (``_run``): their own gradient accumulators belong to the forward's stream, and a gradient handed to one from
-#    another stream makes that stream wait on it, which a capture cannot record. The signature recomputes eagerly
-#    from then on (its reason in ``stats()``) where: an op synchronises (a value read on the host, an output
-#    whose shape depends on the data, a tensor copied between host and device); an op draws random numbers and the
-#    forward's generator state was not kept (``preserve_rng_state=False``; Rule 8); an op reads a tensor, on the
-#    device or the host, that is not one of the call's, a parameter or a buffer of the module, nor made during the
-#    backward (a view of it or an op writing it in place makes nothing), and that is still alive after it (a
-#    graph would read it at the address it had at the capture, whatever the module holds later: transformers'
-#    checkpointing hook binds a layer's rotary tables in the function it hands over, new each step; before views
-#    were told apart from new memory a replay of Llama's layers read the capture's tables and gave a wrong
-#    gradient, caught by tests/test_zoo.py on the H100); a tensor is not dense (an expanded gradient); the block
-#    writes buffers in its forward that NOTE [ Buffers written in a forward ] Rule 2 puts back around each
-#    recomputation (a norm of its own ``forward``, a buffer whose version moved): those copies read the values the
-#    forward started from, cloned anew at each call, which a graph would read where the capture's call left them
-#    (torch's own norms are not among them: their statistics are written to fresh tensors, made in the capture); or
-#    the replay differs from the eager run. That step's gradients are then the eager backward's, run again as ``Recompute(reentrant=True)``.
+#    synchronisation per capture; a replay that moves the device's generator counts as a draw, its state put back).
+#    The module's parameters are taken through aliases made on the capture stream (``_run``): their own gradient
+#    accumulators belong to the forward's stream, and a gradient handed to one from another stream makes that stream
+#    wait on it, which a capture cannot record. The signature recomputes eagerly from then on (its reason in
+#    ``stats()``) where: an op synchronises (a value read on the host, an output whose shape depends on the data, a
+#    tensor copied between host and device); an op draws random numbers and the forward's generator state was not
+#    kept (``preserve_rng_state=False``; Rule 8); an op reads a tensor, on the device or the host, that is not one
+#    of the call's, a parameter or a buffer of the module, nor made during the backward (a view of it or an op
+#    writing it in place makes nothing), and that is still alive after it (a graph would read it at the address it
+#    had at the capture, whatever the module holds later: transformers' checkpointing hook binds a layer's rotary
+#    tables in the function it hands over, new each step; before views were told apart from new memory a replay of
+#    Llama's layers read the capture's tables and gave a wrong gradient, caught by tests/test_zoo.py on the H100); a
+#    tensor is not dense (an expanded gradient); the block writes buffers in its forward that NOTE [ Buffers written
+#    in a forward ] Rule 2 puts back around each recomputation (a norm of its own ``forward``, a buffer whose
+#    version moved): those copies read the values the forward started from, cloned anew at each call, which a graph
+#    would read where the capture's call left them (torch's own norms are not among them: their statistics are
+#    written to fresh tensors, made in the capture); or the replay differs from the eager run. That step's gradients
+#    are then the eager backward's, run again as ``Recompute(reentrant=True)``.
 # 4. Memory: the graphs' inputs and outputs are buffers kept per device and shared by every graphed block, one per
 #    role (argument, incoming gradient, argument's or parameter's gradient), layout and position in a call, so
 #    blocks of one shape share them; the gradients are copied out of them after each replay (``clone``, same
-#    strides), before any other replay. Each graph's intermediates live in one private memory pool per device shared by all
-#    graphs (captured one after another, replayed one at a time on the backward's stream, each reading only
+#    strides), before any other replay. Each graph's intermediates live in one private memory pool per device shared
+#    by all graphs (captured one after another, replayed one at a time on the backward's stream, each reading only
 #    buffers it writes first; a graph captured and then not used is kept until ``clear()``: the pool dies with the
 #    last graph in it, and torch's allocator asserts at a capture into a dead pool, so a capture after every graph
-#    went, with their modules, takes a new pool). The allocator's peak does not count a replay's intermediates: ``pool_bytes()``
-#    says what the pool holds, ``held_bytes()`` the pool and the buffers; ``clear()`` lets every graph, buffer and
-#    pool go.
-# 5. What a capture bakes in beside Rule 2's signature: the Python values the forward reads other than its
-#    arguments (a module's float attribute changed later is not seen), and Python side effects of a recomputation
-#    run at the capture only. A block whose forward reads Python state that changes from step to step must not be
-#    graphed, nor one whose forward communicates (FSDP's all-gathers in its hooks): a capture that fails leaves the
-#    process's CUDA RNG unusable (Rule 7). One backward at a time per device (the buffers are shared).
+#    went, with their modules, takes a new pool). The allocator's peak does not count a replay's intermediates:
+#    ``pool_bytes()`` says what the pool holds, ``held_bytes()`` the pool and the buffers; ``clear()`` lets every
+#    graph, buffer and pool go.
+# 5. What a capture bakes in beside Rule 2's signature: the Python values the forward reads other than its arguments
+#    (a module's float attribute changed later is not seen), and Python side effects of a recomputation run at the
+#    capture only. A block whose forward reads Python state that changes from step to step must not be graphed, nor
+#    one whose forward communicates (FSDP's all-gathers in its hooks): a capture that fails leaves the process's
+#    CUDA RNG unusable (Rule 7). One backward at a time per device (the buffers are shared).
 # 6. Not graphed (the backward recomputes eagerly as ``Recompute(reentrant=True)``, the same values): a second order
 #    (grad mode on in the backward), tensors off CUDA or on several devices, a call with no module (a function
 #    checkpointed alone), under ``torch.compile`` (api.run) and while a stream capture is under way.
@@ -57,8 +58,8 @@
 #    the pool (``CUDAGraph.capture_end`` raises before it ends that): ``_record`` ends it, warns, and turns captures
 #    off for the process (every block recomputes eagerly, the same values) until ``clear()``.
 # 8. Random draws (an op tagged ``nondeterministic_seeded``, unless its dropout probability is 0 or it is not
-#    training): a graph captured with them reads the device generator's seed and offset at each replay and moves
-#    the offset by what it draws. Each replay of such a graph runs with the device generator set to the state the
+#    training): a graph captured with them reads the device generator's seed and offset at each replay and moves the
+#    offset by what it draws. Each replay of such a graph runs with the device generator set to the state the
 #    block's forward started from (``ForwardState``, as the eager recomputation sets it), and the step's state put
 #    back after: the same masks as the forward's (checked at the capture with the rest, Rule 3), the step's RNG
 #    stream untouched.
