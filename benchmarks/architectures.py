@@ -50,6 +50,11 @@ class Built:
     library: Callable[[], Undo]
     note: str
 
+    def step(self) -> None:
+        """One training step: the loss's backward, then the gradients dropped (``zero_grad(set_to_none=True)``)."""
+        self.loss(self.model(*self.args, **self.kwargs)).backward()
+        self.model.zero_grad(set_to_none=True)
+
 
 def wrap_blocks(blocks: list[nn.Module], make: Callable[[int, Callable[..., Any]], Callable[..., Any] | None]) -> Undo:
     """Replace each block's ``forward`` by ``make(index, forward)`` (``None``: left as it is); returns the undo,
@@ -294,6 +299,13 @@ ARCHS: dict[str, Callable[[str, torch.device, torch.dtype], Built]] = {
 }
 PACKAGE = {"llama": "transformers", "qwen2": "transformers", "gpt_neox": "transformers", "moe": "transformers",
            "t5": "transformers", "vit_l": "timm", "convnext": "timm", "resnet152": "torchvision"}
+
+
+def build_here(name: str) -> tuple[Built, bool]:
+    """``name`` at training size in bf16 on CUDA, or tiny in fp32 on the CPU, and whether CUDA is used."""
+    cuda = torch.cuda.is_available()
+    dev = torch.device("cuda" if cuda else "cpu")
+    return build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32), cuda
 
 
 def build(name: str, size: str, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Built:

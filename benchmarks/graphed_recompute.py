@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 import torchckpt  # noqa: E402
-from architectures import build  # noqa: E402
+from architectures import build_here  # noqa: E402
 from common import measure_steps, out_dir, plot_bars, write_json  # noqa: E402
 from torchckpt.recompute import graphed  # noqa: E402
 
@@ -37,14 +37,8 @@ POLICIES = {
 
 
 def run_model(name: str, turns: int, reps: int) -> dict[str, Any]:
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    b = build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32)
+    b, cuda = build_here(name)
     print(f"== {name}: {b.note}", flush=True)
-
-    def step() -> None:
-        b.loss(b.model(*b.args, **b.kwargs)).backward()
-        b.model.zero_grad(set_to_none=True)
 
     def on(policy: Any) -> Any:
         def setup() -> Any:
@@ -67,7 +61,7 @@ def run_model(name: str, turns: int, reps: int) -> dict[str, Any]:
             graphed.clear()
             undo = setup()
             try:
-                got = measure_steps(step, reps, cuda, warmup=2)
+                got = measure_steps(b.step, reps, cuda, warmup=2)
                 held = graphed.held_bytes() if cuda and k == "Recompute(graphed=True)" else 0
                 times[k].append(float(got["step_s"]))
                 peaks[k].append(float(got["peak_GiB"] or 0.0) + held / 2**30)

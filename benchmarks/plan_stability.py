@@ -113,9 +113,7 @@ def judge(args: argparse.Namespace) -> None:
     with open(args.json) as f:
         todo = json.load(f)  # {"budgets": [[plan json or None per process], ...]}
 
-    def step() -> None:
-        b.loss(b.model(*b.args, **b.kwargs)).backward()
-        b.model.zero_grad(set_to_none=True)
+    step = b.step
 
     out = []
     for texts in todo["budgets"]:

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import torchckpt
-from architectures import build
+from architectures import build_here
 from common import step_times
 from torchckpt.planner.restore import untouched
 from torchckpt.planner.verify import _Profiled
@@ -191,9 +191,7 @@ def show(label: str, ts: list[float], watch: GcWatch | None = None) -> None:
 
 
 def run(name: str, n: int, host: bool = False, plan: bool = True, series: int = 1, reentrant: bool = False) -> None:
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    b = build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32)
+    b, cuda = build_here(name)
     print(f"== {name}: {b.note}; {len(b.blocks)} blocks; gc thresholds {gc.get_threshold()}", flush=True)
 
     def measure(label: str, setup: Any = None) -> None:

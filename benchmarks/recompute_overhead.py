@@ -41,17 +41,12 @@ def ablate(name: str, turns: int, trace: int) -> None:
     import statistics
 
     import torchckpt.api as api
-    from architectures import build, torch_checkpoint, wrap_blocks
+    from architectures import build_here, torch_checkpoint, wrap_blocks
     from common import measure_steps
 
-    cuda = torch.cuda.is_available()
-    dev = torch.device("cuda" if cuda else "cpu")
-    b = build(name, "train" if cuda else "tiny", dev, torch.bfloat16 if cuda else torch.float32)
+    b, cuda = build_here(name)
     print(f"== {name}: {b.note}", flush=True)
-
-    def step() -> None:
-        b.loss(b.model(*b.args, **b.kwargs)).backward()
-        b.model.zero_grad(set_to_none=True)
+    step = b.step
 
     @contextlib.contextmanager
     def without(guard: bool, state: bool) -> Any:

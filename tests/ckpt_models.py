@@ -109,6 +109,14 @@ def assert_same_grads(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tens
         assert torch.equal(ga, gb), f"{n}: max abs diff {(ga - gb).abs().max().item()}"
 
 
+def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
+    """The modules' buffers (batch norm's running statistics among them) equal bit for bit, name by name."""
+    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
+    assert ba.keys() == bb.keys()
+    for n in ba:
+        assert torch.equal(ba[n], bb[n]), f"buffer {n} differs"
+
+
 def assert_same_state(a: nn.Module, b: nn.Module) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert sa.keys() == sb.keys()

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import torchckpt
-from ckpt_models import assert_same_grads, grads, small_pool
+from ckpt_models import assert_same_buffers, assert_same_grads, grads, small_pool
 from torchckpt import Keep, Offload, Recompute
 from torchckpt.codecs import Identity
 from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, deterministic_cuda, to
@@ -193,13 +193,6 @@ def assert_same_records(got: Record, ref: Record) -> None:
             assert_same_grads(g, g_p)
         except AssertionError as err:
             raise AssertionError(f"step {i}: {err}") from None
-
-
-def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
-    ba, bb = dict(a.named_buffers()), dict(b.named_buffers())
-    assert ba.keys() == bb.keys()
-    for n in ba:
-        assert torch.equal(ba[n], bb[n]), f"buffer {n} differs"
 
 
 def host_in_use(store: torchckpt.Store) -> int:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import torchckpt
-from ckpt_models import assert_same_grads, grads
+from ckpt_models import assert_same_buffers, assert_same_grads, grads
 from torchckpt import Recompute
 from torchckpt.recompute import graphed
 
@@ -70,6 +70,20 @@ def _train(model: nn.Module, xs: list[torch.Tensor], bf16: bool = False) -> list
     return out
 
 
+def _both(model: nn.Module, ref: nn.Module, x: torch.Tensor, seed: int | None = None,
+          draw: bool = False) -> list[Any]:
+    """One step of ``model`` and of its plain twin ``ref`` on ``x`` (from ``seed`` when given): each one's gradients,
+    with the device generator's next draw after the step where ``draw``."""
+    out = []
+    for m in (model, ref):
+        m.zero_grad(set_to_none=True)
+        if seed is not None:
+            torch.manual_seed(seed)
+        m(x).square().mean().backward()
+        out.append((grads(m), torch.rand(4, device="cuda")) if draw else grads(m))
+    return out
+
+
 def _same(got: list[Any], want: list[Any]) -> None:
     for i, ((la, ga), (lb, gb)) in enumerate(zip(got, want, strict=True)):
         assert torch.equal(la, lb), f"step {i}: loss"
@@ -77,11 +91,6 @@ def _same(got: list[Any], want: list[Any]) -> None:
             assert_same_grads(ga, gb)
         except AssertionError as e:
             raise AssertionError(f"step {i}: {e}") from None
-
-
-def _same_buffers(a: nn.Module, b: nn.Module) -> None:
-    for (n, x), (_, y) in zip(a.named_buffers(), b.named_buffers(), strict=True):
-        assert torch.equal(x, y), f"buffer {n}"
 
 
 @pytest.mark.parametrize("bf16", [False, True])
@@ -92,7 +101,7 @@ def test_bottlenecks_replay_with_plain_bits_and_buffers(bf16: bool) -> None:
         torchckpt.checkpoint(b, policy=GRAPHED)
     xs = [torch.randn(8, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(4)]
     _same(_train(model, xs, bf16), _train(ref, xs, bf16))
-    _same_buffers(model, ref)
+    assert_same_buffers(model, ref)
     st = graphed.stats()
     # step 1 eager, step 2 captures each block (the first block's input needs no grad: its own signature), 3-4 replay
     assert st["captures"] == 4 and st["replays"] == 4 * 3, st
@@ -163,13 +172,7 @@ def test_dropout_replays_the_forwards_masks() -> None:
     for b in list(model)[1:]:
         torchckpt.checkpoint(b, policy=GRAPHED)
     for i in range(4):
-        x = torch.randn(8, 16, device="cuda")
-        got = []
-        for m in (model, ref):
-            m.zero_grad(set_to_none=True)
-            torch.manual_seed(i)
-            m(x).square().mean().backward()
-            got.append((grads(m), torch.rand(4, device="cuda")))
+        got = _both(model, ref, torch.randn(8, 16, device="cuda"), seed=i, draw=True)
         assert_same_grads(got[0][0], got[1][0])
         assert torch.equal(got[0][1], got[1][1]), f"step {i}: the RNG stream after backward"
     st = graphed.stats()
@@ -302,15 +305,10 @@ def test_a_block_writing_its_buffers_runs_eagerly() -> None:
     ref = copy.deepcopy(model)
     for b in list(model)[1:]:
         torchckpt.checkpoint(b, policy=GRAPHED)
-    for i in range(4):
-        x = torch.randn(8, 16, device="cuda")
-        got = []
-        for m in (model, ref):
-            m.zero_grad(set_to_none=True)
-            m(x).square().mean().backward()
-            got.append(grads(m))
+    for _ in range(4):
+        got = _both(model, ref, torch.randn(8, 16, device="cuda"))
         assert_same_grads(got[0], got[1])
-        _same_buffers(model, ref)
+        assert_same_buffers(model, ref)
     st = graphed.stats()
     assert st.get("captures", 0) == 0 and any("writes buffers" in k for k in st), st
 
