@@ -10,8 +10,8 @@ import torch
 from chain_nets import D, Net, fixed_profile
 from torchckpt.planner import Link, Plan, predict, profile
 from torchckpt.planner.calibrate import (
-    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, PARTS_FLOOR, RECOMPUTE_ALL, REENTRANT_ALL, calibrate, floor_policy,
-    measure_policies, parts_floor, reentrant_faster, revolve_policy,
+    EVERY_OTHER, HOST_ALL, KEEP_ALL, KEEP_OPS_ALL, MEASURED, OFFLOAD_ALL, PARTS_FLOOR, RECOMPUTE_ALL, REENTRANT_ALL, calibrate,
+    floor_policy, measure_policies, offload_policy, parts_floor, reentrant_faster, revolve_policy,
 )
 from torchckpt.planner.costs import KEEP, RECOMPUTE, REENTRANT, Decision, StepCosts, chain_states, through_reentrant
 from torchckpt.planner.optimize import search, simple_policies
@@ -119,7 +119,7 @@ def test_measure_policies_in_rounds_interleaves_them_and_takes_the_median_of_rou
     the others take the faster recomputation's form as it measured over all its rounds."""
     chain = _chain(prof)
     policies = simple_policies(chain)
-    by_name = dict(policies)
+    by_name = {**dict(policies), OFFLOAD_ALL: offload_policy(chain)}  # NOTE [ Mechanism costs ] Rule 14's, measured last
     calls: list[tuple[str, tuple[Decision, ...]]] = []
     # Recompute(): 1.0, 3.0, 1.2 (median 1.2); reentrant: 0.9, 2.0, 2.5 (median 2.0): after round 1 reentrant looked faster
     times = {RECOMPUTE_ALL: [1.0, 3.0, 1.2], REENTRANT_ALL: [0.9, 2.0, 2.5], KEEP_ALL: [0.5, 0.7, 0.6]}
@@ -137,7 +137,7 @@ def test_measure_policies_in_rounds_interleaves_them_and_takes_the_median_of_rou
     assert [n for n, _ in calls[:9]] == first * 3
     rest = [n for n, _ in calls[9:]]
     once = list(dict.fromkeys(rest))
-    assert HOST_ALL in once and len(once) >= 3
+    assert HOST_ALL in once and len(once) >= 3 and once[-1] == OFFLOAD_ALL
     assert rest == once + once + [n for n in once if n != HOST_ALL]  # round by round; HOST_ALL failed in round 2
     assert got[RECOMPUTE_ALL] == (102, 1.2) and got[REENTRANT_ALL] == (102, 2.0) and got[KEEP_ALL] == (102, 0.6)
     assert HOST_ALL not in got
@@ -239,12 +239,12 @@ def test_revolve_measured_beyond_its_prediction_moves_every_revolve_plan(prof: P
     other = next(n for n in plans if n.startswith(EVERY_OTHER))
     floor = floor_policy(chain, policies)  # six blocks: the fewest snapshots are Rule 8's (NOTE [ Mechanism costs ] Rule 10)
     assert floor is None and 16 > len(chain.blocks)
-    assert calls == [n for n in MEASURED if n in plans] + [name, other]
+    assert calls == [n for n in MEASURED if n in plans] + [name, other, OFFLOAD_ALL]
     chain16 = _chain(fixed_profile(Net(16)))
     calls.clear()
     measure_policies(simple_policies(chain16), lambda n, p: calls.append(n), chain16)  # type: ignore[func-returns-value]
     floor = floor_policy(chain16, simple_policies(chain16))
-    assert floor is not None and calls[-3:-1] == [revolve_policy(chain16, simple_policies(chain16)), floor]
+    assert floor is not None and calls[-4:-2] == [revolve_policy(chain16, simple_policies(chain16)), floor]
     cal = calibrate(chain, {n: plans[n] for n in (name,)}.items(), {name: got[name]})
     assert cal.revolve_bytes == 3 << 20
     assert abs(predict(cal, plans[name]).peak_bytes - got[name][0]) <= got[name][0] // 1000
@@ -395,7 +395,7 @@ def _reentrant_measured(chain: StepCosts, policies: list[tuple[str, tuple[Decisi
                         ) -> tuple[dict[str, tuple[int, float]], dict[str, tuple[Decision, ...]]]:
     """``measure_policies`` on ``chain`` where every block Recompute(reentrant=True) measures 2 ms over its prediction
     and every block Recompute() 10 ms over (``faster``) or 1 ms (not): what it measured, and the plan each step got."""
-    plans = dict(policies)
+    plans = {**dict(policies), OFFLOAD_ALL: offload_policy(chain)}  # NOTE [ Mechanism costs ] Rule 14's too
     got: dict[str, tuple[Decision, ...]] = {}
 
     def step(name: str, plan: tuple[Decision, ...]) -> tuple[int, float]:
@@ -454,7 +454,7 @@ def test_reentrant_measured_slower_leaves_every_plan_as_it_was(prof: Profile) ->
     of that name, and Rule 3 calibrates on Recompute()'s measurement."""
     chain = _chain(prof)
     policies = simple_policies(chain)
-    plans = dict(policies)
+    plans = {**dict(policies), OFFLOAD_ALL: offload_policy(chain)}
     measured, got = _reentrant_measured(chain, policies, faster=False)
     assert all(got[name] == plans[name] for name in got)
     cal = calibrate(chain, policies, measured)
@@ -486,3 +486,56 @@ def test_reentrant_that_could_not_run_leaves_no_plan_reentrant(prof: Profile) ->
     assert not any(d.reentrant for plan, _ in found.plans for d in plan)
     assert REENTRANT_ALL not in [name for name, _, _ in found.simple]
     assert calibrate(chain, policies, {}).reentrant_runs  # nothing measured (the CPU): nothing known against it
+
+
+def test_offloads_measured_price_every_offload_by_its_tensors(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 14: every block sending its first offload rung is measured last; what it took
+    beyond its prediction, per tensor saved, is each block's ``off_s``: that policy then predicts what it measured, a
+    plan offloading in one block pays that block's share in its forward, a plan offloading nothing pays none, and a
+    policy measured faster than its prediction takes nothing off (not below the copies' own time)."""
+    chain = prof.chain(Link(1e10, 1e10))
+    blocks = list(chain.blocks)
+    blocks[0] = dataclasses.replace(blocks[0], saved=blocks[0].saved + (0,) * len(blocks[0].saved), same=())  # twice the tensors
+    chain = dataclasses.replace(chain, blocks=tuple(blocks))
+    off = offload_policy(chain)
+    assert off is not None and all(d.mode == "offload" and d.offload and not d.compress for d in off)
+    policies = simple_policies(chain)
+    calls: list[str] = []
+
+    def step(name: str, plan: tuple[Decision, ...]) -> tuple[int, float]:
+        calls.append(name)
+        return 1 << 30, predict(chain, plan).step_s + (12e-3 if name == OFFLOAD_ALL else 0.0)
+
+    measured = measure_policies(policies, step, chain)
+    assert calls[-1] == OFFLOAD_ALL and calls.count(OFFLOAD_ALL) == 1
+    cal = calibrate(chain, policies, measured)
+    assert predict(cal, off).step_s == pytest.approx(measured[OFFLOAD_ALL][1], rel=1e-9)
+    assert cal.blocks[0].off_s == pytest.approx(2 * cal.blocks[1].off_s)
+    assert sum(b.off_s for b in cal.blocks) == pytest.approx(12e-3)
+    n = len(chain.blocks)
+    one = (off[2],) + (KEEP,) * (n - 1)
+    assert predict(cal, one).step_s - predict(chain, one).step_s == pytest.approx(cal.blocks[0].off_s)
+    for name, plan in policies:  # no simple policy offloads a block's own tensors: none of them moves
+        assert predict(cal, plan).step_s == pytest.approx(predict(chain, plan).step_s, rel=1e-9), name
+    cheap = calibrate(chain, policies, {OFFLOAD_ALL: (None, predict(chain, off).step_s - 5e-3)})
+    assert all(b.off_s < 0 for b in cheap.blocks)
+    assert predict(cheap, off).step_s == pytest.approx(predict(chain, off).step_s, rel=1e-9)
+    assert offload_policy(dataclasses.replace(chain, blocks=tuple(
+        dataclasses.replace(b, saved=()) for b in chain.blocks))) is None  # nothing saved: nothing to offload
+
+
+def test_dear_offloads_move_the_search_off_them(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 14 in the search: at a budget whose plan offloaded, offloads measured dear give a
+    plan that offloads nothing (it recomputes instead); measured as the model priced them, the plan stays."""
+    chain = prof.chain(Link(1e10, 1e10))
+    found = search(chain)
+    budget = next(b for b in sorted(p.peak_bytes for _, p in found.plans)
+                  if any(d.mode == "offload" for d in found.best(b)[0]))
+    policies = simple_policies(chain)
+    off = offload_policy(chain)
+    assert off is not None
+    base = predict(chain, off).step_s
+    same = calibrate(chain, policies, {OFFLOAD_ALL: (None, base)})
+    assert search(same).best(budget)[0] == found.best(budget)[0]
+    dear = calibrate(chain, policies, {OFFLOAD_ALL: (None, base + 10 * base)})
+    assert not any(d.mode == "offload" for d in search(dear).best(budget)[0])

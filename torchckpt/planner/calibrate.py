@@ -50,9 +50,9 @@
 # 6. So the measured policies predict what they measured, and a mixed plan pays each mechanism, per block,
 #    what it cost on this model. The measurements are kept: verification (NOTE [ Applying a plan ] Rules 4-7)
 #    reuses them instead of running those plans again.
-# 7. Not measured yet: offloading a block's own saved tensors (the store per tensor) and compression
-#    (verification's race of families, NOTE [ Applying a plan ] Rule 5, measures those plans instead). On the
-#    CPU nothing is measured (no verification there either): the costs are the model's alone.
+# 7. Not measured yet: compression (verification's race of families, NOTE [ Applying a plan ] Rule 5, measures
+#    those plans instead). Offloading a block's own saved tensors is Rule 14's. On the CPU nothing is measured (no
+#    verification there either): the costs are the model's alone.
 # 8. Revolve over the chain (``checkpoint_chain``, the plans at the floor): runs blocks again without grad to
 #    rebuild an input, and a block's forward holds its working tensors while it runs, which the model's states
 #    do not count (on an H100 the floors of ViT-L, T5 and ResNet-152 peaked 0.41-0.55 GiB over their
@@ -120,6 +120,18 @@
 #    those). Where reentrant cannot run (a block reading a tensor that needs grad from outside its arguments raises,
 #    or it ran out of memory where ``Recompute()`` did not), it is left unmeasured and no plan uses it
 #    (``StepCosts.reentrant_runs``).
+# 14. Offloading a block's own saved tensors (``Offload(store, tensors=...)``) runs a saved-tensor hook on every
+#    tensor the block saves, in both sweeps, and the store's Python, a GPU-cache eviction and a copy for each tensor
+#    it sends: host work a host-bound step pays in full, which the model's copies over the link do not count (on an
+#    H100, ResNet-152's plans offloading one tensor in each of 9, 27 and 26 Bottlenecks measured 18, 37 and 36 ms over
+#    their predictions, 1.3-2.0 ms a block, with keep everything at 77 ms: the hooks alone 0.7 ms a block, with the
+#    store's cache holding everything 0.9; benchmarks/diag_offload.py). So one more policy is measured
+#    (``offload_policy``, ``OFFLOAD_ALL``): every block sending its first offload rung (NOTE [ Plan search ] Rule 1:
+#    its largest saved tensors, about a quarter of its saved bytes), through the store ``Plan.apply`` makes. What it
+#    took beyond its prediction after Rules 2-13, spread over the blocks in proportion to the tensors each saves (the
+#    hooks' work is per tensor), is each block's ``Block.off_s``, added to the forward of every block that offloads
+#    (not below 0). One rate for every offload: what the copies' own contention costs beyond the model is in it at
+#    the policy's traffic, which is more than most plans send.
 """
 from __future__ import annotations
 
@@ -128,11 +140,12 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from torchckpt.planner.costs import Block, Decision, StepCosts, chain_states, predict, through_reentrant
-from torchckpt.planner.optimize import search
+from torchckpt.planner.costs import KEEP, Block, Decision, StepCosts, chain_states, predict, through_reentrant
+from torchckpt.planner.optimize import ladder, search
 
-__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "RECOMPUTE_ALL", "REENTRANT_ALL",
-           "calibrate", "floor_policy", "measure_policies", "reentrant_faster", "revolve_policy"]
+__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "OFFLOAD_ALL", "RECOMPUTE_ALL",
+           "REENTRANT_ALL", "calibrate", "floor_policy", "measure_policies", "offload_policy", "reentrant_faster",
+           "revolve_policy"]
 
 KEEP_ALL = "keep everything"
 RECOMPUTE_ALL = "every block Recompute()"
@@ -142,6 +155,7 @@ HOST_ALL = "every block Recompute(store=...), inputs to host"
 REENTRANT_ALL = "every block Recompute(reentrant=True)"  # NOTE [ Mechanism costs ] Rule 13
 EVERY_OTHER = "every other block Recompute() ("  # the start of the name of the plan from the first block (NOTE [ Mechanism costs ] Rule 9)
 PARTS_FLOOR = "the search's floor plan, in parts"  # NOTE [ Mechanism costs ] Rule 12
+OFFLOAD_ALL = "every block Offload(its largest saved tensors)"  # NOTE [ Mechanism costs ] Rule 14
 MEASURED = (KEEP_ALL, RECOMPUTE_ALL, REENTRANT_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
 
 Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
@@ -153,7 +167,8 @@ def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
                      chain: StepCosts | None = None, rounds: int = 1) -> dict[str, Measured]:
     """NOTE [ Mechanism costs ] Rule 1: ``step(name, plan)`` for each of ``MEASURED`` among ``policies`` (the search's
     simple policies), by name, then (given the ``chain`` they are plans of) the Revolve plans of NOTE [ Mechanism costs ]
-    Rules 8 and 10 and every other block (NOTE [ Mechanism costs ] Rule 9); a policy whose step returns ``None`` (it
+    Rules 8 and 10, every other block (NOTE [ Mechanism costs ] Rule 9) and ``offload_policy``'s (NOTE [ Mechanism
+    costs ] Rule 14, by ``OFFLOAD_ALL``); a policy whose step returns ``None`` (it
     could not run) is left out. The floor's plan (NOTE [ Mechanism costs ] Rule 10) is measured for its peak alone:
     the caller knows it by its name, ``floor_policy``'s.
 
@@ -167,7 +182,10 @@ def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
     revolve = revolve_policy(chain, policies) if chain is not None else None
     floor = floor_policy(chain, policies) if chain is not None and revolve is not None else None
     other = next((name for name in by_name if name.startswith(EVERY_OTHER)), None) if chain is not None else None
-    order = names + [n for n in (revolve, floor, other) if n]
+    offload = offload_policy(chain) if chain is not None else None
+    if offload is not None:  # NOTE [ Mechanism costs ] Rule 14
+        by_name[OFFLOAD_ALL] = offload
+    order = names + [n for n in (revolve, floor, other, OFFLOAD_ALL if offload is not None else None) if n]
     split = max((order.index(n) + 1 for n in (RECOMPUTE_ALL, REENTRANT_ALL) if n in order), default=0)
     out: dict[str, Measured] = {}
     for group in (order[:split], order[split:]):
@@ -199,6 +217,13 @@ def reentrant_faster(measured: Mapping[str, Measured]) -> bool:
     return REENTRANT_ALL in measured and RECOMPUTE_ALL in measured and measured[REENTRANT_ALL][1] < measured[RECOMPUTE_ALL][1]
 
 
+def offload_policy(chain: StepCosts) -> tuple[Decision, ...] | None:
+    """NOTE [ Mechanism costs ] Rule 14: every block sending its first offload rung (uncompressed; keep where its
+    ladder has none), ``None`` where no block has one."""
+    plan = tuple(next((d for d in ladder(b, False) if d.mode == "offload"), KEEP) for b in chain.blocks)
+    return plan if any(d.mode == "offload" for d in plan) else None
+
+
 def revolve_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
                    lookahead: int = 1) -> str | None:
     """NOTE [ Mechanism costs ] Rule 8: the name of the Revolve plan among ``policies`` with the fewest snapshots whose
@@ -225,7 +250,7 @@ def floor_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision,
 
 def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
               measured: Mapping[str, Measured], lookahead: int = 1) -> StepCosts:
-    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-13): ``measured`` holds what
+    """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-14): ``measured`` holds what
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
     fast = reentrant_faster(measured)  # NOTE [ Mechanism costs ] Rule 13: the plans as they were measured
     plans = {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
@@ -286,6 +311,12 @@ def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ..
         mine = [i for i, d in enumerate(plan[:-1]) if d.mode == "recompute" and plan[i + 1].mode != "recompute"]
         per = extra / sum(_tensors(chain.blocks[i]) for i in mine) if mine else 0.0
         chain = dataclasses.replace(chain, blocks=tuple(dataclasses.replace(b, alone_s=per * _tensors(b))
+                                                        for b in chain.blocks))
+    offload = offload_policy(chain) if OFFLOAD_ALL in measured else None
+    if offload is not None:  # NOTE [ Mechanism costs ] Rule 14: offloads' host work, per tensor saved
+        extra = measured[OFFLOAD_ALL][1] - predict(chain, offload, lookahead).step_s
+        per = extra / sum(_tensors(chain.blocks[i]) for i, d in enumerate(offload) if d.mode == "offload")
+        chain = dataclasses.replace(chain, blocks=tuple(dataclasses.replace(b, off_s=per * _tensors(b))
                                                         for b in chain.blocks))
     parts = parts_floor(chain) if measured.get(PARTS_FLOOR, (None, 0.0))[0] is not None else None
     if parts is not None:  # NOTE [ Mechanism costs ] Rule 12

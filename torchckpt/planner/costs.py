@@ -153,6 +153,9 @@ class Block:
         reent_s: the same for ``Recompute(reentrant=True)`` (NOTE [ Mechanism costs ] Rule 13).
         host_rec_s: what sending a recomputed block's inputs (and kept outputs) to host costs it beyond the model's
             copies, measured (NOTE [ Mechanism costs ] Rule 5); priced in the forward (not below 0).
+        off_s: what offloading some of this block's saved tensors costs it beyond the model's copies (the saved-tensor
+            hooks on every tensor it saves, the store's work per tensor sent, copies sharing the device with a step
+            the host bounds), measured (NOTE [ Mechanism costs ] Rule 14); priced in the forward (not below 0).
         alone_s: what a recomputation of this block costs beyond those where the next block is kept (its
             backward's kernels queued, the recomputation's host work runs beside them), measured (NOTE [ Mechanism
             costs ] Rule 9); may be negative.
@@ -183,6 +186,7 @@ class Block:
     host_rec_s: float = 0.0
     alone_s: float = 0.0
     reent_s: float = 0.0
+    off_s: float = 0.0
     chained: bool = True
     shared: tuple[tuple[int, int, int], ...] = ()
     same: tuple[int, ...] = ()
@@ -541,6 +545,8 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
             extra_f = max(0.0, b.host_rec_s)
             if b.host_rec_s < 0:  # NOTE [ Mechanism costs ] Rule 5: measured faster than Recompute() alone
                 extra_b = max(0.0, extra_b + b.host_rec_s)
+    elif d.mode == "offload":  # NOTE [ Mechanism costs ] Rule 14: hooks and store, in the forward
+        extra_f = max(0.0, b.off_s)
     if d.compress and codec is not None:
         squeezed = kept_bytes(b, d) if rec else off  # Decision.compress
         wire = off - squeezed + int(squeezed / codec.ratio)
