@@ -489,7 +489,7 @@ def test_reentrant_that_could_not_run_leaves_no_plan_reentrant(prof: Profile) ->
 
 
 def test_offloads_measured_price_every_offload_by_its_tensors(prof: Profile) -> None:
-    """NOTE [ Mechanism costs ] Rule 14: every block sending its first offload rung is measured last; what it took
+    """NOTE [ Mechanism costs ] Rule 14: every block sending its smallest saved tensor is measured last; what it took
     beyond its prediction, per tensor saved, is each block's ``off_s``: that policy then predicts what it measured, a
     plan offloading in one block pays that block's share in its forward, a plan offloading nothing pays none, and a
     policy measured faster than its prediction takes nothing off (not below the copies' own time)."""
@@ -499,6 +499,8 @@ def test_offloads_measured_price_every_offload_by_its_tensors(prof: Profile) -> 
     chain = dataclasses.replace(chain, blocks=tuple(blocks))
     off = offload_policy(chain)
     assert off is not None and all(d.mode == "offload" and d.offload and not d.compress for d in off)
+    for b, d in zip(chain.blocks, off):  # the smallest storage it saves, nothing larger
+        assert min(b.saved[k] for k in d.offload if b.saved[k]) == min(n for n in b.saved if n > 0)
     policies = simple_policies(chain)
     calls: list[str] = []
 

@@ -126,12 +126,13 @@
 #    H100, ResNet-152's plans offloading one tensor in each of 9, 27 and 26 Bottlenecks measured 18, 37 and 36 ms over
 #    their predictions, 1.3-2.0 ms a block, with keep everything at 77 ms: the hooks alone 0.7 ms a block, with the
 #    store's cache holding everything 0.9; benchmarks/diag_offload.py). So one more policy is measured
-#    (``offload_policy``, ``OFFLOAD_ALL``): every block sending its first offload rung (NOTE [ Plan search ] Rule 1:
-#    its largest saved tensors, about a quarter of its saved bytes), through the store ``Plan.apply`` makes. What it
-#    took beyond its prediction after Rules 2-13, spread over the blocks in proportion to the tensors each saves (the
-#    hooks' work is per tensor), is each block's ``Block.off_s``, added to the forward of every block that offloads
-#    (not below 0). One rate for every offload: what the copies' own contention costs beyond the model is in it at
-#    the policy's traffic, which is more than most plans send.
+#    (``offload_policy``, ``OFFLOAD_ALL``): every block sending its smallest saved tensor through the store
+#    ``Plan.apply`` makes, so that next to nothing crosses the link and what the policy took beyond its prediction
+#    after Rules 2-13 is the host's work alone. (A first form sent each block's first offload rung, a quarter of its
+#    bytes: on the H100 the model's copies of that traffic, 2-3.5 GiB a step, over-predicted its stall on ResNet-152
+#    and a Llama, so the term came out below 0 and hid the host's work.) Spread over the blocks in proportion to the
+#    tensors each saves (the hooks' work is per tensor), it is each block's ``Block.off_s``, added to the forward of
+#    every block that offloads (not below 0); the copies stay the link model's.
 """
 from __future__ import annotations
 
@@ -141,7 +142,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from torchckpt.planner.costs import KEEP, Block, Decision, StepCosts, chain_states, predict, through_reentrant
-from torchckpt.planner.optimize import ladder, search
+from torchckpt.planner.optimize import _whole, search
 
 __all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "OFFLOAD_ALL", "RECOMPUTE_ALL",
            "REENTRANT_ALL", "calibrate", "floor_policy", "measure_policies", "offload_policy", "reentrant_faster",
@@ -155,7 +156,7 @@ HOST_ALL = "every block Recompute(store=...), inputs to host"
 REENTRANT_ALL = "every block Recompute(reentrant=True)"  # NOTE [ Mechanism costs ] Rule 13
 EVERY_OTHER = "every other block Recompute() ("  # the start of the name of the plan from the first block (NOTE [ Mechanism costs ] Rule 9)
 PARTS_FLOOR = "the search's floor plan, in parts"  # NOTE [ Mechanism costs ] Rule 12
-OFFLOAD_ALL = "every block Offload(its largest saved tensors)"  # NOTE [ Mechanism costs ] Rule 14
+OFFLOAD_ALL = "every block Offload(its smallest saved tensor)"  # NOTE [ Mechanism costs ] Rule 14
 MEASURED = (KEEP_ALL, RECOMPUTE_ALL, REENTRANT_ALL, KEEP_OPS_ALL, KEEP_TOP_ALL, HOST_ALL)  # NOTE [ Mechanism costs ] Rule 1, in the order it uses them
 
 Measured = tuple[int | None, float]  # (peak bytes or None where not measured, seconds)
@@ -218,10 +219,14 @@ def reentrant_faster(measured: Mapping[str, Measured]) -> bool:
 
 
 def offload_policy(chain: StepCosts) -> tuple[Decision, ...] | None:
-    """NOTE [ Mechanism costs ] Rule 14: every block sending its first offload rung (uncompressed; keep where its
-    ladder has none), ``None`` where no block has one."""
-    plan = tuple(next((d for d in ladder(b, False) if d.mode == "offload"), KEEP) for b in chain.blocks)
-    return plan if any(d.mode == "offload" for d in plan) else None
+    """NOTE [ Mechanism costs ] Rule 14: every block sending its smallest saved tensor (of a storage it saves; every
+    position of that storage, NOTE [ Plan search ] Rule 1), uncompressed; keep where it saves none. ``None`` where no
+    block saves one."""
+    plan = []
+    for b in chain.blocks:
+        sizes = [(n, k) for k, n in enumerate(b.saved) if n > 0]
+        plan.append(Decision("offload", _whole(b, [min(sizes)[1]])) if sizes else KEEP)
+    return tuple(plan) if any(d.mode == "offload" for d in plan) else None
 
 
 def revolve_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
