@@ -264,3 +264,31 @@ def test_reentrant_measured_faster_plans_recompute_whole_blocks_through_it_exact
     if not fast:
         assert not any(b.reentrant for b in p.blocks)
     _exact_under(p, m, x, ref)
+
+
+def test_the_offloads_host_work_is_measured_predicts_what_it_measured_and_is_exact() -> None:
+    """NOTE [ Mechanism costs ] Rule 14 on the GPU: planning measures every block sending its smallest saved tensor;
+    the calibrated model predicts that policy's step as measured (or, where it measured under the model's copies, no
+    less than them: the term is not below 0); applied, it gives plain autograd's gradients bit for bit."""
+    from torchckpt.planner.calibrate import OFFLOAD_ALL, offload_policy
+    from torchckpt.planner.costs import predict
+    from torchckpt.planner.verify import _make
+
+    torch.manual_seed(0)
+    m = Stack(512, 8, 12).cuda().to(torch.bfloat16)
+    x = torch.randn(4, 512, 512, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    ref, planner = _planned(m, x)
+    assert OFFLOAD_ALL in planner.measured
+    chain = planner.found.chain
+    policy = offload_policy(chain)
+    assert policy is not None and all(d.mode == "offload" for d in policy)
+    measured = planner.measured[OFFLOAD_ALL][1]
+    got = predict(chain, policy).step_s
+    if sum(b.off_s for b in chain.blocks) >= 0:
+        assert got == pytest.approx(measured, rel=1e-3)  # the forward's added time may move a copy's stall a little
+    else:
+        assert got >= measured
+    none = planner.found.plans[0][1]
+    p = _make(planner.prof, policy, predict(chain, policy), planner.found.floor, none, none.peak_bytes, planner.link,
+              None)
+    _exact_under(p, m, x, ref)
