@@ -132,7 +132,9 @@
 #    bytes: on the H100 the model's copies of that traffic, 2-3.5 GiB a step, over-predicted its stall on ResNet-152
 #    and a Llama, so the term came out below 0 and hid the host's work.) Spread over the blocks in proportion to the
 #    tensors each saves (the hooks' work is per tensor), it is each block's ``Block.off_s``, added to the forward of
-#    every block that offloads (not below 0); the copies stay the link model's.
+#    every block that offloads (not below 0); the copies stay the link model's. On the H100 it measured 0.54 ms a
+#    block on ResNet-152 (27 ms over the prediction for 50 blocks), and no plan of the search there offloads a block's
+#    own tensors any more: before, its offloading plans had measured 29-41% over their predictions in verification.
 """
 from __future__ import annotations
 

@@ -154,8 +154,8 @@ class Block:
         host_rec_s: what sending a recomputed block's inputs (and kept outputs) to host costs it beyond the model's
             copies, measured (NOTE [ Mechanism costs ] Rule 5); priced in the forward (not below 0).
         off_s: what offloading some of this block's saved tensors costs it beyond the model's copies (the saved-tensor
-            hooks on every tensor it saves, the store's work per tensor sent, copies sharing the device with a step
-            the host bounds), measured (NOTE [ Mechanism costs ] Rule 14); priced in the forward (not below 0).
+            hooks on every tensor it saves, the store's work for a tensor it sends), measured (NOTE [ Mechanism
+            costs ] Rule 14); priced in the forward (not below 0).
         alone_s: what a recomputation of this block costs beyond those where the next block is kept (its
             backward's kernels queued, the recomputation's host work runs beside them), measured (NOTE [ Mechanism
             costs ] Rule 9); may be negative.
