@@ -338,18 +338,27 @@ def test_revolve_rebuilds_take_both_measured_plans_times() -> None:
     assert slow.revolve_scale == -0.9  # never below: a rebuild costs something
 
 
-def test_sending_inputs_to_host_measured_faster_than_recompute_predicts_what_it_measured(prof: Profile) -> None:
+def test_sending_inputs_to_host_measured_faster_than_recompute_takes_nothing_off_the_blocks(prof: Profile) -> None:
     """NOTE [ Mechanism costs ] Rule 5: where every block Recompute(store=...) measured faster than every block
-    Recompute() (after Rule 3), the difference comes off its blocks' recomputation, so it predicts what it measured
-    (it was clamped at no cost, over-predicted)."""
+    Recompute() (after Rule 3), its term is below 0 and counts as 0: sending inputs does not make a recomputation
+    cheaper, so no plan sending some blocks' inputs is predicted under the same plan recomputing them on the device
+    (the first form took the difference off those blocks' recomputation, and every mixed plan was predicted under
+    what it measured); the policy itself is then predicted at the model's copies and Recompute()'s cost."""
     chain = prof.chain(Link(1e10, 1e10))
     policies = simple_policies(chain)
     plans = dict(policies)
     rec = predict(chain, plans[RECOMPUTE_ALL]).step_s
     measured = {RECOMPUTE_ALL: (None, rec * 1.5), HOST_ALL: (None, rec * 1.4)}
     cal = calibrate(chain, policies, measured)
-    assert predict(cal, plans[HOST_ALL]).step_s == pytest.approx(rec * 1.4, rel=1e-6)
+    assert all(b.host_rec_s < 0 for b in cal.blocks if b.input_bytes)
     assert predict(cal, plans[RECOMPUTE_ALL]).step_s == pytest.approx(rec * 1.5, rel=1e-6)
+    zero = dataclasses.replace(cal, blocks=tuple(dataclasses.replace(b, host_rec_s=0.0) for b in cal.blocks))
+    assert predict(cal, plans[HOST_ALL]).step_s == pytest.approx(predict(zero, plans[HOST_ALL]).step_s, rel=1e-12)
+    assert predict(cal, plans[HOST_ALL]).step_s > rec * 1.4
+    n = len(chain.blocks)
+    host = plans[HOST_ALL]
+    mixed = tuple(host[i] if i % 2 == 0 else RECOMPUTE for i in range(n))  # every other block sends its inputs
+    assert predict(cal, mixed).step_s >= predict(cal, plans[RECOMPUTE_ALL]).step_s - 1e-12
 
 
 @pytest.mark.parametrize("excess_mib", [96, -48])

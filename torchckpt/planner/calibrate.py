@@ -44,9 +44,14 @@
 #    ``Block.host_rec_s`` and ``StepCosts.host_rec_bytes``, added for a recomputed block whose inputs (and kept
 #    outputs) go to host, on top of Rule 3's or Rule 4's: the store's Python, its GPU cache, copies that share
 #    the device with compute. The time is priced in the block's forward, where nothing waits for a copy back
-#    (in the backward a stall would absorb it); a negative one (the policy measured faster than every block
-#    ``Recompute()``: ResNet-152's 220.8 against 223.1 ms on an H100, predicted 272.8 with it clamped at 0) comes off
-#    the block's recomputation in the backward instead, so that the policy predicts what it measured.
+#    (in the backward a stall would absorb it), and not below 0: sending a block's inputs to host does not make
+#    its recomputation cheaper, and where the policy measured under its prediction with no cost of its own, what
+#    the model got wrong is its copies, not the blocks. (On an H100, ResNet-152's policy measured 184.5 ms where the
+#    model's copies of its 3.2 GiB a step stalled 169 ms of a 245 ms prediction. A first form took such a negative
+#    term off the blocks' recomputation so that the policy predicted what it measured; every mixed plan sending
+#    some inputs then paid it: a plan sending 13 blocks' inputs was predicted 122.5 ms and measured 152.3, with the
+#    term at 0 predicted 147.4; two more such plans 10.3% and 19.2% under, at 0 5.1% and 14.9%; a plan sending one
+#    block's inputs +1.0%, at 0 +4.5%; benchmarks/replan.py on docs/results/zoo_h100_2026-11-28_offload*.)
 # 6. So the measured policies predict what they measured, and a mixed plan pays each mechanism, per block,
 #    what it cost on this model. The measurements are kept: verification (NOTE [ Applying a plan ] Rules 4-7)
 #    reuses them instead of running those plans again.

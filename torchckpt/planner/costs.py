@@ -541,10 +541,8 @@ def terms(chain: StepCosts, b: Block, d: Decision) -> Terms:
     rec = d.mode == "recompute"
     if rec:  # NOTE [ Mechanism costs ]: what the mechanism itself costs, as measured
         extra_b = max(0.0, recompute_seconds(b, d) + (b.keep_rec_s if d.keep else b.reent_s if d.reentrant else b.rec_s))
-        if d.host:  # in the forward, where the store's work starts and no copy back is waited for
-            extra_f = max(0.0, b.host_rec_s)
-            if b.host_rec_s < 0:  # NOTE [ Mechanism costs ] Rule 5: measured faster than Recompute() alone
-                extra_b = max(0.0, extra_b + b.host_rec_s)
+        if d.host:  # in the forward, where the store's work starts and no copy back is waited for; not below 0
+            extra_f = max(0.0, b.host_rec_s)  # NOTE [ Mechanism costs ] Rule 5
     elif d.mode == "offload":  # NOTE [ Mechanism costs ] Rule 14: hooks and store, in the forward
         extra_f = max(0.0, b.off_s)
     if d.compress and codec is not None:
