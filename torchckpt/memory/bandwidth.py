@@ -17,15 +17,23 @@ by measured bandwidth; NOTE [ Multi-tier Revolve ] Rule 4, schedules/multistage.
 #    file system (the ``st_dev`` of the tier's directory), each with one snapshot's bytes clamped
 #    to [1 MiB, 64 MiB]. A later call with another size reuses the first figure.
 # 3. One measurement of the host link (``host_link``), which the planner's link model reads too: on CUDA
-#    the copies run on a side stream, timed by events, the median of 5 each way after one warm-up copy; on
-#    the CPU (the simulated store) they are memory copies timed by the host clock. With buffered I/O the
-#    files' read may come from the page cache and overstate the disk (``DiskTier.direct``).
+#    the copies run on a side stream, timed by events, the median of 5 each way after Rule 4's warm-up; on
+#    the CPU (the simulated store) they are memory copies timed by the host clock, after one warm-up copy.
+#    With buffered I/O the files' read may come from the page cache and overstate the disk (``DiskTier.direct``).
+# 4. One short measurement can catch the link slow: on an H100 one process measured 28.1 GB/s each way after one
+#    warm-up round trip of 64 MiB, where the next process on that machine, two minutes later, and 38 other
+#    measurements measured 42-55 GB/s, and the planner then priced every copy at twice its time
+#    (docs/notes/2026-11-28-offload-costs-h100.md). 28.1 GB/s is PCIe 4's rate, and a GPU's PCIe link changes its
+#    speed with the load as a power saving; whatever the cause, on CUDA the round trips run untimed until their
+#    copies have kept the link busy for ``_WARM_S`` (0.25 s; at most ``_WARM_MOST`` round trips), then the timed
+#    ones (``_warmed``).
 """
 from __future__ import annotations
 
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -36,6 +44,8 @@ from torchckpt.schedules.actions import Tier
 __all__ = ["disk_file_bandwidth", "host_link", "host_link_bandwidth", "tier_bandwidths"]
 
 _MIN, _MAX = 1 << 20, 64 << 20
+_WARM_S = 0.25  # NOTE [ Tier bandwidths ] Rule 4: seconds of copies before the timed ones (CUDA)
+_WARM_MOST = 200  # round trips at most in the warm-up, whatever their times
 _lock = threading.Lock()
 _host: dict[tuple[str, int | None, bool], tuple[float, float]] = {}
 _disk: dict[int, float] = {}
@@ -81,19 +91,19 @@ def host_link(device: torch.device, pinned: bool, nbytes: int = _MAX, reps: int 
     if device.type == "cuda":
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)  # warm-up
+
+        def round_trip() -> tuple[float, float]:
+            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+            ev[0].record(stream)
+            dst.copy_(src, non_blocking=True)
+            ev[1].record(stream)
             src.copy_(dst, non_blocking=True)
-            for _ in range(reps):
-                ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-                ev[0].record(stream)
-                dst.copy_(src, non_blocking=True)
-                ev[1].record(stream)
-                src.copy_(dst, non_blocking=True)
-                ev[2].record(stream)
-                ev[2].synchronize()
-                times[0].append(ev[0].elapsed_time(ev[1]) * 1e-3)
-                times[1].append(ev[1].elapsed_time(ev[2]) * 1e-3)
+            ev[2].record(stream)
+            ev[2].synchronize()
+            return ev[0].elapsed_time(ev[1]) * 1e-3, ev[1].elapsed_time(ev[2]) * 1e-3
+
+        with torch.cuda.stream(stream):
+            times = _warmed(round_trip, reps)
     else:
         dst.copy_(src)  # warm-up (touches the pages)
         for _ in range(reps):
@@ -107,6 +117,33 @@ def host_link(device: torch.device, pinned: bool, nbytes: int = _MAX, reps: int 
     d2h, h2d = (n / max(sorted(ts)[len(ts) // 2], 1e-9) for ts in times)
     with _lock:
         return _host.setdefault(key, (d2h, h2d))
+
+
+def _warmed(round_trip: Callable[[], tuple[float, float]], reps: int, warm_s: float = _WARM_S,
+            most: int = _WARM_MOST) -> tuple[list[float], list[float]]:
+    """NOTE [ Tier bandwidths ] Rule 4: ``round_trip()`` (the seconds of a copy out and of one back) untimed until
+    their copies add up to ``warm_s`` (at least once, at most ``most`` times), then ``reps`` times: those times,
+    each way.
+
+    Example::
+
+        >>> slow = iter([(2.0, 2.0)] * 3)  # a link that starts at half its speed
+        >>> out, back = _warmed(lambda: next(slow, (1.0, 1.0)), reps=3, warm_s=10.0)
+        >>> out, back
+        ([1.0, 1.0, 1.0], [1.0, 1.0, 1.0])
+    """
+    spent = 0.0
+    for _ in range(most):
+        a, b = round_trip()
+        spent += a + b
+        if spent >= warm_s:
+            break
+    times: tuple[list[float], list[float]] = ([], [])
+    for _ in range(reps):
+        a, b = round_trip()
+        times[0].append(a)
+        times[1].append(b)
+    return times
 
 
 def host_link_bandwidth(device: torch.device, pool: HostPoolBase, nbytes: int = _MAX) -> float:
