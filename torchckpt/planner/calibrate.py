@@ -45,13 +45,13 @@
 #    outputs) go to host, on top of Rule 3's or Rule 4's: the store's Python, its GPU cache, copies that share
 #    the device with compute. The time is priced in the block's forward, where nothing waits for a copy back
 #    (in the backward a stall would absorb it), and not below 0: sending a block's inputs to host does not make
-#    its recomputation cheaper, and where the policy measured under its prediction with no cost of its own, what
-#    the model got wrong is its copies, not the blocks. (On an H100, ResNet-152's policy measured 184.5 ms where the
-#    model's copies of its 3.2 GiB a step stalled 169 ms of a 245 ms prediction. A first form took such a negative
-#    term off the blocks' recomputation so that the policy predicted what it measured; every mixed plan sending
-#    some inputs then paid it: a plan sending 13 blocks' inputs was predicted 122.5 ms and measured 152.3, with the
-#    term at 0 predicted 147.4; two more such plans 10.3% and 19.2% under, at 0 5.1% and 14.9%; a plan sending one
-#    block's inputs +1.0%, at 0 +4.5%; benchmarks/replan.py on docs/results/zoo_h100_2026-11-28_offload*.)
+#    its recomputation cheaper, and a policy measured under its prediction with no cost of its own says that
+#    something else was mismeasured or mispredicted, not that the blocks got cheaper. (On an H100, ResNet-152's
+#    policy measured 184.5 ms, under every block ``Recompute()``'s 198.4 in the same rounds: a host-bound step's
+#    spread. A first form took such a negative term off the sending blocks' recomputation so that the policy
+#    predicted what it measured; every mixed plan sending some inputs then paid it: on the zoo's ResNet-152 profile
+#    of cbe9b15, plans sending 15 and 11 blocks' inputs were predicted 10.3% and 19.2% under what verification
+#    measured, with the term at 0 5.1% and 14.9% under; benchmarks/replan.py's calibration, offline.)
 # 6. So the measured policies predict what they measured, and a mixed plan pays each mechanism, per block,
 #    what it cost on this model. The measurements are kept: verification (NOTE [ Applying a plan ] Rules 4-7)
 #    reuses them instead of running those plans again.
