@@ -214,6 +214,8 @@ class _Profiled:
         ln = link if link is not None else measure_link(torch.device(prof.device))
         ccost = measure_codec(codec, sample[0]) if codec is not None and sample else None
         prof, ln, ccost = agree(model, call, prof, ln, ccost)  # NOTE [ One plan for all ranks ] Rule 2
+        say(f"host link {ln.d2h / 1e9:.1f} GB/s to host, {ln.h2d / 1e9:.1f} GB/s back"
+            + (" (given)" if link is not None else " (measured)"))  # NOTE [ Tier bandwidths ] Rule 4
         loss_of = loss_fn if loss_fn is not None else _loss_of
         measuring = verify and torch.device(prof.device).type == "cuda"
 
