@@ -241,6 +241,14 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
                                         progress=args.progress, call="plans")
             with open(os.path.join(out, f"profile_{name}.json"), "w") as f:  # benchmarks/replan.py plans from it
                 json.dump(profile_record(planned), f)
+            said: list[str] = []  # what verification measured of each family and simple policy, for offline study
+            shown = planned.say
+
+            def say(msg: str) -> None:
+                said.append(msg)
+                shown(msg)
+
+            planned.say = say
             none = next((r for r in rows if r["name"] == "none" and r.get("peak_GiB") is not None), None)
             top = none["peak_GiB"] * GiB if none else planned.prof.peak_none
             budgets = budgets_between(planned.found.floor, top, args.budgets)
@@ -263,7 +271,7 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
     result["planner"] = {"plan_s": plan_s, "budgets": len(budgets), "planned": len(found),
                          "floor_GiB": search.floor / GiB,
                          "none_peak_GiB": prof.peak_none / GiB, "none_step_s": prof.step_s, "by_blocks": prof.by_blocks,
-                         "plans_searched": len(search.plans), "simple": simple}
+                         "plans_searched": len(search.plans), "simple": simple, "verification": said}
     print(f"planned {len(found)} of {len(budgets)} budgets in {plan_s:.1f} s (profiling included); floor "
           f"{gib(search.floor / GiB)}, no checkpointing {gib(prof.peak_none / GiB)} {prof.step_s * 1e3:.1f} ms "
           "(profiled)", flush=True)

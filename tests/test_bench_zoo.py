@@ -52,6 +52,7 @@ def test_zoo_tiny_runs_every_method_and_summarizes(tmp_path: pathlib.Path) -> No
             assert r["pred_step_s"] > 0
         planner = result["planner"]
         assert 0 < planner["floor_GiB"] <= planner["none_peak_GiB"]
+        assert isinstance(planner["verification"], list)  # verification's lines (none on the CPU: nothing measured)
         budgets = [r["budget_GiB"] for r in plans]
         assert budgets == sorted(budgets) and budgets[0] >= planner["floor_GiB"]
         assert os.path.exists(tmp_path / f"zoo_{name}.png")
