@@ -550,3 +550,16 @@ def test_dear_offloads_move_the_search_off_them(prof: Profile) -> None:
     assert search(same).best(budget)[0] == found.best(budget)[0]
     dear = calibrate(chain, policies, {OFFLOAD_ALL: (None, base + 10 * base)})
     assert not any(d.mode == "offload" for d in search(dear).best(budget)[0])
+
+
+def test_the_offload_policy_sends_every_position_of_the_smallest_storage(prof: Profile) -> None:
+    """NOTE [ Mechanism costs ] Rule 14's policy with NOTE [ Plan search ] Rule 1: where the block's smallest storage is
+    saved at two positions (a view saved after its base, counted once), both go; a block that saves nothing keeps."""
+    chain = _chain(prof)
+    b0 = chain.blocks[0]
+    saved = (4096, 0, 64, 0)  # position 3 is a view of position 2's storage (its bytes counted there)
+    blocks = (dataclasses.replace(b0, saved=saved, same=(0, 1, 2, 2), shared=()),
+              dataclasses.replace(b0, saved=(), same=(), shared=())) + chain.blocks[2:]
+    policy = offload_policy(dataclasses.replace(chain, blocks=blocks))
+    assert policy is not None
+    assert policy[0] == Decision("offload", (2, 3)) and policy[1] == KEEP
