@@ -17,6 +17,7 @@ entry needs.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,6 +55,30 @@ class Built:
         """One training step: the loss's backward, then the gradients dropped (``zero_grad(set_to_none=True)``)."""
         self.loss(self.model(*self.args, **self.kwargs)).backward()
         self.model.zero_grad(set_to_none=True)
+
+    def timed_steps(self, reps: int, warm: int) -> tuple[list[float], list[float], list[float]]:
+        """``warm`` untimed steps, then ``reps`` timed ones (CUDA), each between two synchronisations: their wall
+        times, and their forwards' and backwards' device times (CUDA events), in seconds."""
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
+        tot: list[float] = []
+        fwd: list[float] = []
+        bwd: list[float] = []
+        for r in range(reps + warm):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            ev[0].record()
+            loss = self.loss(self.model(*self.args, **self.kwargs))
+            ev[1].record()
+            loss.backward()
+            ev[2].record()
+            del loss
+            self.model.zero_grad(set_to_none=True)
+            torch.cuda.synchronize()
+            if r >= warm:
+                tot.append(time.perf_counter() - t0)
+                fwd.append(ev[0].elapsed_time(ev[1]) / 1e3)
+                bwd.append(ev[1].elapsed_time(ev[2]) / 1e3)
+        return tot, fwd, bwd
 
 
 def wrap_blocks(blocks: list[nn.Module], make: Callable[[int, Callable[..., Any]], Callable[..., Any] | None]) -> Undo:

@@ -17,10 +17,10 @@ table of two steps of the first plan. Writes ``diag_offload.json`` and ``prof_of
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -60,26 +60,10 @@ def main() -> None:
 
     def timed(label: str, on: Callable[[], tuple[Callable[[], None], Any]], rows: dict[str, Any]) -> None:
         off, store = on()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-        tot, fwd, bwd = [], [], []
         torch.cuda.reset_peak_memory_stats()
         base = torch.cuda.memory_allocated()
         try:
-            for r in range(6):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                ev[0].record()
-                loss = b.loss(b.model(*b.args, **b.kwargs))
-                ev[1].record()
-                loss.backward()
-                ev[2].record()
-                del loss
-                b.model.zero_grad(set_to_none=True)
-                torch.cuda.synchronize()
-                if r >= 1:
-                    tot.append(time.perf_counter() - t0)
-                    fwd.append(ev[0].elapsed_time(ev[1]) / 1e3)
-                    bwd.append(ev[1].elapsed_time(ev[2]) / 1e3)
+            tot, fwd, bwd = b.timed_steps(reps=5, warm=1)
         finally:
             off()
         row = rows.setdefault(label, {"step_s": [], "fwd_dev_s": [], "bwd_dev_s": [], "peak_GiB": []})
@@ -99,24 +83,11 @@ def main() -> None:
         return on
 
     def hooks_only(plan: Any, store: torchckpt.Store) -> Callable[[], tuple[Callable[[], None], Any]]:
-        def on() -> tuple[Callable[[], None], Any]:
-            undo = []
-            for blk in plan.blocks:
-                if blk.mode != "offload":
-                    continue
-                mod = b.model.get_submodule(blk.name)
-                had, prev = "forward" in mod.__dict__, mod.__dict__.get("forward")
-                torchckpt.checkpoint(mod, policy=torchckpt.Offload(store, tensors=frozenset(), expect=len(blk.tensors)))
-                undo.append((mod, had, prev))
-
-            def off() -> None:
-                for mod, had, prev in reversed(undo):
-                    if had:
-                        object.__setattr__(mod, "forward", prev)
-                    else:
-                        mod.__dict__.pop("forward", None)
-            return off, store
-        return on
+        """The plan's offloading blocks sending nothing (``Offload(tensors=())``: the saved-tensor hooks alone), every
+        other block kept."""
+        return applied(dataclasses.replace(plan, blocks=tuple(
+            dataclasses.replace(blk, offload=()) if blk.mode == "offload" else dataclasses.replace(blk, mode="keep")
+            for blk in plan.blocks)), store)
 
     rows: dict[str, Any] = {}
     for turn in range(args.turns):

@@ -18,7 +18,6 @@ import functools
 import json
 import os
 import statistics
-import time
 from typing import Any
 
 import torch
@@ -64,24 +63,8 @@ def main() -> None:
 
         def run(label: str, store: torchckpt.Store | None, reps: int = 7) -> None:
             undo = recomputed(store)
-            ev = [torch.cuda.Event(enable_timing=True) for _ in range(3)]
-            tot, fwd, bwd = [], [], []
             try:
-                for r in range(reps + 2):
-                    torch.cuda.synchronize()
-                    t0 = time.perf_counter()
-                    ev[0].record()
-                    loss = b.loss(b.model(*b.args, **b.kwargs))
-                    ev[1].record()
-                    loss.backward()
-                    ev[2].record()
-                    del loss
-                    b.model.zero_grad(set_to_none=True)
-                    torch.cuda.synchronize()
-                    if r >= 2:
-                        tot.append(time.perf_counter() - t0)
-                        fwd.append(ev[0].elapsed_time(ev[1]) / 1e3)
-                        bwd.append(ev[1].elapsed_time(ev[2]) / 1e3)
+                tot, fwd, bwd = b.timed_steps(reps, warm=2)
             finally:
                 undo()
             row: dict[str, Any] = {"step_s": statistics.median(tot), "fwd_dev_s": statistics.median(fwd),

@@ -109,6 +109,17 @@ def assert_same_grads(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tens
         assert torch.equal(ga, gb), f"{n}: max abs diff {(ga - gb).abs().max().item()}"
 
 
+def assert_same_records(got: list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]],
+                        ref: list[tuple[torch.Tensor, dict[str, torch.Tensor | None]]]) -> None:
+    """Step by step, the losses and every parameter's gradient equal bit for bit (``(loss, grads)`` per step)."""
+    for i, ((loss, g), (loss_p, g_p)) in enumerate(zip(got, ref, strict=True)):
+        assert torch.equal(loss, loss_p), f"step {i}: loss {loss.item()!r} != plain {loss_p.item()!r}"
+        try:
+            assert_same_grads(g, g_p)
+        except AssertionError as err:
+            raise AssertionError(f"step {i}: {err}") from None
+
+
 def assert_same_buffers(a: nn.Module, b: nn.Module) -> None:
     """The modules' buffers (batch norm's running statistics among them) equal bit for bit, name by name."""
     ba, bb = dict(a.named_buffers()), dict(b.named_buffers())

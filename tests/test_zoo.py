@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import torchckpt
-from ckpt_models import assert_same_buffers, assert_same_grads, grads, small_pool
+from ckpt_models import assert_same_buffers, assert_same_records, grads, small_pool
 from torchckpt import Keep, Offload, Recompute
 from torchckpt.codecs import Identity
 from zoo_models import BY_NAME, ZOO, Batch, Zoo, available, deterministic_cuda, to
@@ -184,15 +184,6 @@ def reference(z: Zoo, device: str, use_cache: bool, bf16: bool = False, steps: i
         rec = train(model, z, batch, torch.enable_grad, use_cache, bf16, steps)
         _reference[key] = (model, rec)
     return _reference[key]
-
-
-def assert_same_records(got: Record, ref: Record) -> None:
-    for i, ((loss, g), (loss_p, g_p)) in enumerate(zip(got, ref, strict=True)):
-        assert torch.equal(loss, loss_p), f"step {i}: loss {loss.item()!r} != plain {loss_p.item()!r}"
-        try:
-            assert_same_grads(g, g_p)
-        except AssertionError as err:
-            raise AssertionError(f"step {i}: {err}") from None
 
 
 def host_in_use(store: torchckpt.Store) -> int:

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 import torchckpt
-from ckpt_models import assert_same_buffers, assert_same_grads, grads
+from ckpt_models import assert_same_buffers, assert_same_grads, assert_same_records, grads
 from torchckpt import Recompute
 from torchckpt.recompute import graphed
 
@@ -70,6 +70,14 @@ def _train(model: nn.Module, xs: list[torch.Tensor], bf16: bool = False) -> list
     return out
 
 
+def _graphed_twin(model: nn.Module, first: int, end: int | None = None) -> nn.Module:
+    """``model``'s plain twin (a deep copy), then ``model``'s children ``first`` to ``end`` under ``GRAPHED``."""
+    ref = copy.deepcopy(model)
+    for b in list(model.children())[first:end]:
+        torchckpt.checkpoint(b, policy=GRAPHED)
+    return ref
+
+
 def _both(model: nn.Module, ref: nn.Module, x: torch.Tensor, seed: int | None = None,
           draw: bool = False) -> list[Any]:
     """One step of ``model`` and of its plain twin ``ref`` on ``x`` (from ``seed`` when given): each one's gradients,
@@ -84,23 +92,12 @@ def _both(model: nn.Module, ref: nn.Module, x: torch.Tensor, seed: int | None = 
     return out
 
 
-def _same(got: list[Any], want: list[Any]) -> None:
-    for i, ((la, ga), (lb, gb)) in enumerate(zip(got, want, strict=True)):
-        assert torch.equal(la, lb), f"step {i}: loss"
-        try:
-            assert_same_grads(ga, gb)
-        except AssertionError as e:
-            raise AssertionError(f"step {i}: {e}") from None
-
-
 @pytest.mark.parametrize("bf16", [False, True])
 def test_bottlenecks_replay_with_plain_bits_and_buffers(bf16: bool) -> None:
     model = _net()
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:5]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1, 5)
     xs = [torch.randn(8, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(4)]
-    _same(_train(model, xs, bf16), _train(ref, xs, bf16))
+    assert_same_records(_train(model, xs, bf16), _train(ref, xs, bf16))
     assert_same_buffers(model, ref)
     st = graphed.stats()
     # step 1 eager, step 2 captures each block (the first block's input needs no grad: its own signature), 3-4 replay
@@ -112,11 +109,9 @@ def test_the_comparison_is_live() -> None:
     """Replays that left the gradients one ulp off (after the captures, which compare them bit for bit too) fail
     the comparison above."""
     model = _net(blocks=2)
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:3]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1, 3)
     xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
-    _same(_train(model, xs[:2]), _train(ref, xs[:2]))  # eager, then the captures
+    assert_same_records(_train(model, xs[:2]), _train(ref, xs[:2]))  # eager, then the captures
     assert graphed.stats()["captures"] == 2
     replay = graphed._Entry.replay
 
@@ -126,7 +121,7 @@ def test_the_comparison_is_live() -> None:
     graphed._Entry.replay = off  # type: ignore[method-assign]
     try:
         with pytest.raises(AssertionError):
-            _same(_train(model, xs[2:]), _train(ref, xs[2:]))
+            assert_same_records(_train(model, xs[2:]), _train(ref, xs[2:]))
     finally:
         graphed._Entry.replay = replay  # type: ignore[method-assign]
 
@@ -168,9 +163,7 @@ def test_dropout_replays_the_forwards_masks() -> None:
     bits over four steps, and the step's RNG stream as plain autograd leaves it (the next draw equal)."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), Noisy(), Noisy()).cuda()
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1)
     for i in range(4):
         got = _both(model, ref, torch.randn(8, 16, device="cuda"), seed=i, draw=True)
         assert_same_grads(got[0][0], got[1][0])
@@ -194,9 +187,7 @@ def test_dropout_without_the_forwards_state_runs_eagerly() -> None:
 def test_what_a_graph_cannot_serve_runs_eagerly(block: type[nn.Module], reason: str) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), block(), block()).cuda()
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1)
     xs = [torch.randn(8, 16, device="cuda") for _ in range(4)]
     got, want = [], []
     for i, x in enumerate(xs):
@@ -219,9 +210,7 @@ def test_a_failed_capture_turns_captures_off_and_leaves_the_process_working(monk
     """An error inside the capture (after Rule 3's checks passed): the step's gradients are the eager ones, a warning
     says captures are off, and the allocator and the RNG work as before (NOTE [ Graphed recompute ] Rule 7)."""
     model = _net(blocks=2)
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:3]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1, 3)
     run = graphed._run
 
     def failing(*a: Any, rng: bool) -> Any:
@@ -233,7 +222,7 @@ def test_a_failed_capture_turns_captures_off_and_leaves_the_process_working(monk
     xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
     with pytest.warns(RuntimeWarning, match="captures? failed"):
         got = _train(model, xs)
-    _same(got, _train(ref, xs))
+    assert_same_records(got, _train(ref, xs))
     st = graphed.stats()
     assert st.get("captures", 0) == 0 and sum(v for k, v in st.items() if "injected" in k) == 1, st
     torch.randn(1000, device="cuda").sum().item()  # the generator and the allocator as before
@@ -245,10 +234,8 @@ def test_a_failed_capture_turns_captures_off_and_leaves_the_process_working(monk
     graphed.clear()  # captures tried again, and they work
     monkeypatch.setattr(graphed, "_run", run)
     model = _net(blocks=2)
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:3]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
-    _same(_train(model, xs), _train(ref, xs))
+    ref = _graphed_twin(model, 1, 3)
+    assert_same_records(_train(model, xs), _train(ref, xs))
     assert graphed.stats()["captures"] == 2, graphed.stats()
 
 
@@ -302,9 +289,7 @@ def test_a_block_writing_its_buffers_runs_eagerly() -> None:
     """NOTE [ Graphed recompute ] Rule 3: a replay would put back the capture's copy of the buffer, not this step's."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16), Running(), Running()).cuda()
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1)
     for _ in range(4):
         got = _both(model, ref, torch.randn(8, 16, device="cuda"))
         assert_same_grads(got[0], got[1])
@@ -352,9 +337,7 @@ def test_a_graph_dropped_after_its_capture_leaves_the_pool_working(monkeypatch: 
     """The first graph of the pool fails Rule 3's comparison after its capture and is not used; later captures
     into the same pool work (torch's allocator asserted when the pool had died with that graph)."""
     model = _net(blocks=3)
-    ref = copy.deepcopy(model)
-    for b in list(model)[1:4]:
-        torchckpt.checkpoint(b, policy=GRAPHED)
+    ref = _graphed_twin(model, 1, 4)
     real = torch.equal
     calls = [0]
 
@@ -363,12 +346,12 @@ def test_a_graph_dropped_after_its_capture_leaves_the_pool_working(monkeypatch: 
         return False if calls[0] == 1 else real(a, b)
 
     xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(4)]
-    _same(_train(model, xs[:1]), _train(ref, xs[:1]))  # eager
+    assert_same_records(_train(model, xs[:1]), _train(ref, xs[:1]))  # eager
     monkeypatch.setattr(torch, "equal", first_differs)
     _train(model, xs[1:2])  # captures: the first (in backward order) fails a check after its capture
     monkeypatch.setattr(torch, "equal", real)
     _train(ref, xs[1:2])
-    _same(_train(model, xs[2:]), _train(ref, xs[2:]))
+    assert_same_records(_train(model, xs[2:]), _train(ref, xs[2:]))
     st = graphed.stats()
     assert st["captures"] == 3 and sum(v for k, v in st.items() if k.startswith("eager:")) == 1, st
     assert st["replays"] == 3 + 2 * 2, st
@@ -380,11 +363,9 @@ def test_captures_after_every_graph_went_with_its_module() -> None:
     xs = [torch.randn(4, 3, 16, 16, device="cuda").to(memory_format=torch.channels_last) for _ in range(3)]
     for _ in range(3):
         model = _net(blocks=2)
-        ref = copy.deepcopy(model)
-        for b in list(model)[1:3]:
-            torchckpt.checkpoint(b, policy=GRAPHED)
-        _same(_train(model, xs), _train(ref, xs))
-        del model, ref, b
+        ref = _graphed_twin(model, 1, 3)
+        assert_same_records(_train(model, xs), _train(ref, xs))
+        del model, ref
         gc.collect()
     st = graphed.stats()
     assert st["captures"] == 6 and not any(k.startswith("eager:") for k in st), st
