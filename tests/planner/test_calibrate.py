@@ -400,6 +400,33 @@ def test_the_parts_term_is_lowered_only_where_a_block_in_parts_holds_the_peak() 
     assert calibrate_parts(chain, whole, p.peak_bytes - (64 << 20), 1).parts_bytes == 0
 
 
+@pytest.mark.parametrize("excess_mib", [300, 100])
+def test_a_floor_predicted_to_peak_in_its_forward_that_measured_far_more_raises_its_backwards(excess_mib: int) -> None:
+    """NOTE [ Mechanism costs ] Rule 15: the floor in parts is predicted to peak in its forward (1.2 GiB saved outside
+    the blocks), where the parts term does not act; measured 300 MiB (6%) over, the term rises to the least value at
+    which the plan predicts its measured peak in a backward, and the search's floor rises with it; 100 MiB (2%) over,
+    within what the forward's own prediction may miss, the term stays 0 (no backward is raised to meet a forward)."""
+    from test_optimize import _chain as parts_chain
+
+    chain = dataclasses.replace(parts_chain(6, parts=True), other_saved_bytes=1200 << 20)
+    plan = parts_floor(chain)
+    assert plan is not None and any(d.parts for d in plan)
+    p = predict(chain, plan)
+    assert p.at.startswith("forward")
+    measured = p.peak_bytes + (excess_mib << 20)
+    cal = calibrate(chain, simple_policies(chain), {PARTS_FLOOR: (measured, 0.0)})
+    if excess_mib == 100:
+        assert cal.parts_bytes == 0 and search(cal).floor == search(chain).floor
+        return
+    q = predict(cal, plan)
+    assert q.at.startswith("backward") and abs(q.peak_bytes - measured) <= measured // 1000
+    lower = dataclasses.replace(cal, parts_bytes=cal.parts_bytes - (2 * measured) // 1000)
+    assert predict(lower, plan).peak_bytes < measured - measured // 1000  # the least such term, not any
+    assert search(cal).floor > search(chain).floor
+    whole = [d for d, _ in search(chain).plans if not any(x.parts for x in d)]
+    assert whole and all(predict(cal, d).peak_bytes == predict(chain, d).peak_bytes for d in whole)
+
+
 def _reentrant_measured(chain: StepCosts, policies: list[tuple[str, tuple[Decision, ...]]], faster: bool
                         ) -> tuple[dict[str, tuple[int, float]], dict[str, tuple[Decision, ...]]]:
     """``measure_policies`` on ``chain`` where every block Recompute(reentrant=True) measures 2 ms over its prediction
