@@ -77,7 +77,11 @@
 #    recomputation wherever the next block is not recomputed (the last block's, followed by the work after the
 #    chain in every plan, stays Rule 3's, so every block ``Recompute()`` still predicts what it measured).
 # 10. The floor's plan, the Revolve plan with the fewest snapshots (where it is not Rule 8's), is measured too, for
-#    its peak alone, in one step (its recomputation is quadratic: 3.3 times a plain step on ViT-L, 4.6 on T5): with
+#    its peak, in few steps (its recomputation is quadratic: 3.3 times a plain step on ViT-L, 4.6 on T5): as many as
+#    last about Rule 1's 0.8 s by its predicted step, one to three (``floor_steps``; Rule 11 prices every Revolve
+#    plan's rebuilds from its time, and across the zoo's H100 runs the median of seven steps of such a plan measured
+#    0.64-1.38 times a single step of it: ViT-L's floor 168.6 ms in one step, 151.4 in its row; a 7B decoder's 2.3 s
+#    floor stays one step), never more while they spread (Rule 12's plan likewise). With
 #    fewer snapshots the peak fell far less than the model's states say (on an H100, ViT-L's 1-snapshot plan peaked
 #    at 1.33 GiB and its 3-snapshot plan at 1.35, where the model calibrated on the 3-snapshot plan said 1.28 for
 #    the floor, so a budget of 1.03 times the floor was refused; T5's floor 3.15 against 3.17, said 3.08). What it
@@ -103,7 +107,7 @@
 #    blocks in parts, peaked at 1.99 GiB against 1.89-1.90 predicted (their parts saved nothing), so the budget of
 #    1.03 times that floor was refused; the floors of ResNet-152 and ViT-L, in parts, peaked 4.5% and 5.9% under their
 #    predictions. So where the search's floor plan (after Rules 2-11) recomputes a block in parts, it is measured too,
-#    for its peak, in one step (``PARTS_FLOOR``), and what it peaked beyond its prediction is
+#    for its peak, in Rule 10's few steps (``PARTS_FLOOR``), and what it peaked beyond its prediction is
 #    ``StepCosts.parts_bytes``, added to what every block recomputed in parts holds in its backward: solved while the
 #    predicted peak is in a backward, and lowered only while it lies at a block recomputed in parts (where the term
 #    acts), so the measured plan predicts what it measured and no other plan's peak falls without its parts.
@@ -190,8 +194,8 @@ def measure_policies(policies: Sequence[tuple[str, tuple[Decision, ...]]],
     simple policies), by name, then (given the ``chain`` they are plans of) the Revolve plans of NOTE [ Mechanism costs ]
     Rules 8 and 10, every other block (NOTE [ Mechanism costs ] Rule 9) and ``offload_policy``'s (NOTE [ Mechanism
     costs ] Rule 14, by ``OFFLOAD_ALL``); a policy whose step returns ``None`` (it
-    could not run) is left out. The floor's plan (NOTE [ Mechanism costs ] Rule 10) is measured for its peak alone:
-    the caller knows it by its name, ``floor_policy``'s.
+    could not run) is left out. The floor's plan (NOTE [ Mechanism costs ] Rule 10) is measured in one to three steps
+    (``floor_steps``): the caller knows it by its name, ``floor_policy``'s.
 
     ``rounds`` > 1: every policy measured that many times, in rounds (each policy once per round, in the order above),
     the two recomputations' rounds (NOTE [ Mechanism costs ] Rule 13) before the others', whose form follows the faster

@@ -219,7 +219,7 @@ class _Profiled:
         loss_of = loss_fn if loss_fn is not None else _loss_of
         measuring = verify and torch.device(prof.device).type == "cuda"
 
-        reps = [_VERIFY_STEPS]  # NOTE [ Mechanism costs ] Rule 10: 1 for the floor's plan, measured for its peak
+        reps = [_VERIFY_STEPS]  # NOTE [ Mechanism costs ] Rule 10: fewer for the floor's plan (``floor_steps``)
         extend = [True]  # NOTE [ Applying a plan ] Rule 4's more steps; not in NOTE [ Mechanism costs ] Rule 1's rounds
         alone = not together(model)  # NOTE [ Applying a plan ] Rule 4: ranks planning together run as many steps
 
@@ -271,9 +271,11 @@ class _Profiled:
                 if prof.by_blocks and not any(d.mode == "recompute" for d in decisions):
                     return None  # NOTE [ Profiling step ] Rule 6: keeping everything does not fit
                 t1 = time.perf_counter()
-                # NOTE [ Mechanism costs ] Rules 10 and 12: one step for these, measured for their peaks
-                reps[0] = 1 if name in (floor, PARTS_FLOOR) else calibration_steps(prof.step_s) // rounds
-                extend[0] = rounds == 1
+                # NOTE [ Mechanism costs ] Rules 10 and 12: one to three steps for these (their time grows quadratically)
+                at_floor = name in (floor, PARTS_FLOOR)
+                reps[0] = floor_steps(predict(chain, decisions).step_s) if at_floor \
+                    else calibration_steps(prof.step_s) // rounds
+                extend[0] = rounds == 1 and not at_floor
                 try:
                     got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
                 except torch.cuda.OutOfMemoryError:
@@ -567,6 +569,18 @@ def calibration_steps(step_s: float) -> int:
         (3, 6, 9)
     """
     return max(_VERIFY_STEPS, min(_VERIFY_MOST, math.ceil(_CALIBRATE_S / max(step_s, 1e-9))))
+
+
+def floor_steps(step_s: float) -> int:
+    """NOTE [ Mechanism costs ] Rules 10 and 12: the timed steps of the floor's plan, predicted to take ``step_s``: as
+    many as last about ``_CALIBRATE_S``, from 1 to ``_VERIFY_STEPS``.
+
+    Example::
+
+        >>> floor_steps(2.3), floor_steps(0.37), floor_steps(0.17)
+        (1, 2, 3)
+    """
+    return max(1, min(_VERIFY_STEPS, int(_CALIBRATE_S / max(step_s, 1e-9))))
 
 
 def calibration_rounds(step_s: float) -> int:
