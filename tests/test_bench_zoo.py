@@ -209,7 +209,25 @@ def test_ratio_error_compares_the_models_ratio_with_the_paired_turns() -> None:
     ]
     s4, s5 = zoo.summarize({"model": "m", "device": "gpu", "rows": rows})
     assert s4["ratio"] == 0.9 and s4["ratio_err_pct"] == pytest.approx((1.2 / 1.5 / 0.9 - 1) * 100)
+    assert s4["own_spread_pct"] is None  # one figure of the plan: nothing to spread
     assert s5["ratio_err_pct"] is None
     del rows[1]["pred_step_s"]
     assert zoo.summarize({"model": "m", "device": "gpu", "rows": rows})[0]["ratio_err_pct"] is None
 
+
+def test_own_spread_is_how_far_the_plans_own_figures_moved_in_its_process() -> None:
+    """``own_spread_pct``: the largest of the plan's step figures in its process (verification's, its row's, the median
+    of its paired turns') over the smallest, less 1, in %; the eager side's turns do not count."""
+    sys.path.insert(0, BENCH)
+    try:
+        import zoo
+    finally:
+        sys.path.remove(BENCH)
+    row = {"name": "plan_4", "method": "plan", "budget_GiB": 4.0, "floor_GiB": 2.0, "step_s": 0.0961,
+           "peak_GiB": 3.9, "pred_step_s": 0.0877, "pred_peak_GiB": 3.8, "verified_step_s": 0.0737,
+           "paired": {"eager": "library", "ratio": 0.5, "turns": {"plan": [0.084, 0.0841, 0.09], "eager": [0.3] * 3}}}
+    s = zoo.summarize({"model": "m", "device": "gpu", "rows": [row]})[0]
+    assert s["own_spread_pct"] == pytest.approx((0.0961 / 0.0737 - 1) * 100)
+    assert s["step_err_pct"] == pytest.approx((0.0877 / ((0.0841 + 0.09) / 2) - 1) * 100)  # row and turns pooled
+    del row["verified_step_s"], row["paired"]
+    assert zoo.own_spread(row) is None
