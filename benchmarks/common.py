@@ -425,6 +425,12 @@ def plot_bars(path: str, labels: Sequence[str], panels: dict[str, Sequence[float
 
 def profile_record(planned: Any) -> dict[str, Any]:
     """What ``benchmarks/replan.py`` plans from offline: a ``_Profiled``'s host link, measured profile and the
-    policies it measured on the device (NOTE [ Mechanism costs ], by name); no codec."""
-    return {"link": [planned.link.d2h, planned.link.h2d], "codec": None, "profile": json.loads(planned.prof.to_json()),
-            "measured": planned.measured}
+    policies it measured on the device (NOTE [ Mechanism costs ], by name); no codec. With ``trials``: every plan
+    measured so far, with its decisions (``torchckpt.planner.trials``; ``benchmarks/replay_trials.py`` reads them)."""
+    from torchckpt.planner.trials import trials_to_records
+
+    rec = {"link": [planned.link.d2h, planned.link.h2d], "codec": None, "profile": json.loads(planned.prof.to_json()),
+           "measured": planned.measured}
+    if getattr(planned, "trials", None):
+        rec["trials"] = trials_to_records(planned.trials)
+    return rec

@@ -257,6 +257,8 @@ def plan_rows(name: str, built: Built, bench: Bench, rows: list[dict[str, Any]],
                     found[b] = planned.plan(b)
                 except PlanError as e:
                     refused[b] = f"PlanError: {str(e).splitlines()[0]}"
+            with open(os.path.join(out, f"profile_{name}.json"), "w") as f:  # again, with verification's trials
+                json.dump(profile_record(planned), f)
     except Exception as e:  # noqa: BLE001 - recorded; none_end still runs
         traceback.print_exc()
         rows.append({"name": "plan", "method": "plan", "error": f"{type(e).__name__}: {e}"})

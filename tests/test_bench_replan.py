@@ -1,7 +1,10 @@
 """``benchmarks/replan.py``: planning offline from a profile the GPU machine wrote (no device, no optional library)."""
 from __future__ import annotations
 
+import json
 import os
+import pathlib
+import sys
 
 from bench_run import ROOT, run_bench as _run
 
@@ -36,3 +39,43 @@ def test_diag_revolve_rows_predicts_the_zoos_revolve_rows_again() -> None:
     for ln in measured:
         ms = ln.split(": ")[1].split(" ms")[0]
         assert ln.endswith(f"after {ms}"), ln
+
+
+def test_replay_trials_predicts_every_plan_measured_again(tmp_path: pathlib.Path) -> None:
+    """``benchmarks/replay_trials.py`` on the H100 zoo run at d095e8e (profiles written before trials were kept): the
+    one-line policies are found by name and predict what they measured where the calibration fits them (every block
+    ``Recompute()``), and verification's plans are found again from the lines the zoo kept; a profile with stored
+    trials is read as written, each trial predicted by the calibrated chain."""
+    run = os.path.join(ROOT, "docs", "results", "zoo_h100_2026-11-28_d095e8e")
+    out = tmp_path / "rows.json"
+    _run("replay_trials.py", run, "--json", str(out))
+    rows = json.loads(out.read_text())
+    t5 = [r for r in rows if r["model"] == "t5"]
+    rec = [r for r in t5 if r["what"] == "every block Recompute()"]
+    assert len(rec) == 1 and abs(rec[0]["err_pct"]) < 0.1
+    ver = [r for r in t5 if r["what"] == "verification"]
+    assert len(ver) >= 4 and all(not r["stored"] for r in t5)
+    with open(os.path.join(run, "profile_llama.json")) as f:
+        d = json.load(f)
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    try:
+        from replan import load
+    finally:
+        sys.path.remove(os.path.join(ROOT, "benchmarks"))
+    from torchckpt.planner.costs import KEEP, RECOMPUTE
+    from torchckpt.planner.trials import Trial, trials_to_records
+
+    n = len(d["profile"]["names"])
+    d["trials"] = trials_to_records([Trial("verification", (RECOMPUTE,) + (KEEP,) * (n - 1), 5 << 30, 0.2)])
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "profile_llama.json").write_text(json.dumps(d))
+    _run("replay_trials.py", str(folder), "--json", str(out))
+    rows = json.loads(out.read_text())
+    _, chain, _, _ = load(str(folder / "profile_llama.json"))
+    from torchckpt.planner.costs import predict
+
+    want = predict(chain, (RECOMPUTE,) + (KEEP,) * (n - 1)).step_s
+    assert len(rows) == 1 and rows[0]["stored"] and rows[0]["kind"] == "keep/recompute"
+    assert abs(rows[0]["pred_step_s"] - want) < 1e-12 and abs(rows[0]["err_pct"] - (0.2 / want - 1) * 100) < 1e-9
+

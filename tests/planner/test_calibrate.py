@@ -170,6 +170,32 @@ def test_verification_reuses_what_was_measured(prof: Profile) -> None:
     assert len(calls) == n  # the same plans again: every one of them measured before
 
 
+def test_every_plan_measured_is_kept_as_a_trial_with_its_decisions(prof: Profile) -> None:
+    """``_Profiled.trials``: each plan the step function measured, in order, with the decisions it was made from and
+    what it measured; a plan taken from what was measured before adds none (it did not run again)."""
+    from torchckpt.planner.trials import trials_from_records, trials_to_records
+    from torchckpt.planner.verify import _decisions
+
+    ran: list[Plan] = []
+
+    def step(p: Plan) -> tuple[int, float]:
+        ran.append(p)
+        return p.peak_bytes, 1.0 + len(ran)
+
+    chain = _chain(prof)
+    every = dict(simple_policies(chain))[RECOMPUTE_ALL]
+    planner = _Profiled(prof, Link(1e6, 1e6), None, step, chain, {})
+    budget = predict(chain, every).peak_bytes * 10 // 9
+    planner.plan(budget)
+    assert ran and [t.what for t in planner.trials] == ["verification"] * len(ran)
+    assert [(t.decisions, t.peak_bytes, t.step_s) for t in planner.trials] == [
+        (_decisions(p), p.peak_bytes, 2.0 + k) for k, p in enumerate(ran)]
+    n = len(planner.trials)
+    planner.plan(budget + 1)
+    assert len(planner.trials) == len(ran) >= n
+    assert trials_from_records(trials_to_records(planner.trials)) == planner.trials
+
+
 def test_identical_blocks_share_the_median_of_their_times(prof: Profile) -> None:
     """NOTE [ Profiling step ] Rule 9: blocks of one kind with the same bytes and ops get their group's median forward,
     backward and op times; a block of another kind keeps its own."""

@@ -32,6 +32,7 @@ from torchckpt.planner.profiling import Profile, StepRaised, _loss_of, profile, 
 from torchckpt.planner.ranks import agree, agreed, failing_together, ready, stepping, together
 from torchckpt.planner.rebuild import states
 from torchckpt.planner.restore import untouched
+from torchckpt.planner.trials import Trial
 from torchckpt.planner.use_cache import UseCacheOff, warn_mutating
 
 __all__ = ["plan", "plans"]
@@ -160,12 +161,21 @@ class _Profiled:
                  memo: dict[tuple[Decision, ...], tuple[int, float]] | None = None) -> None:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(chain if chain is not None else prof.chain(link, codec))
-        self._step = step  # runs steps under a plan: their largest peak and median time (None: not measured)
+        # ``step`` runs steps under a plan: their largest peak and median time (None: not measured); ``timed`` below
         self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 6: plans measured, kept
         self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.fresh: set[tuple[Decision, ...]] = set()  # NOTE [ Applying a plan ] Rule 9: measured for this budget
         self.say: Callable[[str], None] = _quiet
         self.measured: dict[str, tuple[int | None, float]] = {}  # NOTE [ Mechanism costs ]: by policy name, as measured
+        self.trials: list[Trial] = []  # every plan measured, in order: what an offline study re-predicts
+
+        def timed(p: Plan) -> tuple[int, float] | None:
+            got = step(p)
+            if got is not None:
+                self.trials.append(Trial("verification", _decisions(p), got[0], got[1]))
+            return got
+
+        self._step = timed
         self._ranks: tuple[nn.Module | None, str] = (None, "plan")  # the model and call (NOTE [ One plan for all ranks ])
 
     @staticmethod
@@ -261,6 +271,7 @@ class _Profiled:
         chain = prof.chain(ln, ccost)
         memo: dict[tuple[Decision, ...], tuple[int, float]] = {}
         measured: dict[str, tuple[int | None, float]] = {}
+        forms: dict[str, tuple[Decision, ...]] = {}  # each measured policy's plan, by name
         if measuring:  # NOTE [ Mechanism costs ]: the mechanisms' own costs, measured
             policies = simple_policies(chain)
             keep_all = predict(chain, policies[0][1])
@@ -289,7 +300,6 @@ class _Profiled:
                     say(f"measured {name}: {size(got[0])}, {got[1] * 1e3:.1f} ms ({time.perf_counter() - t1:.1f} s)")
                 return got
 
-            forms: dict[str, tuple[Decision, ...]] = {}
             measured = measure_policies(policies, policy_step, chain, rounds)
             if rounds > 1:  # NOTE [ Mechanism costs ] Rule 1: each policy's rounds, as verification reuses them
                 for name, (peak, seconds) in measured.items():
@@ -305,6 +315,8 @@ class _Profiled:
                 chain = calibrate_parts(chain, parts, got[0])
         planned = _Profiled(prof, ln, ccost, step, chain, memo)
         planned.measured = measured
+        planned.trials = [Trial(name, forms[name], peak, seconds) for name, (peak, seconds) in measured.items()
+                          if peak is not None and name in forms]
         planned.say = say
         say(f"searched {len(planned.found.plans)} plans; lowest predicted peak {size(planned.found.floor)}")
         return planned
