@@ -145,7 +145,7 @@
 #    block on ResNet-152 (27 ms over the prediction for 50 blocks). The first form's term (12.4 ms over Mixtral's 12
 #    blocks) took offloads out of every Mixtral plan, whose offloading plans had measured 11-30% over their
 #    predictions in verification before.
-# 15. The byte terms (Rules 3-4, 8, 10, 12) act in backwards, so each is solved while its plan's predicted peak lies
+# 15. The byte terms (Rules 3-5, 8, 10, 12-13) act in backwards, so each is solved while its plan's predicted peak lies
 #    in a backward. A plan predicted to peak in its forward that measured more than 3% over that prediction held the
 #    excess in a backward the model under-counts: the term is raised to the least value at which the plan predicts
 #    its measured peak (``_raise_to``, by bisection: a term only adds bytes, so the predicted peak does not fall as

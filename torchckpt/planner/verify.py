@@ -161,7 +161,6 @@ class _Profiled:
                  memo: dict[tuple[Decision, ...], tuple[int, float]] | None = None) -> None:
         self.prof, self.link, self.codec = prof, link, codec
         self.found = search(chain if chain is not None else prof.chain(link, codec))
-        # ``step`` runs steps under a plan: their largest peak and median time (None: not measured); ``timed`` below
         self.memo = memo if memo is not None else {}  # NOTE [ Mechanism costs ] Rule 6: plans measured, kept
         self.verified: list[Plan] = []  # NOTE [ Applying a plan ] Rule 6: the plans returned so far, measured
         self.fresh: set[tuple[Decision, ...]] = set()  # NOTE [ Applying a plan ] Rule 9: measured for this budget
@@ -170,6 +169,7 @@ class _Profiled:
         self.trials: list[Trial] = []  # every plan measured, in order: what an offline study re-predicts
 
         def timed(p: Plan) -> tuple[int, float] | None:
+            """``step``: steps run under ``p``, their largest peak and median time (``None``: not measured), kept."""
             got = step(p)
             if got is not None:
                 self.trials.append(Trial("verification", _decisions(p), got[0], got[1]))
