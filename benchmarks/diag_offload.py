@@ -1,5 +1,5 @@
 """Diagnosis (not a claim): what a plan's offloads cost against what the step model says (NOTE [ Mechanism costs ]
-Rule 7: offloading a block's own saved tensors is not measured while planning).
+Rule 14 measures an offload's host work while planning; the traffic's cost is the model's copies alone).
 
 On an H100 the zoo's ResNet-152 plans that offloaded one tensor in 8 to 26 blocks were predicted within 1-7% of keep
 everything and measured 35-40 ms (40%) over it in verification, whatever the number of blocks; Mixtral's 21 ms.
