@@ -387,8 +387,8 @@ def _solve_time(chain: StepCosts, plan: tuple[Decision, ...], seconds: float, fi
         return predict(at(t), plan, lookahead).step_s - seconds
 
     t = seconds - predict(at(0.0), plan, lookahead).step_s
-    if least is not None and t <= least:
-        return at(t)  # measured under the prediction without it: kept as measured, priced at ``least`` (Rule 5)
+    if least is not None and t <= least:  # NOTE [ Mechanism costs ] Rule 5: measured under the prediction without it
+        return at(t)  # kept as measured, priced at ``least``
     off = miss(t)
     if abs(off) <= seconds * _TIME_TOL:
         return at(t)
