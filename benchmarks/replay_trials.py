@@ -29,8 +29,8 @@ from typing import Any
 
 from replan import load
 from torchckpt.planner import PlanError, search
-from torchckpt.planner.calibrate import RECOMPUTE_ALL, REENTRANT_ALL, reentrant_faster
-from torchckpt.planner.costs import Decision, predict, through_reentrant
+from torchckpt.planner.calibrate import as_measured
+from torchckpt.planner.costs import Decision, predict
 from torchckpt.planner.optimize import simple_policies
 from torchckpt.planner.trials import Trial, trials_from_records
 
@@ -62,9 +62,7 @@ def reconstructed(path: str, chain: Any, raw: Any, measured: dict[str, Any]) -> 
     """Trials of a profile written without them: the one-line policies by name, and verification's plans found again
     from the lines the zoo's JSON beside it kept (see the module's doc)."""
     out = []
-    fast = reentrant_faster(measured)  # NOTE [ Mechanism costs ] Rule 13: the policies as they were measured
-    forms = {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
-             for name, plan in simple_policies(raw)}
+    forms = as_measured(simple_policies(raw), measured)
     for name, (peak, seconds) in measured.items():
         if peak is not None and name in forms:
             out.append(Trial(name, tuple(forms[name]), int(peak), float(seconds)))

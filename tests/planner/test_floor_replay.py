@@ -5,28 +5,20 @@ plan in parts among them) calibrated offline. There the floor plan was predicted
 refused after two plans peaked at 3.15. A change that loses the backward's excess fails here on the CPU."""
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
+from recorded import recorded_run
 
-from torchckpt.planner import CodecCost, Link, Profile, predict, search
+from torchckpt.planner import predict, search
 from torchckpt.planner.calibrate import PARTS_FLOOR, RECOMPUTE_ALL, calibrate, parts_floor
 from torchckpt.planner.costs import StepCosts
 from torchckpt.planner.optimize import simple_policies
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = os.path.join(ROOT, "docs", "results", "zoo_h100_2026-11-28_d095e8e")
 GiB = 2**30
 
 
 @pytest.fixture(scope="module")
 def measured_run() -> tuple[StepCosts, dict[str, tuple[int | None, float]]]:
-    with open(os.path.join(RUN, "profile_t5.json")) as f:
-        d = json.load(f)
-    prof = Profile.from_json(json.dumps(d["profile"]))
-    bare = prof.chain(Link(*d["link"]), CodecCost(**d["codec"]) if d.get("codec") else None)
-    return bare, {k: tuple(v) for k, v in d["measured"].items()}
+    return recorded_run("zoo_h100_2026-11-28_d095e8e", "t5")
 
 
 def test_the_t5_floor_measured_in_its_backward_raises_the_floor(measured_run: tuple[StepCosts, dict]) -> None:

@@ -4,27 +4,18 @@ offline. A change to the calibration that loses the offloads' host work, or pric
 here on the CPU."""
 from __future__ import annotations
 
-import json
-import os
-
 import pytest
+from recorded import recorded_run
 
-from torchckpt.planner import CodecCost, Link, Profile, predict
+from torchckpt.planner import predict
 from torchckpt.planner.calibrate import KEEP_ALL, OFFLOAD_ALL, calibrate, offload_policy
 from torchckpt.planner.costs import StepCosts
 from torchckpt.planner.optimize import simple_policies
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-RUN = os.path.join(ROOT, "docs", "results", "zoo_h100_2026-11-28_offload_host")
-
 
 @pytest.fixture(scope="module")
 def measured_run() -> tuple[StepCosts, dict[str, tuple[int | None, float]]]:
-    with open(os.path.join(RUN, "profile_resnet152.json")) as f:
-        d = json.load(f)
-    prof = Profile.from_json(json.dumps(d["profile"]))
-    bare = prof.chain(Link(*d["link"]), CodecCost(**d["codec"]) if d.get("codec") else None)
-    return bare, {k: tuple(v) for k, v in d["measured"].items()}
+    return recorded_run("zoo_h100_2026-11-28_offload_host", "resnet152")
 
 
 def test_the_h100s_offload_policy_predicts_what_it_measured(measured_run: tuple[StepCosts, dict]) -> None:

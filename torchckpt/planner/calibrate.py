@@ -177,9 +177,9 @@ from typing import Any
 from torchckpt.planner.costs import KEEP, Block, Decision, StepCosts, chain_states, predict, through_reentrant
 from torchckpt.planner.optimize import _whole, search
 
-__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "OFFLOAD_ALL", "RECOMPUTE_ALL",
-           "REENTRANT_ALL", "calibrate", "floor_policy", "measure_policies", "offload_policy", "reentrant_faster",
-           "revolve_policy"]
+__all__ = ["EVERY_OTHER", "HOST_ALL", "KEEP_ALL", "KEEP_OPS_ALL", "KEEP_TOP_ALL", "MEASURED", "OFFLOAD_ALL",
+           "RECOMPUTE_ALL", "REENTRANT_ALL", "as_measured", "calibrate", "floor_policy", "measure_policies",
+           "offload_policy", "reentrant_faster", "revolve_policy"]
 
 KEEP_ALL = "keep everything"
 RECOMPUTE_ALL = "every block Recompute()"
@@ -288,13 +288,22 @@ def floor_policy(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision,
     return None if name == revolve_policy(chain, policies, lookahead) else name
 
 
+def as_measured(policies: Sequence[tuple[str, tuple[Decision, ...]]],
+                measured: Mapping[str, Measured]) -> dict[str, tuple[Decision, ...]]:
+    """The simple ``policies`` by name as ``measure_policies`` ran them: where the reentrant recomputation measured
+    faster, every one after the two recomputations with its whole-block recomputations reentrant (NOTE [ Mechanism
+    costs ] Rule 13)."""
+    fast = reentrant_faster(measured)
+    return {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
+            for name, plan in policies}
+
+
 def calibrate(chain: StepCosts, policies: Sequence[tuple[str, tuple[Decision, ...]]],
               measured: Mapping[str, Measured], lookahead: int = 1) -> StepCosts:
     """``chain`` with the mechanisms' measured costs (NOTE [ Mechanism costs ] Rules 2-14): ``measured`` holds what
     ``measure_policies`` measured of ``policies`` (``simple_policies(chain)``)."""
-    fast = reentrant_faster(measured)  # NOTE [ Mechanism costs ] Rule 13: the plans as they were measured
-    plans = {name: through_reentrant(plan) if fast and name not in (RECOMPUTE_ALL, REENTRANT_ALL) else plan
-             for name, plan in policies}
+    fast = reentrant_faster(measured)
+    plans = as_measured(policies, measured)
     runs = REENTRANT_ALL not in plans or REENTRANT_ALL in measured or RECOMPUTE_ALL not in measured
     chain = dataclasses.replace(chain, reentrant=fast, reentrant_runs=runs)
     if KEEP_ALL in measured and KEEP_ALL in plans:  # NOTE [ Mechanism costs ] Rule 2

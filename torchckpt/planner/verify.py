@@ -284,11 +284,11 @@ class _Profiled:
                 t1 = time.perf_counter()
                 # NOTE [ Mechanism costs ] Rules 10 and 12: one to three steps for these (their time grows quadratically)
                 at_floor = name in (floor, PARTS_FLOOR)
-                reps[0] = floor_steps(predict(chain, decisions).step_s) if at_floor \
-                    else calibration_steps(prof.step_s) // rounds
+                pred = predict(chain, decisions)
+                reps[0] = floor_steps(pred.step_s) if at_floor else calibration_steps(prof.step_s) // rounds
                 extend[0] = rounds == 1 and not at_floor
                 try:
-                    got = step(_make(prof, decisions, predict(chain, decisions), 0, keep_all, 0, ln, ccost))
+                    got = step(_make(prof, decisions, pred, 0, keep_all, 0, ln, ccost))
                 except torch.cuda.OutOfMemoryError:
                     torch.cuda.empty_cache()
                     return None
